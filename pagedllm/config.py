@@ -1,0 +1,60 @@
+"""Typed engine settings and size parsing. No torch here."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2GiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be bytes or a string like '2GiB'; got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"memory size must be bytes or a string like '512MiB' or '2GiB'; got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive; got {value!r}")
+    return size
+
+
+VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # filled in from the memory budget by the engine
+    kv_layout: str = "paged"  # or "contiguous"
+    # contiguous layout only: reserve max_model_len ("max") or prompt + max_tokens ("request")
+    contiguous_reserve: str = "max"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in VALID_BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two from 1 to 128; got {self.block_size}")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")
+        if self.contiguous_reserve not in ("max", "request"):
+            raise ValueError(f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")

@@ -1,0 +1,87 @@
+"""What one request asks for. Every field is checked here, so bad input fails before it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) means all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _extra_stop_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+               "a number in [0, 100]", self.temperature)
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+               "-1, 0 (all tokens) or a positive integer", self.top_k)
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", "a number in (0, 2]", self.repetition_penalty)
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and -(2**63) <= self.seed < 2**63),
+               "seed", "an integer or None", self.seed)
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", "a positive integer or None", self.max_tokens)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               "a non-negative integer", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"at most max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
+               f"{len(self.stop)} strings")
+        for s in self.stop:
+            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
+                   f"non-empty strings of at most {MAX_STOP_STRING_LEN} characters", repr(s)[:40])
+        for t in self.stop_token_ids:
+            _check(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative integers", t)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, name: str, allowed: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}; got {got!r}")
