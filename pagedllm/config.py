@@ -58,3 +58,29 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` and `pagedllm serve` accept, named like vLLM's options."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
+    max_model_len: int | None = None  # None: the model's own limit, capped by the KV budget
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_layout: str = "paged"
+    contiguous_reserve: str = "max"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Reuse the part configs' checks so every entry point rejects the same values.
+        CacheConfig(self.block_size, 0, self.kv_layout, self.contiguous_reserve)
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer; got {self.seed!r}")

@@ -1,0 +1,159 @@
+"""Batched sampling: one call per step over every sequence that needs a token.
+
+Rows are independent: a row's sample depends only on its own logits, parameters and (when
+seeded) its own generator, so the result never changes with what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs for one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
+    generator: torch.Generator | None  # a seeded request's own generator; None uses the shared one
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the chosen token and the top-N alternatives (from the raw logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        raw = logits.float()
+        logits = self._apply_penalties(raw, rows)
+        logits = self._ban_early_stops(logits, rows)
+        token_ids = self._choose(logits, rows)
+        logprobs = self._logprobs(raw, token_ids, rows)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    # -- logit processing -----------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        needs = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if not needs:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in needs:
+            p = rows[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                # HF/vLLM convention: every token seen in prompt or output is pushed away.
+                seen = torch.tensor(sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)),
+                                    dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
+                # OpenAI convention: only generated tokens count.
+                out = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+                counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _ban_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        banned = [(i, r.stop_ids_before_min_tokens) for i, r in enumerate(rows)
+                  if r.stop_ids_before_min_tokens and len(r.output_token_ids) < r.params.min_tokens]
+        if not banned:
+            return logits
+        logits = logits.clone()
+        for i, ids in banned:
+            logits[i, [t for t in ids if t < logits.shape[1]]] = float("-inf")
+        return logits
+
+    # -- choosing --------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return chosen
+        index = torch.tensor(random_rows, dtype=torch.long)
+        params = [rows[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        scaled = logits[index] / temps
+        scaled = _top_k_top_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        probs = _min_p(probs, params)
+        # Exponential race (argmax p/q with q ~ Exp(1)) is an exact categorical sample and lets
+        # each seeded row draw its noise from its own generator.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator or self.generator)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+    # -- logprobs --------------------------------------------------------------------------
+    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor,
+                  rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        index = torch.tensor(wanted, dtype=torch.long)
+        logp = torch.log_softmax(raw[index], dim=-1)
+        chosen = token_ids[index]
+        chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
+        max_n = max(rows[i].params.logprobs for i in wanted)
+        top_vals, top_ids = logp.topk(max(max_n, 1), dim=-1)
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+            result[i] = TokenLogprobs(int(chosen[j]), float(chosen_logp[j]), int(ranks[j]), top)
+        return result
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_ks = [p.top_k for p in params]
+    top_ps = [p.top_p for p in params]
+    if all(k == -1 for k in top_ks) and all(p >= 1.0 for p in top_ps):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks]).unsqueeze(1)
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+    # already reaches p (the first token is always kept).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    min_ps = [p.min_p for p in params]
+    if not any(min_ps):
+        return probs
+    threshold = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < threshold, 0.0)
