@@ -1,0 +1,32 @@
+import pytest
+
+from pagedllm.config import CacheConfig, EngineConfig, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), (4096, 4096),
+    ("100", 100), (" 64 kib ", 64 * 1024),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "12XB", "-5MiB", 0, -1, True])
+def test_parse_size_rejects_nonsense(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize("block_size", [0, 3, 24, 256])
+def test_block_size_must_be_a_power_of_two_up_to_128(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=block_size)
+
+
+def test_engine_config_checks_every_part():
+    with pytest.raises(ValueError, match="kv_layout"):
+        EngineConfig(kv_layout="ring")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="memory size"):
+        EngineConfig(kv_cache_memory="lots")

@@ -1,0 +1,118 @@
+import math
+
+import pytest
+import torch
+
+from pagedllm.sampler import Sampler, SamplingRow
+from pagedllm.sampling_params import SamplingParams
+
+
+def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None) -> SamplingRow:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(params, list(prompt), list(output), tuple(stops), generator)
+
+
+def test_greedy_takes_argmax():
+    logits = torch.randn(4, 100)
+    out = Sampler()(logits, [row(SamplingParams(temperature=0))] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_sample_is_the_same_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 500)
+    alone = Sampler(seed=1)(logits, [row(SamplingParams(temperature=1.0), seed=7)]).token_ids[0]
+    others = torch.randn(5, 500)
+    batch = torch.cat([others[:2], logits, others[2:]])
+    rows = [row(SamplingParams(temperature=1.0)) for _ in range(5)]
+    rows.insert(2, row(SamplingParams(temperature=1.0), seed=7))
+    in_batch = Sampler(seed=99)(batch, rows).token_ids[2]
+    assert in_batch == alone
+
+
+def test_samples_follow_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    sampler = Sampler(seed=3)
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sampler(logits, [row(SamplingParams(temperature=1.0))]).token_ids[0]] += 1
+    assert abs(counts[0] / 3000 - 0.7) < 0.04
+    assert abs(counts[2] / 3000 - 0.1) < 0.03
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 300)
+    rows = [row(SamplingParams(temperature=1.5, top_k=1)) for _ in range(8)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler(seed=0)
+    seen = {sampler(logits, [row(SamplingParams(top_p=0.75))]).token_ids[0] for _ in range(400)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are cut
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    sampler = Sampler(seed=0)
+    seen = {sampler(logits, [row(SamplingParams(min_p=0.2))]).token_ids[0] for _ in range(400)}
+    assert seen == {0, 1}  # 0.05 < 0.2 * 0.6
+
+
+def test_repetition_penalty_pushes_seen_tokens_down():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    out = Sampler()(logits, [row(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=[0])])
+    assert out.token_ids == [1]  # 2.0 / 1.5 < 1.9
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    params = SamplingParams(temperature=0, frequency_penalty=0.3, presence_penalty=0.0)
+    # token 0 was generated twice: 3.0 - 0.6 = 2.4 < 2.5
+    assert Sampler()(logits, [row(params, prompt=[1, 1, 1], output=[0, 0])]).token_ids == [1]
+    # seen only in the prompt: no penalty
+    assert Sampler()(logits, [row(params, prompt=[0, 0, 0])]).token_ids == [0]
+
+
+def test_min_tokens_bans_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0, min_tokens=2)
+    assert Sampler()(logits, [row(params, output=[1], stops=[0])]).token_ids == [1]
+    assert Sampler()(logits, [row(params, output=[1, 1], stops=[0])]).token_ids == [0]
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 50)
+    rows = [row(SamplingParams(temperature=0, logprobs=5)), row(SamplingParams(temperature=0.8, logprobs=2))]
+    out = Sampler()(logits, rows)
+    expected = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i]
+        assert math.isclose(lp.logprob, expected[i, lp.token_id].item(), abs_tol=1e-5)
+        top_ids = expected[i].topk(len(lp.top)).indices.tolist()
+        assert [t for t, _ in lp.top] == top_ids
+        assert lp.rank == int((expected[i] > expected[i, lp.token_id]).sum()) + 1
+    assert out.logprobs[0].rank == 1
+
+
+def test_no_logprobs_unless_asked():
+    out = Sampler()(torch.randn(1, 10), [row(SamplingParams(temperature=0))])
+    assert out.logprobs == [None]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0), ("stop", [""]),
+    ("stop_token_ids", [-1]), ("seed", 1.5),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
