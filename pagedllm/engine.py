@@ -83,6 +83,7 @@ class LLMEngine:
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.last_step_num_requests = 0
         self.startup_s = time.monotonic() - started
         self._log_memory_plan()
 
@@ -140,6 +141,7 @@ class LLMEngine:
         group.seqs.append(self._new_seq(request, 0, group))
         self._groups[request_id] = group
         self._seqs[request_id] = (group, group.seqs[0])
+        self.num_prompt_tokens_total += len(token_ids)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -209,6 +211,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.last_step_num_requests = len(out.scheduled)
         self.runner.drop_requests(out.finished + out.preempted)
         if not out.scheduled:
             return []
@@ -298,7 +301,6 @@ class LLMEngine:
         if finished:
             group.metrics.finished_time = now
             self._groups.pop(group.request_id, None)
-            self.num_prompt_tokens_total += len(group.prompt_token_ids)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
