@@ -1,0 +1,78 @@
+"""A real uvicorn server on a free loopback port, running the default model in float32."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from pagedllm.engine import LLMEngine
+from pagedllm.server.app import build_app
+from pagedllm.server.async_engine import AsyncEngine
+from tests.conftest import requires_default_model
+
+MODEL_NAME = "smollm2-test"
+API_KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, engine: LLMEngine, api_key: str | None = None, **app_kwargs) -> None:
+        self.async_engine = AsyncEngine(engine)
+        self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def wait_idle(self, timeout_s: float = 30) -> dict:
+        """Wait until the engine has nothing running or waiting; return its last snapshot."""
+        deadline = time.monotonic() + timeout_s
+        engine = self.async_engine.engine
+        while time.monotonic() < deadline:
+            snap = self.async_engine.snapshot
+            if not engine.has_unfinished_requests() and snap["num_requests_running"] == 0 \
+                    and snap["num_requests_waiting"] == 0:
+                return snap
+            time.sleep(0.05)
+        raise AssertionError(f"server still busy: {self.async_engine.snapshot}")
+
+
+@pytest.fixture(scope="session")
+def server_engine():
+    if requires_default_model.args[0]:
+        pytest.skip(requires_default_model.kwargs["reason"])
+    return LLMEngine(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+                     enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="session")
+def server(server_engine):
+    with RunningServer(server_engine) as running:
+        yield running
