@@ -68,6 +68,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
+    num_kv_blocks: int | None = None  # the budget in blocks instead of bytes (overrides memory)
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV budget
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -82,5 +83,8 @@ class EngineConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                                or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer; got {self.num_kv_blocks!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")

@@ -89,6 +89,8 @@ class LLMEngine:
 
     # -- set-up ------------------------------------------------------------------------------
     def _kv_budget_bytes(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks * self.bytes_per_block
         if self.config.kv_cache_memory is not None:
             return parse_size(self.config.kv_cache_memory)
         free = psutil.virtual_memory().available

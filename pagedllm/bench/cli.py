@@ -1,0 +1,43 @@
+"""`pagedllm bench {memory,throughput,scheduler,...}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from pagedllm.cli import add_engine_args
+
+# name -> (module, help); each module has add_args(parser) that sets `func`.
+BENCHES = {
+    "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
+    "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
+}
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        parser = kinds.add_parser(name, help=help_text)
+        add_workload_args(parser)
+        add_engine_args(parser)
+        importlib.import_module(module_name).add_args(parser)
+    _register_scheduler_bench(kinds)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default="random", help="'random' or a .jsonl file")
+    parser.add_argument("--num-prompts", type=int)
+    parser.add_argument("--input-len", help="prompt length range, e.g. 32-512")
+    parser.add_argument("--output-len", help="output length range, e.g. 32-256")
+    parser.add_argument("--output-json", default=None)
+
+
+def _register_scheduler_bench(kinds) -> None:
+    try:
+        from pagedllm.bench import scheduler_overhead
+    except ImportError:
+        return
+    parser = kinds.add_parser("scheduler", help="scheduler + KV manager overhead per step")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=lambda a: scheduler_overhead.main(a.args) or 0)
