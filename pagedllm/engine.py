@@ -21,7 +21,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.runner import ModelRunner
 from pagedllm.sampler import Sampler, SamplingRow
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.sequence import SequenceState
 
 logger = logging.getLogger(__name__)
@@ -223,64 +223,65 @@ class LLMEngine:
             group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
         self.runner.copy_blocks(out.block_copies)
         logits, sample_idx = self.runner.execute(out.scheduled)
-        sampled_seqs, samples = self._sample(out, logits, sample_idx)
-        sampled_ids = {seq.request.request_id: tok for seq, (tok, _) in zip(sampled_seqs, samples)}
-        finished = self.scheduler.update_from_output(out, sampled_ids)
-        return self._process_samples(sampled_seqs, samples, finished)
+        sampled = self._sample(out, logits, sample_idx)
+        finished = self.scheduler.update_from_output(
+            out, {seq.request.request_id: token for _, seq, k, token, _ in sampled if k == 0})
+        per_seq = []
+        for group, seq, k, token, logprobs in sampled:
+            if k > 0:  # the k-th of n outputs, sampled from its parent's prompt logits
+                seq, child_finished = self._fork_child(group, seq.request, k, token)
+                finished += child_finished
+            per_seq.append((seq, token, logprobs))
+        return self._process_samples(per_seq, finished)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]):
-        """Sample one token per sequence; a prompt whose n > 1 samples n tokens from its logits
-        and forks n - 1 children that share its blocks."""
-        rows, logit_rows, seqs = [], [], []
+        """One token per sampling sequence; a prompt with n > 1 draws n tokens from its logits
+        (its parent sequence takes the first, children forked after the update the rest)."""
+        rows, logit_rows, targets = [], [], []
         for j, i in enumerate(sample_idx):
-            sched = out.scheduled[i]
-            group, seq = self._seqs[sched.request.request_id]
-            fan_out = [seq]
-            if group.params.n > 1 and not group.forked:
-                fan_out += self._fork_children(group, out, sched)
-            for s in fan_out:
-                rows.append(self._sampling_row(s, group.params))
+            request = out.scheduled[i].request
+            group, seq = self._seqs[request.request_id]
+            fan_out = group.params.n if group.params.n > 1 and not group.forked else 1
+            group.forked = group.forked or fan_out > 1
+            for k in range(fan_out):
+                rows.append(self._sampling_row(request, group.params, group.generators[k] if k else seq.generator))
                 logit_rows.append(j)
-                seqs.append(s)
+                targets.append((group, seq, k))
         if not rows:
-            return [], []
+            return []
         result = self.sampler(logits[torch.tensor(logit_rows)], rows)
-        return seqs, list(zip(result.token_ids, result.logprobs))
+        return [(g, s, k, tok, lp) for (g, s, k), tok, lp in zip(targets, result.token_ids, result.logprobs)]
 
-    def _fork_children(self, group: RequestGroup, out: SchedulerOutput,
-                       sched: ScheduledRequest) -> list[SequenceState]:
-        group.forked = True
-        parent = sched.request
-        children = []
-        for index in range(1, group.params.n):
-            child = Request(f"{group.request_id}#{index}", parent.prompt_token_ids,
-                            dataclasses.replace(group.params, n=1, seed=None),
-                            eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                            cache_salt=parent.cache_salt)
-            child.num_computed_tokens = sched.num_computed_tokens
+    def _fork_child(self, group: RequestGroup, parent: Request, index: int,
+                    token: int) -> tuple[SequenceState, list[Request]]:
+        """Start output `index` of a request: it shares the parent's prompt blocks by reference
+        count (copy-on-write before either writes into a shared partial block)."""
+        child = Request(f"{group.request_id}#{index}", parent.prompt_token_ids,
+                        dataclasses.replace(group.params, n=1),
+                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+                        cache_salt=parent.cache_salt)
+        child.append_token(token)
+        if parent.status is RequestStatus.RUNNING:
             self.scheduler.fork_request(parent, child)
-            # The child computed this step's tokens together with its parent (shared blocks):
-            # it is updated as if it had been scheduled.
-            out.scheduled.append(ScheduledRequest(child, sched.num_new_tokens,
-                                                  sched.num_computed_tokens,
-                                                  self.scheduler.kv_manager.block_ids(child)))
-            seq = self._new_seq(child, index, group)
-            group.seqs.append(seq)
-            self._seqs[child.request_id] = (group, seq)
-            children.append(seq)
-        return children
+        else:  # the parent already finished and gave its blocks back: recompute the prompt
+            self.scheduler.add_request(child)
+        seq = self._new_seq(child, index, group)
+        group.seqs.append(seq)
+        self._seqs[child.request_id] = (group, seq)
+        status = self.scheduler.stop_status(child, token)
+        return seq, self.scheduler.finish_requests([child.request_id], status) if status else []
 
-    def _sampling_row(self, seq: SequenceState, params: SamplingParams) -> SamplingRow:
-        req = seq.request
+    def _sampling_row(self, req: Request, params: SamplingParams,
+                      generator: torch.Generator | None) -> SamplingRow:
         stops = tuple(params.stop_token_ids) + (
             (req.eos_token_id,) if req.eos_token_id is not None and not params.ignore_eos else ())
-        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, stops, seq.generator)
+        return SamplingRow(params, req.prompt_token_ids, req.output_token_ids, stops, generator)
 
-    def _process_samples(self, seqs: list[SequenceState], samples, finished: list[Request]):
+    def _process_samples(self, per_seq: list, finished: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, RequestGroup] = {}
         stopped_by_text = []
-        for seq, (token_id, logprobs) in zip(seqs, samples):
+        for seq, token_id, logprobs in per_seq:
             group = self._seqs[seq.request.request_id][0]
             group.metrics.first_token_time = group.metrics.first_token_time or now
             self.num_generation_tokens_total += 1
