@@ -1,0 +1,286 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) whose attention reads the paged KV cache.
+
+One flat batch of T tokens from many requests goes through each layer together; only attention
+looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
+q/k/v projection, one gate/up projection): fewer, larger matmuls are faster on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata, paged_attention, write_kv
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import MissingTensorError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the weights' dtype, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def default_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
+    """1 / base^(2i/dim): written exactly as transformers does, so the floats agree bit for bit."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if isinstance(base, torch.Tensor):
+        return 1.0 / (base[:, None] ** exponents[None, :])
+    return 1.0 / (base**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: slow the low frequencies by `factor`, keep the high ones, blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the tokens of one step, computed on the fly (cheap next to the matmuls,
+    and no table sized by the longest context the model allows)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        inv_freq = default_inv_freq(config.rope_theta, config.head_dim)
+        if config.rope_type == "linear":
+            inv_freq = inv_freq / config.rope_scaling["factor"]
+        elif config.rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, attn_metadata: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        if self.config.rope_type == "dynamic":
+            inv_freq = self._dynamic_inv_freq(attn_metadata)
+        freqs = positions[:, None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _dynamic_inv_freq(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Dynamic NTK: past the trained length, stretch the base by the request's length.
+
+        transformers uses the length of the sequence being computed; here each request gets its
+        own, so a request's output does not depend on what else is in the batch.
+        """
+        max_len = self.config.max_position_embeddings
+        if attn_metadata.max_seq_len <= max_len:
+            return self.inv_freq
+        starts = attn_metadata.query_start_loc_cpu
+        new_tokens = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
+        seq_lens = torch.tensor(attn_metadata.seq_lens_cpu, dtype=torch.int64)
+        seq_lens = torch.maximum(seq_lens, torch.tensor(max_len)).repeat_interleave(new_tokens)
+        dim, factor = self.config.head_dim, self.config.rope_scaling["factor"]
+        base = self.config.rope_theta * (
+            (factor * seq_lens / max_len) - (factor - 1)) ** (dim / (dim - 2))
+        return default_inv_freq(base, dim).to(self.inv_freq.device)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = (
+            config.sliding_window if config.uses_sliding_window(layer_index) else None)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, attn_metadata, self.scale,
+                              sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat batch; writes the new K/V into kv_caches."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, attn_metadata, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @classmethod
+    def from_hf_tensors(
+        cls,
+        config: ModelConfig,
+        names: set[str],
+        get_tensor: Callable[[str], torch.Tensor],
+        dtype: torch.dtype,
+    ) -> LlamaForCausalLM:
+        """Build the model from tensors under Hugging Face names, fusing q/k/v and gate/up.
+
+        get_tensor is called once per name, so weights can stream from a memory map or be
+        dequantized one at a time.
+        """
+        missing = sorted(set(hf_tensor_names(config)) - names)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                              else "")
+            raise MissingTensorError(f"the weights lack {len(missing)} tensors: {shown}")
+        # Built on the meta device: no memory or random init for weights about to be replaced.
+        # (The rotary frequencies are built on the CPU explicitly, so they survive this.)
+        with torch.device("meta"):
+            model = cls(dataclasses.replace(config, dtype=dtype))
+
+        def load(name: str) -> torch.Tensor:
+            return get_tensor(name).to(dtype)
+
+        state = fused_state_dict(config, load)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.requires_grad_(False).eval()
+
+
+def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Our parameter name -> the Hugging Face tensors it is made of, for layer i."""
+    attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    ours = f"layers.{i}"
+    names = {
+        f"{ours}.self_attn.qkv_proj.weight": [f"{attn}.{p}_proj.weight" for p in "qkv"],
+        f"{ours}.self_attn.o_proj.weight": [f"{attn}.o_proj.weight"],
+        f"{ours}.mlp.gate_up_proj.weight": [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
+        f"{ours}.mlp.down_proj.weight": [f"{mlp}.down_proj.weight"],
+        f"{ours}.input_layernorm.weight": [f"model.layers.{i}.input_layernorm.weight"],
+        f"{ours}.post_attention_layernorm.weight":
+            [f"model.layers.{i}.post_attention_layernorm.weight"],
+    }
+    if config.attention_bias:
+        names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
+    if config.output_bias:
+        names[f"{ours}.self_attn.o_proj.bias"] = [f"{attn}.o_proj.bias"]
+    if config.mlp_bias:
+        names[f"{ours}.mlp.gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
+        names[f"{ours}.mlp.down_proj.bias"] = [f"{mlp}.down_proj.bias"]
+    return names
+
+
+def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+               "norm.weight": ["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        sources.update(_layer_names(config, i))
+    return sources
+
+
+def hf_tensor_names(config: ModelConfig) -> list[str]:
+    """Every Hugging Face tensor name the model needs."""
+    return [name for parts in _parameter_sources(config).values() for name in parts]
+
+
+def fused_state_dict(
+    config: ModelConfig, load: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    state = {}
+    for ours, parts in _parameter_sources(config).items():
+        tensors = [load(name) for name in parts]
+        state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    return state

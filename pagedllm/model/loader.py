@@ -1,0 +1,190 @@
+"""Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
+
+Weights are read without pickle: safetensors through memory maps, GGUF through gguf's reader,
+dequantized once at load time. Every failure a user can cause (a wrong path, a missing or
+truncated file, an architecture or quantization we do not run) raises a ModelLoadError, a
+ValueError, whose message names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedllm.model.config import ModelConfig, parse_dtype_name
+from pagedllm.model.errors import (
+    CorruptCheckpointError,
+    ModelFileNotFoundError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+from pagedllm.model.gguf_file import GGUFCheckpoint
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_RUNNABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"auto" is bfloat16 where the CPU does bfloat16 math natively, else float32."""
+    if dtype == "auto":
+        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"unsupported dtype {dtype!r}; use auto, float32 (fp32), bfloat16 (bf16) "
+                "or float16 (fp16)")
+        return parse_dtype_name(dtype)
+    if dtype not in _RUNNABLE_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; use torch.float32, bfloat16 or float16")
+    return dtype
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags")
+             for flag in line.split(":", 1)[1].split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """The model at path (a Hugging Face folder or a .gguf file; None: the default model)."""
+    if path is None:
+        from pagedllm.default_model import default_model_path
+
+        path = default_model_path()
+    path = Path(path).expanduser()
+    torch_dtype = resolve_dtype(dtype)
+    started = time.perf_counter()
+    if not path.exists():
+        raise ModelFileNotFoundError(f"{path}: no such model file or folder")
+    if path.is_dir():
+        loaded = _load_hf_folder(path, torch_dtype)
+    elif path.suffix == ".gguf":
+        loaded = _load_gguf(path, torch_dtype)
+    else:
+        raise ModelLoadError(
+            f"{path}: expected a .gguf file or a Hugging Face model folder (with config.json)")
+    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture,
+                torch_dtype, time.perf_counter() - started)
+    return loaded
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.model_config()
+    checkpoint.check_types()
+    tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
+    model = LlamaForCausalLM.from_hf_tensors(
+        config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype)
+    factors = checkpoint.rope_freq_factors()
+    if factors is not None:
+        model.rotary.inv_freq /= factors
+    return LoadedModel(model, model.config, tokenizer, path)
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype)
+        raise ModelFileNotFoundError(f"{config_file}: no config.json in the model folder")
+    config = ModelConfig.from_hf_config(
+        _read_json(config_file), _read_json(folder / "generation_config.json", required=False))
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    with SafetensorsWeights(folder) as weights:
+        model = LlamaForCausalLM.from_hf_tensors(config, weights.names, weights.get, dtype)
+    return LoadedModel(model, model.config, tokenizer, folder)
+
+
+class SafetensorsWeights:
+    """The tensors of one or several (sharded) .safetensors files, by name, memory-mapped."""
+
+    def __init__(self, folder: Path):
+        self._files = {file: None for file in _weight_files(folder)}
+        self._name_to_file: dict[str, Path] = {}
+
+    def __enter__(self) -> SafetensorsWeights:
+        for file in self._files:
+            handle = _open_safetensors(file)
+            self._files[file] = handle
+            self._name_to_file.update(dict.fromkeys(handle.keys(), file))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files = dict.fromkeys(self._files)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._name_to_file)
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._name_to_file[name]
+        try:
+            return self._files[file].get_tensor(name)
+        except SafetensorError as exc:
+            raise CorruptCheckpointError(f"{file}: cannot read tensor {name} ({exc})") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map", {})
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFileNotFoundError(
+                f"{index_file}: lists weight files that are not there: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            raise UnsupportedModelError(
+                f"{folder}: only pickled weights (.bin/.pt), which we never load; "
+                "convert them to safetensors")
+        raise ModelFileNotFoundError(f"{folder}: no *.safetensors weight files in the folder")
+    return files
+
+
+def _open_safetensors(file: Path):
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CorruptCheckpointError(
+            f"{file}: cannot read the safetensors file ({exc}); is it truncated?") from None
+    return handle
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelFileNotFoundError(f"{path}: file not found")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
