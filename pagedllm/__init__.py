@@ -3,4 +3,17 @@
 from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that the pure-Python parts (kv manager, scheduler) import without torch.
+    if name == "LLM":
+        from pagedllm.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pagedllm.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

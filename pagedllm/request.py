@@ -39,6 +39,11 @@ class Request:
     num_preemptions: int = 0
     # prompt + generated ids, one list that only grows (appending is O(1)).
     token_ids: list[int] = field(init=False)
+    # The stop token id that finished the request (None for EOS, length or a stop string).
+    stop_reason: int | str | None = field(default=None, init=False)
+    # Prefix-cache hashes of the request's full blocks, filled by the KV manager; tokens
+    # only ever get appended, so they stay valid for the request's whole life.
+    block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,170 @@
+"""The traditional KV layout, for side-by-side measurement: each request reserves one run
+of consecutive blocks up front, big enough for the longest it may get.
+
+Same interface as KVCacheManager. The reservation is first fit over the free runs, so
+external fragmentation is real: free blocks scattered in small runs cannot take a request.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedllm.kv.manager import NO_HIT, PrefixHit
+from pagedllm.kv.stats import KVStats
+from pagedllm.request import Request
+
+RESERVE_MODES = ("max", "request")
+
+
+@dataclass(eq=False)
+class _Reservation:
+    start: int
+    num_blocks: int
+    num_used_tokens: int = 0
+    ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ids = list(range(self.start, self.start + self.num_blocks))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ContiguousKVManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 reserve: str = "max", bytes_per_block: int = 0) -> None:
+        if reserve not in RESERVE_MODES:
+            raise ValueError(f"reserve must be one of {RESERVE_MODES}; got {reserve!r}")
+        if num_blocks < 1 or block_size < 1 or max_model_len < 1:
+            raise ValueError("num_blocks, block_size and max_model_len must be positive; got "
+                             f"{num_blocks}, {block_size}, {max_model_len}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.reserve = reserve
+        self.bytes_per_block = bytes_per_block
+        self.enable_prefix_caching = False
+        # Free runs as [start, length], sorted by start, never adjacent (merged on free).
+        self._free_runs: list[list[int]] = [[0, num_blocks]]
+        self._num_free_blocks = num_blocks
+        self._reservations: dict[str, _Reservation] = {}
+        self._used_slots = 0
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def max_tokens_per_request(self) -> int:
+        if self.reserve == "max" and _cdiv(self.max_model_len, self.block_size) > self.num_blocks:
+            return 0  # every request reserves max_model_len, which never fits
+        return self.num_blocks * self.block_size
+
+    def reservation_tokens(self, request: Request) -> int:
+        """Tokens a request reserves on admission."""
+        if self.reserve == "max":
+            return self.max_model_len
+        max_tokens = request.sampling_params.max_tokens or self.max_model_len
+        wanted = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        return max(wanted, request.num_tokens)
+
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        return NO_HIT
+
+    def get_computed_tokens(self, request: Request) -> int:
+        return 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix_hit: PrefixHit | None = None) -> bool:
+        reservation = self._reservations.get(request.request_id)
+        if reservation is None:
+            if request.num_computed_tokens:
+                raise ValueError(f"request {request.request_id} has computed tokens but no blocks")
+            reservation = self._reserve(request.request_id, self.reservation_tokens(request))
+            if reservation is None:
+                return False
+        end = request.num_computed_tokens + num_new_tokens
+        if end > reservation.num_blocks * self.block_size:
+            raise RuntimeError(f"request {request.request_id} outgrew its contiguous reservation "
+                               f"({end} > {reservation.num_blocks * self.block_size} tokens)")
+        self._use(reservation, end)
+        return True
+
+    def free(self, request: Request) -> None:
+        reservation = self._reservations.pop(request.request_id, None)
+        if reservation is None:
+            return
+        self._used_slots -= reservation.num_used_tokens
+        self._release_run(reservation.start, reservation.num_blocks)
+        if self._pending_copies:
+            freed = range(reservation.start, reservation.start + reservation.num_blocks)
+            self._pending_copies = [c for c in self._pending_copies if c[1] not in freed]
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Reserve a run for the child and copy the parent's used blocks into it; False
+        (nothing changed) when no run is free."""
+        source = self._reservations.get(parent.request_id)
+        if source is None:
+            raise ValueError(f"cannot fork {parent.request_id}: it holds no blocks")
+        if child.request_id in self._reservations:
+            raise ValueError(f"cannot fork into {child.request_id}: it already holds blocks")
+        tokens = max(self.reservation_tokens(child), source.num_used_tokens)
+        target = self._reserve(child.request_id, tokens)
+        if target is None:
+            return False
+        num_used_blocks = _cdiv(source.num_used_tokens, self.block_size)
+        self._pending_copies.extend(zip(source.ids[:num_used_blocks], target.ids))
+        self._use(target, source.num_used_tokens)
+        return True
+
+    def block_ids(self, request: Request) -> list[int]:
+        reservation = self._reservations.get(request.request_id)
+        return reservation.ids if reservation is not None else []
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            num_blocks=self.num_blocks, num_free_blocks=self._num_free_blocks,
+            block_size=self.block_size,
+            allocated_slots=(self.num_blocks - self._num_free_blocks) * self.block_size,
+            used_slots=self._used_slots, bytes_per_block=self.bytes_per_block)
+
+    @property
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(start, length) of each free run, by start: the fragmentation, for tests/plots."""
+        return [(start, length) for start, length in self._free_runs]
+
+    def _use(self, reservation: _Reservation, end: int) -> None:
+        if end > reservation.num_used_tokens:
+            self._used_slots += end - reservation.num_used_tokens
+            reservation.num_used_tokens = end
+
+    def _reserve(self, request_id: str, num_tokens: int) -> _Reservation | None:
+        num_blocks = max(1, _cdiv(num_tokens, self.block_size))
+        for i, run in enumerate(self._free_runs):  # first fit
+            start, length = run
+            if length < num_blocks:
+                continue
+            if length == num_blocks:
+                del self._free_runs[i]
+            else:
+                run[0], run[1] = start + num_blocks, length - num_blocks
+            self._num_free_blocks -= num_blocks
+            reservation = _Reservation(start, num_blocks)
+            self._reservations[request_id] = reservation
+            return reservation
+        return None
+
+    def _release_run(self, start: int, length: int) -> None:
+        runs = self._free_runs
+        i = bisect.bisect_left(runs, start, key=lambda run: run[0])
+        runs.insert(i, [start, length])
+        if i + 1 < len(runs) and runs[i][0] + runs[i][1] == runs[i + 1][0]:
+            runs[i][1] += runs.pop(i + 1)[1]
+        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == runs[i][0]:
+            runs[i - 1][1] += runs.pop(i)[1]
+        self._num_free_blocks += length

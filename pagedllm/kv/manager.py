@@ -1,0 +1,269 @@
+"""Paged KV cache manager: per-request block tables over the block pool, copy-on-write for
+forked requests, and prefix caching.
+
+How a prefix-cache hit reaches the runner: the scheduler calls find_cached_prefix() for a
+request it is about to admit and passes the result to allocate_slots(), which puts the hit
+blocks at the start of the request's table and sets request.num_computed_tokens to the hit
+length. The runner sees nothing special: the request's ScheduledRequest starts at
+num_computed_tokens > 0 on its first step, its block table already holds the cached K/V
+for positions [0, num_computed_tokens), and only the remaining tokens are fed to the model.
+
+A block enters the prefix cache when the request owning it has *computed* it (its
+num_computed_tokens covers the whole block, i.e. from the step after it was written), so
+no request ever reads K/V that is being written in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.prefix_hash import extend_block_hashes
+from pagedllm.kv.stats import KVStats
+from pagedllm.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest cached prefix of a new request: full blocks, fewer than all its tokens."""
+
+    num_tokens: int = 0
+    blocks: tuple[KVBlock, ...] = ()
+    # Each block's cache epoch at lookup: a hit used after one of them was evicted is stale.
+    epochs: tuple[int, ...] = ()
+
+    def is_stale(self) -> bool:
+        return any(b.cache_epoch != e or not b.is_cached for b, e in zip(self.blocks, self.epochs))
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass(eq=False)
+class _BlockTable:
+    blocks: list[KVBlock]
+    # The list the runner reads; kept beside `blocks` so block_ids() is never rebuilt.
+    ids: list[int] = field(init=False)
+    num_cached: int = 0  # leading blocks already registered in the prefix cache
+
+    def __post_init__(self) -> None:
+        self.ids = [b.block_id for b in self.blocks]
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        self.blocks.extend(blocks)
+        self.ids.extend(b.block_id for b in blocks)
+
+    def replace(self, index: int, block: KVBlock) -> None:
+        self.blocks[index] = block
+        self.ids[index] = block.block_id
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 bytes_per_block: int = 0) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.bytes_per_block = bytes_per_block
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, _BlockTable] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    def max_tokens_per_request(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # -- prefix cache lookups -------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The longest cached prefix a new request can reuse. No side effects: pass the
+        result to allocate_slots() right away (a hit gone stale by then is refused)."""
+        if not self.enable_prefix_caching or request.num_computed_tokens or \
+                request.request_id in self._tables:
+            return NO_HIT
+        # At least one token must be computed (it yields the logits), so a prompt made of
+        # whole cached blocks still recomputes its last block.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
+                                     max_blocks, request.cache_salt)
+        path = self._longest_cached_path(request, hashes[:max_blocks])
+        return PrefixHit(len(path) * self.block_size, tuple(path),
+                         tuple(b.cache_epoch for b in path))
+
+    def get_computed_tokens(self, request: Request) -> int:
+        return self.find_cached_prefix(request).num_tokens
+
+    def _longest_cached_path(self, request: Request, hashes: list[bytes]) -> list[KVBlock]:
+        # Level by level, every cached block that holds exactly this request's tokens and
+        # continues a block matched at the level before: comparing contents (not just
+        # hashes) makes a hash collision a miss instead of someone else's K/V.
+        frontier: list[KVBlock] = []
+        bs = self.block_size
+        for i, block_hash in enumerate(hashes):
+            tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            matched = [b for b in self.pool.cached_blocks(block_hash)
+                       if b.cache_tokens == tokens and self._continues(b, frontier, request)]
+            if not matched:
+                break
+            frontier = matched
+        if not frontier:
+            return []
+        path = [frontier[0]]
+        while path[-1].cache_parent is not None:
+            path.append(path[-1].cache_parent)
+        path.reverse()
+        return path
+
+    @staticmethod
+    def _continues(block: KVBlock, frontier: list[KVBlock], request: Request) -> bool:
+        parent = block.cache_parent
+        if not frontier:
+            return parent is None and block.cache_salt == request.cache_salt
+        return (parent is not None and parent.cache_epoch == block.cache_parent_epoch
+                and any(parent is f for f in frontier))
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix_hit: PrefixHit | None = None) -> bool:
+        """Make room for request.num_computed_tokens + num_new_tokens tokens (for a new
+        request with a prefix_hit: hit tokens + num_new_tokens, and num_computed_tokens
+        becomes the hit length). All or nothing: False leaves everything unchanged."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return self._allocate_first(request, num_new_tokens, prefix_hit or NO_HIT)
+        self._cache_computed_blocks(request, table)
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        shared = self._shared_blocks_written(table, start, end)
+        num_new_blocks = max(0, _cdiv(end, self.block_size) - len(table.blocks))
+        if num_new_blocks + len(shared) > self.pool.num_free_blocks:
+            return False
+        for index in shared:
+            self._copy_on_write(table, index)
+        table.extend(self.pool.take(num_new_blocks))
+        self._fill(table, start, end)
+        return True
+
+    def _allocate_first(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
+        if request.num_computed_tokens and not hit.blocks:
+            raise ValueError(f"request {request.request_id} has computed tokens but no blocks")
+        if hit.blocks and (request.num_computed_tokens or hit.is_stale()):
+            raise ValueError(f"stale prefix hit for request {request.request_id}")
+        start = hit.num_tokens
+        end = start + num_new_tokens
+        num_new_blocks = max(0, _cdiv(end, self.block_size) - len(hit.blocks))
+        # Reviving a free hit block uses up a free block as surely as taking a new one.
+        num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        # Revive the hits before taking new blocks, so taking cannot evict them.
+        self.pool.touch(hit.blocks)
+        table = _BlockTable(list(hit.blocks), num_cached=len(hit.blocks))
+        table.extend(self.pool.take(num_new_blocks))
+        self._tables[request.request_id] = table
+        request.num_computed_tokens = start
+        self._fill(table, start, end)
+        if self.enable_prefix_caching:
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += start
+        return True
+
+    def _shared_blocks_written(self, table: _BlockTable, start: int, end: int) -> list[int]:
+        last = min(len(table.blocks), _cdiv(end, self.block_size))
+        return [i for i in range(start // self.block_size, last) if table.blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, table: _BlockTable, index: int) -> None:
+        src = table.blocks[index]
+        (dst,) = self.pool.take(1)
+        self.pool.fill(dst, src.num_filled)
+        self.pool.release([src])
+        table.replace(index, dst)
+        self._pending_copies.append((src.block_id, dst.block_id))
+
+    def _fill(self, table: _BlockTable, start: int, end: int) -> None:
+        bs = self.block_size
+        for i in range(start // bs, _cdiv(end, bs)):
+            block = table.blocks[i]
+            filled = min(bs, end - i * bs)
+            if filled > block.num_filled:
+                self.pool.fill(block, filled)
+
+    def _cache_computed_blocks(self, request: Request, table: _BlockTable) -> None:
+        """Register the request's full blocks whose K/V has been computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table.blocks))
+        if num_full <= table.num_cached:
+            return
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
+                                     num_full, request.cache_salt)
+        bs = self.block_size
+        for i in range(table.num_cached, num_full):
+            block = table.blocks[i]
+            if not block.is_cached:  # hit or shared blocks are registered already
+                parent = table.blocks[i - 1] if i else None
+                tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
+                self.pool.cache(block, hashes[i], tokens, parent, request.cache_salt)
+        table.num_cached = num_full
+
+    # -- release and sharing ------------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        table = self._tables.pop(request.request_id, None)
+        if table is None:
+            return
+        self._cache_computed_blocks(request, table)
+        # Last block first: a prefix is useless without its beginning, so the tail of a
+        # cached sequence should be evicted before its head.
+        self.pool.release(reversed(table.blocks))
+        if self._pending_copies:
+            # A copy into a block just given back would be wasted (or clobber its next owner).
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies
+                                    if self.pool.blocks[dst].ref_cnt]
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """The child shares every block of the parent; the first write to a shared block
+        copies it. Call between steps (after update, before the next schedule)."""
+        table = self._tables.get(parent.request_id)
+        if table is None:
+            raise ValueError(f"cannot fork {parent.request_id}: it holds no blocks")
+        if child.request_id in self._tables:
+            raise ValueError(f"cannot fork into {child.request_id}: it already holds blocks")
+        self.pool.touch(table.blocks)
+        child_table = _BlockTable(list(table.blocks), num_cached=table.num_cached)
+        self._tables[child.request_id] = child_table
+        if not child.block_hashes:
+            child.block_hashes = parent.block_hashes[:table.num_cached]
+        return True
+
+    def block_ids(self, request: Request) -> list[int]:
+        table = self._tables.get(request.request_id)
+        return table.ids if table is not None else []
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) copies to do, in order, before the next model run."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request holds blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def stats(self) -> KVStats:
+        num_free = self.pool.num_free_blocks
+        return KVStats(
+            num_blocks=self.num_blocks, num_free_blocks=num_free, block_size=self.block_size,
+            allocated_slots=(self.num_blocks - num_free) * self.block_size,
+            used_slots=self.pool.num_used_slots, bytes_per_block=self.bytes_per_block,
+            num_cached_free_blocks=self.pool.num_cached_free,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits)

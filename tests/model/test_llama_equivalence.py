@@ -1,0 +1,120 @@
+"""Our model's logits against transformers' on the same tiny random weights (float32).
+
+Each shape runs three ways through the paged cache (block size 4, physical blocks shuffled):
+one full prefill, token by token, and batches that mix a prefill chunk after cached context
+with other sequences' decodes. The reference is transformers fed the same chunks through its
+own KV cache (for dynamic rope the chunking changes the result, in both).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.model.loader import load_model
+from tests.model.paged import PagedSequences
+from tests.model.tiny import SHAPES, make_hf_model, save_checkpoint, write_gguf
+
+TOLERANCE = 1e-4
+BLOCK_SIZE = 4
+
+
+def token_ids(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(258) for _ in range(length)]
+
+
+@torch.inference_mode()
+def hf_chunked_logits(hf_model, ids: list[int], chunk_sizes: list[int]) -> torch.Tensor:
+    past, logits, start = None, [], 0
+    for size in chunk_sizes:
+        out = hf_model(torch.tensor([ids[start:start + size]]), past_key_values=past,
+                       use_cache=True)
+        past, start = out.past_key_values, start + size
+        logits.append(out.logits[0])
+    return torch.cat(logits)
+
+
+def assert_logits_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    worst = (ours - expected).abs().max().item()
+    assert worst <= TOLERANCE, f"max abs logit difference {worst:.2e} > {TOLERANCE}"
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def pair(request, tiny_checkpoint):
+    """(our model, transformers' model) on the same weights, one shape at a time."""
+    checkpoint = tiny_checkpoint(request.param)
+    return load_model(checkpoint.folder, dtype="float32").model, checkpoint.hf_model
+
+
+def test_prefill(pair):
+    model, hf_model = pair
+    ids = token_ids(24, seed=1)
+    ours = PagedSequences(model, num_blocks=8, block_size=BLOCK_SIZE).step({0: ids})[0]
+    assert ours.dtype == torch.float32
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
+
+
+def test_token_by_token(pair):
+    model, hf_model = pair
+    ids = token_ids(22, seed=2)
+    paged = PagedSequences(model, num_blocks=8, block_size=BLOCK_SIZE, seed=3)
+    ours = torch.cat([paged.step({0: [token]})[0] for token in ids])
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [1] * len(ids)))
+
+
+def test_mixed_batches_of_chunks_and_decodes(pair):
+    model, hf_model = pair
+    sequences = {0: token_ids(22, seed=4), 1: token_ids(12, seed=5), 2: token_ids(16, seed=6)}
+    # Tokens each sequence computes at each step (0: not scheduled that step).
+    schedule = {0: [10, 8, 1, 3], 1: [5, 1, 1, 5], 2: [1, 1, 14, 0]}
+    paged = PagedSequences(model, num_blocks=20, block_size=BLOCK_SIZE, seed=7)
+    done = dict.fromkeys(sequences, 0)
+    ours: dict[int, list[torch.Tensor]] = {seq: [] for seq in sequences}
+    for step in range(4):
+        batch = {}
+        for seq, ids in sequences.items():
+            size = schedule[seq][step]
+            if size:
+                batch[seq] = ids[done[seq]:done[seq] + size]
+                done[seq] += size
+        for seq, logits in paged.step(batch).items():
+            ours[seq].append(logits)
+    for seq, ids in sequences.items():
+        chunks = [size for size in schedule[seq] if size]
+        assert_logits_close(torch.cat(ours[seq]), hf_chunked_logits(hf_model, ids, chunks))
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf_model = make_hf_model("llama_gqa_untied", seed=11)
+    folder = save_checkpoint(hf_model, tmp_path, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    model = load_model(folder, dtype="float32").model
+    ids = token_ids(12, seed=12)
+    ours = PagedSequences(model, num_blocks=4, block_size=BLOCK_SIZE).step({0: ids})[0]
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
+
+
+def test_gguf_written_like_llama_cpp(tmp_path):
+    # llama.cpp permutes q/k rows for its rotary layout; the loader must undo it.
+    hf_model = make_hf_model("llama_gqa_untied", seed=13)
+    loaded = load_model(write_gguf(hf_model, tmp_path / "tiny.gguf"), dtype="float32")
+    assert loaded.config.architecture == "LlamaForCausalLM"
+    assert not loaded.config.tie_word_embeddings
+    ids = token_ids(14, seed=14)
+    ours = PagedSequences(loaded.model, num_blocks=4, block_size=BLOCK_SIZE).step({0: ids})[0]
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
+
+
+def test_bfloat16_runs_close_to_float32(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("llama_gqa_untied")
+    model = load_model(checkpoint.folder, dtype="bf16").model
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = token_ids(10, seed=15)
+    ours = PagedSequences(model, num_blocks=4, block_size=BLOCK_SIZE).step({0: ids})[0]
+    assert ours.dtype == torch.float32
+    expected = hf_chunked_logits(checkpoint.hf_model, ids, [len(ids)])
+    assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
