@@ -11,7 +11,10 @@ from pagedllm.cli import add_engine_args
 BENCHES = {
     "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
     "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
+    "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
 }
+# Benches that talk to a server take no engine flags.
+CLIENT_ONLY = {"serve"}
 
 
 def register(sub) -> None:
@@ -20,7 +23,8 @@ def register(sub) -> None:
     for name, (module_name, help_text) in BENCHES.items():
         parser = kinds.add_parser(name, help=help_text)
         add_workload_args(parser)
-        add_engine_args(parser)
+        if name not in CLIENT_ONLY:
+            add_engine_args(parser)
         importlib.import_module(module_name).add_args(parser)
     _register_scheduler_bench(kinds)
 
