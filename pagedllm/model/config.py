@@ -115,7 +115,8 @@ class ModelConfig:
         arch = metadata["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+                f"unsupported GGUF architecture {arch!r}; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}")
 
         def key(name: str, default: Any = None) -> Any:
             return metadata.get(f"{arch}.{name}", default)

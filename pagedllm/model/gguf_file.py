@@ -41,12 +41,15 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path):
         self.path = path
+        with path.open("rb") as file:
+            if file.read(4) != b"GGUF":
+                raise CorruptCheckpointError(f"{path}: not a GGUF file (no GGUF magic number)")
         try:
             self.reader = gguf.GGUFReader(path)
-        except Exception as exc:  # the reader fails in many ways on a damaged header
+        except Exception as exc:  # the reader fails in many ways on a cut-off file
             raise CorruptCheckpointError(
-                f"{path}: cannot read the GGUF header ({type(exc).__name__}: {exc}); "
-                "the file is truncated or not a GGUF file") from None
+                f"{path}: cannot read the GGUF file ({type(exc).__name__}: {exc}); "
+                "it is truncated or damaged") from None
         self._check_complete()
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()}
         self.tensors = {t.name: t for t in self.reader.tensors}

@@ -204,4 +204,5 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.suffix == ".gguf" and path.is_file():
         return Tokenizer.from_gguf(GGUFCheckpoint(path).metadata)
-    raise ModelFileNotFoundError(f"{path}: no tokenizer.json or .gguf file to read a tokenizer from")
+    raise ModelFileNotFoundError(
+        f"{path}: no tokenizer.json or .gguf file to read a tokenizer from")

@@ -54,7 +54,8 @@ def hf_model(default_model_path):
 
 def test_config_from_gguf(default_model):
     config = default_model.config
-    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
+    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
+    assert shape == (30, 576, 3)
     assert config.tie_word_embeddings and config.eos_token_ids == [2]
     assert config.dtype == torch.float32
 

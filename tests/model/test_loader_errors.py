@@ -1,0 +1,151 @@
+"""Every way a user can point the loader at a bad model gives a clear error naming the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.model.errors import (
+    CorruptCheckpointError,
+    MissingTensorError,
+    ModelFileNotFoundError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+from pagedllm.model.loader import load_model, resolve_dtype
+from tests.model.tiny import write_gguf
+
+
+@pytest.fixture
+def folder(tiny_checkpoint, tmp_path):
+    """A private copy of a tiny checkpoint that a test may damage."""
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama_gqa_untied").folder, copy)
+    return copy
+
+
+@contextmanager
+def expect(error: type[Exception], *fragments: str):
+    """pytest.raises that also checks the message names the file and the problem."""
+    with pytest.raises(error) as info:
+        yield
+    assert isinstance(info.value, ValueError)  # the server turns these into 400s
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_unknown_architecture(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with expect(UnsupportedModelError, "GPT2LMHeadModel", "LlamaForCausalLM"):
+        load_model(folder, dtype="float32")
+
+
+def test_unsupported_rope_type(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with expect(UnsupportedModelError, "yarn"):
+        load_model(folder, dtype="float32")
+
+
+def test_missing_path(tmp_path):
+    with expect(ModelFileNotFoundError, "nowhere"):
+        load_model(tmp_path / "nowhere", dtype="float32")
+    assert issubclass(ModelFileNotFoundError, FileNotFoundError)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("config.json", "config.json"),
+    ("model.safetensors", "safetensors"),
+    ("tokenizer.json", "tokenizer.json"),
+])
+def test_missing_file(folder, name, fragment):
+    (folder / name).unlink()
+    with expect(ModelFileNotFoundError, fragment, str(folder)):
+        load_model(folder, dtype="float32")
+
+
+def test_missing_shard(tmp_path, tiny_checkpoint):
+    from tests.model.tiny import save_checkpoint
+
+    folder = save_checkpoint(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path,
+                             max_shard_size="40KB")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.unlink()
+    with expect(ModelFileNotFoundError, shard.name):
+        load_model(folder, dtype="float32")
+
+
+def test_pickled_weights_are_refused(folder):
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with expect(UnsupportedModelError, "pickle"):
+        load_model(folder, dtype="float32")
+
+
+@pytest.mark.parametrize("keep_fraction", [0.5, 0.999])
+def test_truncated_safetensors(folder, keep_fraction):
+    weights = folder / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep_fraction))
+    with expect(CorruptCheckpointError, str(weights), "truncated"):
+        load_model(folder, dtype="float32")
+
+
+def test_missing_tensor(folder):
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with expect(MissingTensorError, "model.layers.1.self_attn.k_proj.weight"):
+        load_model(folder, dtype="float32")
+
+
+@pytest.fixture
+def tiny_gguf(tiny_checkpoint, tmp_path):
+    return write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "tiny.gguf")
+
+
+@pytest.mark.parametrize("keep_fraction", [0.02, 0.5, 0.999])
+def test_truncated_gguf(tiny_gguf, keep_fraction):
+    os.truncate(tiny_gguf, int(tiny_gguf.stat().st_size * keep_fraction))
+    with expect(CorruptCheckpointError, str(tiny_gguf), "truncated"):
+        load_model(tiny_gguf, dtype="float32")
+
+
+def test_not_a_gguf_file(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 this is a zip")
+    with expect(CorruptCheckpointError, "not a GGUF file"):
+        load_model(fake, dtype="float32")
+
+
+def test_unsupported_quantization(tiny_checkpoint, tmp_path):
+    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "q5.gguf",
+                      raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
+    with expect(UnsupportedModelError, "Q5_0", "blk.1.ffn_up.weight", str(path)):
+        load_model(path, dtype="float32")
+
+
+def test_other_file_types_are_refused(tmp_path):
+    other = tmp_path / "weights.pt"
+    other.write_bytes(b"\x80\x04")
+    with expect(ModelLoadError, "weights.pt", ".gguf"):
+        load_model(other, dtype="float32")
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("fp32") is torch.float32 is resolve_dtype(torch.float32)
+    assert resolve_dtype("bf16") is torch.bfloat16 is resolve_dtype("bfloat16")
+    assert resolve_dtype("float16") is torch.float16
+    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+    for bad in ("int8", "float64", torch.int64):
+        with pytest.raises(ValueError, match="dtype"):
+            resolve_dtype(bad)
