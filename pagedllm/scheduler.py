@@ -130,12 +130,13 @@ class Scheduler:
         if request.num_tokens > max_model_len:
             raise ValueError(f"the prompt has {request.num_tokens} tokens, more than the "
                              f"maximum context length of {max_model_len} tokens")
+        # Anything that could not run alone in an empty cache would wait (or preempt) forever.
         max_tokens = request.sampling_params.max_tokens or max_model_len
-        needed = min(request.num_tokens + max_tokens, max_model_len)
+        needed = min(request.num_prompt_tokens + max_tokens, max_model_len)
         capacity = self.kv_manager.max_tokens_per_request()
         if needed > capacity:
             raise ValueError(f"the request needs up to {needed} tokens of KV cache (prompt "
-                             f"{request.num_tokens} + max_tokens {max_tokens}, capped at "
+                             f"{request.num_prompt_tokens} + max_tokens {max_tokens}, capped at "
                              f"{max_model_len}), but the whole cache holds {capacity}")
 
     # -- one step ------------------------------------------------------------------------------
@@ -287,8 +288,7 @@ class Scheduler:
         if parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"can only fork a running request; {parent.request_id} is "
                              f"{parent.status.value}")
-        if child.request_id in self._requests:
-            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self._check_admissible(child)
         computed = parent.num_computed_tokens
         if child.num_tokens <= computed or child.token_ids[:computed] != parent.token_ids[:computed]:
             raise ValueError("a forked child must start with the parent's computed tokens "

@@ -1,0 +1,127 @@
+"""Test helpers: a simulated runner that stores "K/V" per physical slot, and invariant checks
+for the KV managers and the scheduler.
+
+The simulated K/V of a token is what real K/V depends on: the whole prefix up to and
+including it (plus the cache salt, so a cross-salt hit shows up as wrong content). After
+every write the runner reads each scheduled request's whole context back through its block
+table, so a wrong prefix hit, a missed copy-on-write or a block handed to two writers shows
+up as a content mismatch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagedllm.kv.contiguous import ContiguousKVManager
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.request import Request, RequestStatus
+from pagedllm.scheduler import Scheduler, SchedulerOutput
+
+
+def kv_content(request: Request, position: int) -> tuple:
+    return (request.cache_salt, tuple(request.token_ids[:position + 1]))
+
+
+class SimRunner:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, output: SchedulerOutput) -> None:
+        bs = self.block_size
+        for src, dst in output.block_copies:
+            self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
+        # Like a model layer: write every new token's K/V, then attend over the contexts.
+        for item in output.scheduled:
+            for pos, slot in zip(range(item.num_computed_tokens, item.num_context_tokens),
+                                 item.slot_ids(), strict=True):
+                self.slots[slot] = kv_content(item.request, pos)
+        for item in output.scheduled:
+            table = item.block_ids
+            for pos in range(item.num_context_tokens):
+                got = self.slots[table[pos // bs] * bs + pos % bs]
+                want = kv_content(item.request, pos)
+                assert got == want, (f"{item.request.request_id} position {pos}: "
+                                     f"read {got}, expected {want}")
+
+
+def check_paged_manager(manager: KVCacheManager) -> None:
+    pool = manager.pool
+    owners = Counter(b.block_id for t in manager._tables.values() for b in t.blocks)
+    num_free = 0
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], block
+        in_queue = block.prev_free is not None
+        assert in_queue == (block.ref_cnt == 0), block
+        num_free += block.ref_cnt == 0
+    assert num_free == pool.num_free_blocks == len(list(pool.free_queue))
+    assert num_free + len(owners) == manager.num_blocks
+    assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.is_cached)
+    assert pool.num_used_slots == sum(b.num_filled for b in pool.blocks if b.ref_cnt)
+    for block in pool.blocks:
+        if block.is_cached:
+            assert any(b is block for b in pool.cached_blocks(block.block_hash))
+            assert len(block.cache_tokens) == manager.block_size
+    assert sum(len(pool.cached_blocks(h)) for h in list(pool._cached)) == \
+        sum(1 for b in pool.blocks if b.is_cached)
+    for table in manager._tables.values():
+        assert table.ids == [b.block_id for b in table.blocks]
+        assert len(set(table.ids)) == len(table.ids)
+    if not manager.enable_prefix_caching:
+        assert not any(b.is_cached for b in pool.blocks)
+
+
+def check_contiguous_manager(manager: ContiguousKVManager) -> None:
+    spans = sorted([(r.start, r.num_blocks) for r in manager._reservations.values()]
+                   + manager.free_runs)
+    position = 0
+    for start, length in spans:  # reservations and free runs tile [0, num_blocks) exactly
+        assert start == position and length > 0, spans
+        position += length
+    assert position == manager.num_blocks
+    runs = manager.free_runs
+    assert all(a[0] + a[1] < b[0] for a, b in zip(runs, runs[1:])), runs  # merged
+    assert manager.stats().num_free_blocks == sum(length for _, length in runs)
+
+
+def check_manager(manager) -> None:
+    if isinstance(manager, KVCacheManager):
+        check_paged_manager(manager)
+    else:
+        check_contiguous_manager(manager)
+
+
+def check_scheduler(scheduler: Scheduler) -> None:
+    manager = scheduler.kv_manager
+    check_manager(manager)
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    assert len({id(r) for r in running + waiting}) == len(running) + len(waiting)
+    assert {r.request_id for r in running + waiting} == set(scheduler._requests)
+    for request in running:
+        assert request.status is RequestStatus.RUNNING
+        assert manager.block_ids(request)
+        assert request.num_computed_tokens <= request.num_tokens
+    for request in waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.num_computed_tokens == 0 and not manager.block_ids(request)
+
+
+def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    config, manager = scheduler.config, scheduler.kv_manager
+    assert len(output.scheduled) <= config.max_num_seqs
+    assert output.num_batched_tokens == sum(s.num_new_tokens for s in output.scheduled)
+    assert output.num_batched_tokens <= config.max_num_batched_tokens
+    assert len({id(s.request) for s in output.scheduled}) == len(output.scheduled)
+    written: set[int] = set()
+    for item in output.scheduled:
+        assert item.num_new_tokens >= 1
+        assert item.num_context_tokens <= item.request.num_tokens
+        assert item.block_ids is manager.block_ids(item.request)  # the live list
+        slots = item.slot_ids()
+        assert written.isdisjoint(slots), "two requests write the same slot"
+        written.update(slots)
+        if isinstance(manager, KVCacheManager):
+            for block_id in {slot // manager.block_size for slot in slots}:
+                assert manager.pool.blocks[block_id].ref_cnt == 1, "write to a shared block"
+    for src, dst in output.block_copies:
+        assert src != dst
