@@ -120,9 +120,11 @@ def _batched_decode_attention(
     num_blocks = -(-max_len // block_size)
     rows = torch.tensor(decodes, device=query.device)
     # Unused table entries may hold any filler; clamp so the gather stays in bounds (masked out).
-    block_ids = attn_metadata.block_tables[rows, :num_blocks].long().clamp_(min=0)
-    key = key_cache[block_ids].flatten(1, 2)  # [N, num_blocks * block_size, Hkv, D]
-    value = value_cache[block_ids].flatten(1, 2)
+    block_ids = attn_metadata.block_tables[rows, :num_blocks].long().clamp_(min=0).flatten()
+    # index_select on the flat list is several times faster than advanced indexing here.
+    padded_shape = (len(decodes), num_blocks * block_size, *key_cache.shape[2:])
+    key = key_cache.index_select(0, block_ids).view(padded_shape)
+    value = value_cache.index_select(0, block_ids).view(padded_shape)
     key_pos = torch.arange(key.shape[1], device=query.device)[None, :]
     lens = torch.tensor(ctx_lens, device=query.device)[:, None]
     mask = key_pos < lens
