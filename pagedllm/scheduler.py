@@ -125,10 +125,10 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_tokens == 0:
+        if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty; at least one token is needed")
-        if request.num_tokens > max_model_len:
-            raise ValueError(f"the prompt has {request.num_tokens} tokens, more than the "
+        if request.num_prompt_tokens > max_model_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than the "
                              f"maximum context length of {max_model_len} tokens")
         # Anything that could not run alone in an empty cache would wait (or preempt) forever.
         max_tokens = request.sampling_params.max_tokens or max_model_len
@@ -230,7 +230,7 @@ class Scheduler:
                 raise ValueError(f"no sampled token for {request.request_id}, whose step "
                                  "reached the end of its tokens")
             request.append_token(token)
-            status = self._stop_status(request, token)
+            status = self.stop_status(request, token)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -238,7 +238,9 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """The finished status a request reaches by having just appended `token`, if any
+        (a stop token id also becomes request.stop_reason)."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
