@@ -33,25 +33,6 @@ def hf_tokenizer(default_model_path):
         default_model_path.parent, gguf_file=default_model_path.name)
 
 
-@pytest.fixture(scope="session")
-def hf_model(default_model_path):
-    """transformers' Llama holding the GGUF's weights dequantized to float32 and converted by
-    transformers' own GGUF code (what from_pretrained(gguf_file=...) does, which would also need
-    accelerate installed)."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(
-        str(default_model_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected  # lm_head is tied
-    model.tie_weights()
-    return model.eval()
-
-
 def test_config_from_gguf(default_model):
     config = default_model.config
     shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
@@ -103,7 +84,7 @@ def test_detokenizer_never_emits_half_a_character(default_model):
 
 
 @torch.inference_mode()
-def test_greedy_matches_transformers(default_model, hf_model):
+def test_greedy_matches_transformers(default_model, hf_default_model):
     tokenizer = default_model.tokenizer
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompts = [
@@ -114,7 +95,7 @@ def test_greedy_matches_transformers(default_model, hf_model):
     ]
     ours = greedy_generate(default_model.model, prompts, max_new_tokens=32, block_size=4)
     for prompt, generated in zip(prompts, ours):
-        expected = hf_model.generate(
+        expected = hf_default_model.generate(
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, top_p=None, top_k=None,
             temperature=None)[0, len(prompt):].tolist()
         # transformers stops at EOS; compare up to where it stopped.
