@@ -226,9 +226,9 @@ class LlamaForCausalLM(nn.Module):
         """
         missing = sorted(set(hf_tensor_names(config)) - names)
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
-                                              else "")
-            raise MissingTensorError(f"the weights lack {len(missing)} tensors: {shown}")
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise MissingTensorError(
+                f"the weights lack {len(missing)} tensors: {', '.join(missing[:5])}{more}")
         # Built on the meta device: no memory or random init for weights about to be replaced.
         # (The rotary frequencies are built on the CPU explicitly, so they survive this.)
         with torch.device("meta"):

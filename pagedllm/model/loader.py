@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.model.config import ModelConfig, parse_dtype_name
 from pagedllm.model.errors import (
     CorruptCheckpointError,
+    MissingTensorError,
     ModelFileNotFoundError,
     ModelLoadError,
     UnsupportedModelError,
@@ -96,8 +98,9 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     config = checkpoint.model_config()
     checkpoint.check_types()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
-    model = LlamaForCausalLM.from_hf_tensors(
-        config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype)
+    with _naming(path):
+        model = LlamaForCausalLM.from_hf_tensors(
+            config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
@@ -116,9 +119,18 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     if not (folder / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
-    with SafetensorsWeights(folder) as weights:
+    with SafetensorsWeights(folder) as weights, _naming(folder):
         model = LlamaForCausalLM.from_hf_tensors(config, weights.names, weights.get, dtype)
     return LoadedModel(model, model.config, tokenizer, folder)
+
+
+@contextmanager
+def _naming(path: Path):
+    """Prefix the path to errors raised where it is not known."""
+    try:
+        yield
+    except MissingTensorError as exc:
+        raise MissingTensorError(f"{path}: {exc}") from None
 
 
 class SafetensorsWeights:

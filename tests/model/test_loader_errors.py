@@ -104,7 +104,7 @@ def test_missing_tensor(folder):
     tensors = load_file(weights)
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, weights, metadata={"format": "pt"})
-    with expect(MissingTensorError, "model.layers.1.self_attn.k_proj.weight"):
+    with expect(MissingTensorError, "model.layers.1.self_attn.k_proj.weight", str(folder)):
         load_model(folder, dtype="float32")
 
 
