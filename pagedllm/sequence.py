@@ -56,6 +56,9 @@ class SequenceState:
         self.cumulative_logprob += lp.logprob
 
     def finish(self, status: RequestStatus) -> None:
+        if self.stop_reason is None or not isinstance(self.stop_reason, str):
+            # Text held back for an unfinished UTF-8 character is final now.
+            self.text += self.detokenizer.flush()
         self.finish_reason = status.value
         if status == RequestStatus.FINISHED_STOPPED and self.stop_reason is None:
             last = self.request.token_ids[-1] if self.request.num_output_tokens else None

@@ -79,18 +79,9 @@ def default_model(default_model_path):
 
 @pytest.fixture(scope="session")
 def hf_default_model(default_model_path):
-    """transformers' Llama holding the default GGUF's weights, dequantized to float32 and
-    converted by transformers' own GGUF code: what from_pretrained(gguf_file=...) does, which
-    would also need accelerate installed."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """transformers' Llama holding the default GGUF's weights, dequantized to float32 by
+    transformers' own GGUF conversion."""
+    pytest.importorskip("transformers")
+    from pagedllm.bench.hf_model import load_hf_model
 
-    config = transformers.AutoConfig.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(
-        str(default_model_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected  # lm_head is tied
-    model.tie_weights()
-    return model.eval()
+    return load_hf_model(default_model_path, torch.float32)

@@ -65,15 +65,11 @@ def run_hf_baseline(engine: LLMEngine, workload: list[BenchRequest], batch_size:
     """transformers `generate`, static batches with left padding: a batch runs until its longest
     request is done, and only each request's own max_tokens count as useful output."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from pagedllm.bench.hf_model import load_hf_model
 
     started = time.time()
-    path = engine.model_path
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=engine.dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=engine.dtype)
-    model.eval()
+    model = load_hf_model(engine.model_path, engine.dtype)
     load_s = time.time() - started
     batch_size = batch_size or len(workload)
     pad_id = engine.tokenizer.eos_token_id or 0
