@@ -60,10 +60,8 @@ class SequenceState:
             # Text held back for an unfinished UTF-8 character is final now.
             self.text += self.detokenizer.flush()
         self.finish_reason = status.value
-        if status == RequestStatus.FINISHED_STOPPED and self.stop_reason is None:
-            last = self.request.token_ids[-1] if self.request.num_output_tokens else None
-            if last is not None and last != self.request.eos_token_id:
-                self.stop_reason = last
+        if self.stop_reason is None:
+            self.stop_reason = self.request.stop_reason  # the stop token id, if one ended it
 
     def to_output(self) -> CompletionOutput:
         finished = self.finish_reason is not None
