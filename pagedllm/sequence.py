@@ -56,7 +56,7 @@ class SequenceState:
         self.cumulative_logprob += lp.logprob
 
     def finish(self, status: RequestStatus) -> None:
-        if self.stop_reason is None or not isinstance(self.stop_reason, str):
+        if not isinstance(self.stop_reason, str):
             # Text held back for an unfinished UTF-8 character is final now.
             self.text += self.detokenizer.flush()
         self.finish_reason = status.value
