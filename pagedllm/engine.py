@@ -145,6 +145,10 @@ class LLMEngine:
         self._seqs[request_id] = (group, group.seqs[0])
         self.num_prompt_tokens_total += len(token_ids)
 
+    def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        """The checked token ids of a prompt (ValueError if empty, out of vocabulary or too long)."""
+        return self._tokenize(prompt)[1]
+
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -51,6 +51,14 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: PromptInput | list[PromptInput], beam_width: int,
+                    max_tokens: int, length_penalty: float = 1.0) -> list:
+        """Beam search; returns one BeamSearchOutput (sequences best first) per prompt."""
+        from pagedllm.beam_search import BeamSearch
+
+        token_lists = [self.engine.prompt_token_ids(p) for p in _as_list(prompts)]
+        return BeamSearch(self.engine, beam_width, max_tokens, length_penalty).run(token_lists)
+
     def memory_stats(self) -> dict:
         return self.engine.memory_stats()
 
