@@ -84,6 +84,9 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.last_step_num_requests = 0
+        # The request ids the current (or last) step scheduled; None while unknown, so that a
+        # caller catching a failed step can fail just those requests (None: all of them).
+        self.step_request_ids: list[str] | None = None
         self.startup_s = time.monotonic() - started
         self._log_memory_plan()
 
@@ -216,7 +219,10 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.step_request_ids = None
         out = self.scheduler.schedule()
+        self.step_request_ids = list(dict.fromkeys(
+            self._seqs[s.request.request_id][0].request_id for s in out.scheduled))
         self.last_step_num_requests = len(out.scheduled)
         self.runner.drop_requests(out.finished + out.preempted)
         if not out.scheduled:
