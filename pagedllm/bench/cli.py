@@ -12,6 +12,10 @@ BENCHES = {
     "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
     "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
     "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
+    "attention": ("pagedllm.bench.attention",
+                  "the price of paging: attention over paged blocks vs contiguous KV, and _prepare"),
+    "block-size": ("pagedllm.bench.block_size",
+                   "sweep block sizes on one workload: waste, throughput, attention time share"),
 }
 # Benches that talk to a server take no engine flags.
 CLIENT_ONLY = {"serve"}

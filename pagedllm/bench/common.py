@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -96,3 +99,70 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+
+
+@contextlib.contextmanager
+def shared_model_loads():
+    """Engines made inside load each (path, dtype) once: a bench that builds one engine per
+    setting (layout, block size) reuses the weights. The model holds no per-engine state; the
+    KV cache belongs to each engine's runner."""
+    import pagedllm.engine as engine_module
+
+    original = engine_module.load_model
+    loaded: dict = {}
+
+    def load_once(path=None, dtype="auto"):
+        key = (str(path), str(dtype))
+        if key not in loaded:
+            loaded[key] = original(path, dtype)
+        return loaded[key]
+
+    engine_module.load_model = load_once
+    try:
+        yield
+    finally:
+        engine_module.load_model = original
+
+
+@dataclass
+class CallTimer:
+    """Wall time and calls spent in one function, summed."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    _depth: int = 0  # a wrapped call reached again inside itself (a dispatcher) counts once
+
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.calls += 1
+                self._depth -= 1
+        return timed
+
+
+@contextlib.contextmanager
+def timed_functions(*functions):
+    """Time every call of the given functions, wherever they are called from: each module that
+    imported one by name (`from pagedllm.attention import paged_attention`) gets a timing wrapper
+    under that name until the block ends. Yields one CallTimer per function, in order."""
+    timers = [CallTimer() for _ in functions]
+    patched = []
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            for fn, timer in zip(functions, timers):
+                if value is fn and not name.startswith("__"):
+                    patched.append((module, name, value))
+                    setattr(module, name, timer.wrap(fn))
+    try:
+        yield timers
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)

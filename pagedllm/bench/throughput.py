@@ -39,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
     if args.baseline == "hf":
         hf = run_hf_baseline(engine, workload, args.hf_batch_size)
         payload["hf"] = hf
-        payload["ratio_output_tokens_per_s"] = round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
+        payload["ratio_output_tokens_per_s"] = round(
+            ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
         rows.append(_row(hf))
     print_table(f"Offline throughput: {payload['workload']}", ["system", "dtype", "req/s", "out tok/s",
                 "total tok/s", "time s", "start-up s", "peak RSS MiB"], rows)

@@ -1,0 +1,345 @@
+"""`pagedllm bench attention`: the price of paging itself.
+
+The same attention runs twice on the same numbers: once through `paged_attention` over KV cut
+into blocks whose physical order is shuffled (so every block-table lookup is a real jump), and
+once as `F.scaled_dot_product_attention` over that KV laid out contiguously as [B, H, L, D], the
+layout a traditional engine keeps. Decode (one new token per request, every request at the same
+context length) and prefill (the whole context is new, causal) are measured separately. Each
+paging implementation the attention module offers is measured (the active one behind the public
+`paged_attention`, and the torch reference when it is a different function).
+
+It also times what paging costs outside the kernel: the runner's per-step building of the
+block-table and slot-mapping tensors (`ModelRunner._prepare`, with its persistent BlockTable).
+
+Overhead = paged time / contiguous time - 1. The vLLM paper reports 20-26% for its GPU kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+import pagedllm.attention as attention
+from pagedllm.attention import torch_ref
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.bench.common import print_table, write_json
+
+# SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
+DEFAULT_SHAPE = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30}
+PAPER_OVERHEAD_PCT = "20-26% (vLLM paper, GPU kernel)"
+
+
+@dataclass
+class Case:
+    """One batch of `batch` requests with `context_len` tokens each, in both layouts."""
+
+    mode: str  # "decode" or "prefill"
+    batch: int
+    context_len: int
+    query: torch.Tensor  # [T, Hq, D], the model's flat batch
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], blocks in shuffled order
+    value_cache: torch.Tensor
+    meta: AttentionMetadata
+    query_contiguous: torch.Tensor  # [B, Hq, q_len, D]
+    key_contiguous: torch.Tensor  # [B, Hkv, L, D]
+    value_contiguous: torch.Tensor
+    scale: float
+
+
+def parse_int_list(text: str) -> list[int]:
+    """"256,1k,32k" -> [256, 1024, 32768]."""
+    values = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        factor = 1024 if item.endswith("k") else 1
+        try:
+            value = int(item.removesuffix("k")) * factor
+        except ValueError:
+            raise ValueError(f"expected a comma-separated list of positive integers like 256,1k,32k; "
+                             f"got {text!r}") from None
+        if value < 1:
+            raise ValueError(f"list values must be positive; got {text!r}")
+        values.append(value)
+    return values
+
+
+def shuffled_block_tables(batch: int, blocks_per_seq: int, seed: int) -> torch.Tensor:
+    """[batch, blocks_per_seq] int32: every physical block used once, in a random order."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(batch * blocks_per_seq, generator=generator).view(
+        batch, blocks_per_seq).to(torch.int32)
+
+
+def to_paged(kv: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cut contiguous KV [B, L, Hkv, D] into blocks placed as block_tables says:
+    returns a cache [B * blocks_per_seq, block_size, Hkv, D]."""
+    batch, length, num_kv_heads, head_dim = kv.shape
+    blocks_per_seq = block_tables.shape[1]
+    padded = kv.new_zeros(batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
+    padded[:, :length] = kv
+    cache = torch.empty(batch * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype=kv.dtype)
+    cache[block_tables.flatten().long()] = padded.view(-1, block_size, num_kv_heads, head_dim)
+    return cache
+
+
+def paged_metadata(block_tables: torch.Tensor, context_len: int, query_len: int,
+                   block_size: int) -> AttentionMetadata:
+    """Each request has context_len tokens of which the last query_len are new this step."""
+    batch = block_tables.shape[0]
+    positions = torch.arange(context_len - query_len, context_len)
+    blocks = block_tables[:, positions // block_size].long()  # [B, query_len]
+    slot_mapping = (blocks * block_size + positions % block_size).flatten()
+    query_start_loc = [b * query_len for b in range(batch + 1)]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, block_tables=block_tables,
+        seq_lens=torch.full((batch,), context_len, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens_cpu=[context_len] * batch, query_start_loc_cpu=query_start_loc)
+
+
+def make_case(mode: str, batch: int, context_len: int, *, num_heads: int, num_kv_heads: int,
+              head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0) -> Case:
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"mode must be 'decode' or 'prefill'; got {mode!r}")
+    query_len = 1 if mode == "decode" else context_len
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    key, value = randn(batch, context_len, num_kv_heads, head_dim), randn(batch, context_len,
+                                                                          num_kv_heads, head_dim)
+    query = randn(batch * query_len, num_heads, head_dim)
+    tables = shuffled_block_tables(batch, -(-context_len // block_size), seed)
+    return Case(
+        mode=mode, batch=batch, context_len=context_len, query=query,
+        key_cache=to_paged(key, tables, block_size), value_cache=to_paged(value, tables, block_size),
+        meta=paged_metadata(tables, context_len, query_len, block_size),
+        query_contiguous=query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous(),
+        key_contiguous=key.transpose(1, 2).contiguous(),
+        value_contiguous=value.transpose(1, 2).contiguous(),
+        scale=head_dim**-0.5)
+
+
+def run_paged(case: Case, impl) -> torch.Tensor:
+    return impl(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+
+
+def run_contiguous(case: Case) -> torch.Tensor:
+    """The same attention with no paging: one SDPA call over [B, H, L, D]."""
+    return F.scaled_dot_product_attention(
+        case.query_contiguous, case.key_contiguous, case.value_contiguous,
+        is_causal=case.mode == "prefill", scale=case.scale, enable_gqa=True)
+
+
+def contiguous_as_flat(out: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, q_len, D] -> the flat [B * q_len, Hq, D] the paged call returns."""
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+def implementations() -> dict[str, object]:
+    """Paged attention implementations to measure: the public one first, named by what is
+    behind it, then the torch reference if the public one is something else."""
+    active = attention.paged_attention
+    impls = {implementation_name(active): active}
+    if active is not torch_ref.paged_attention:
+        impls["torch_ref"] = torch_ref.paged_attention
+    return impls
+
+
+def implementation_name(fn) -> str:
+    if fn is torch_ref.paged_attention:
+        return "torch_ref"
+    name = getattr(fn, "implementation", None) or getattr(fn, "__name__", "paged_attention")
+    module = getattr(fn, "__module__", "") or ""
+    return f"{module.rsplit('.', 1)[-1]}.{name}" if module else str(name)
+
+
+def time_call(fn, min_time_s: float, max_reps: int) -> tuple[float, int]:
+    """Median seconds of fn() after one warm-up call; repeats until min_time_s or max_reps."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 3 or (spent < min_time_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
+    return statistics.median(times), len(times)
+
+
+def overhead_pct(paged_s: float, contiguous_s: float) -> float:
+    return round(100.0 * (paged_s / contiguous_s - 1.0), 1)
+
+
+# -- the runner's per-step metadata ---------------------------------------------------------
+
+def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
+    """A ModelRunner whose _prepare builds the step tensors for batch requests at context_len,
+    plus the scheduled items for one step. _prepare touches no KV memory, so the runner gets a
+    stub model with one single-block layer."""
+    from pagedllm.runner import ModelRunner
+    from pagedllm.scheduler import ScheduledRequest
+
+    stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
+                                                  head_dim=1))
+    runner = ModelRunner(stub, num_blocks=1, block_size=block_size, max_num_seqs=batch,
+                         max_num_batched_tokens=batch * query_len, max_model_len=context_len,
+                         kv_dtype=torch.float32)
+    tables = shuffled_block_tables(batch, -(-context_len // block_size), seed=1).tolist()
+    scheduled = []
+    for b in range(batch):
+        request = SimpleNamespace(request_id=f"r{b}", token_ids=[1] * context_len,
+                                  num_tokens=context_len)
+        scheduled.append(ScheduledRequest(request, query_len, context_len - query_len, tables[b],
+                                          block_size))
+    return runner, scheduled
+
+
+def time_prepare(batch: int, context_len: int, block_size: int, query_len: int,
+                 min_time_s: float, max_reps: int) -> dict:
+    """Per-step cost of building input ids, positions, slot mapping and block tables. The first
+    call fills each request's block-table row; later calls are the steady state, where only the
+    newest block of each row is rewritten."""
+    runner, scheduled = make_prepare_runner(batch, context_len, block_size, query_len)
+    t0 = time.perf_counter()
+    runner._prepare(scheduled)
+    first_s = time.perf_counter() - t0
+    steady_s, _ = time_call(lambda: runner._prepare(scheduled), min_time_s, max_reps)
+    return {"prepare_first_ms": round(first_s * 1e3, 4), "prepare_ms": round(steady_s * 1e3, 4)}
+
+
+# -- the command --------------------------------------------------------------------------------
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default="decode,prefill", help="decode, prefill or both")
+    parser.add_argument("--contexts", default="256,1k,4k,16k,32k",
+                        help="context lengths in tokens (e.g. 256,1k,32k)")
+    parser.add_argument("--batches", default="1,8,64", help="batch sizes (requests)")
+    parser.add_argument("--max-decode-tokens", default="256k",
+                        help="skip decode cases whose batch x context is over this (KV memory)")
+    parser.add_argument("--max-prefill-tokens", default="4k",
+                        help="skip prefill cases whose batch x context is over this (quadratic time)")
+    parser.add_argument("--num-heads", type=int, default=DEFAULT_SHAPE["num_heads"])
+    parser.add_argument("--num-kv-heads", type=int, default=DEFAULT_SHAPE["num_kv_heads"])
+    parser.add_argument("--head-dim", type=int, default=DEFAULT_SHAPE["head_dim"])
+    parser.add_argument("--num-layers", type=int, default=DEFAULT_SHAPE["num_layers"],
+                        help="layers per step, to put _prepare's per-step cost next to attention's")
+    parser.add_argument("--min-time", type=float, default=0.3,
+                        help="seconds to spend timing each call (median of the repeats)")
+    parser.add_argument("--max-reps", type=int, default=50)
+    parser.set_defaults(func=main)
+
+
+def grid(modes: list[str], contexts: list[int], batches: list[int], max_decode_tokens: int,
+         max_prefill_tokens: int) -> list[tuple[str, int, int]]:
+    """(mode, batch, context) cases, skipping those over the token caps."""
+    cap = {"decode": max_decode_tokens, "prefill": max_prefill_tokens}
+    return [(mode, batch, ctx) for mode in modes for ctx in contexts for batch in batches
+            if batch * ctx <= cap[mode]]
+
+
+def measure_case(case: Case, impls: dict, min_time_s: float, max_reps: int) -> dict:
+    contiguous_s, reps = time_call(lambda: run_contiguous(case), min_time_s, max_reps)
+    reference = contiguous_as_flat(run_contiguous(case)).float()
+    row = {"mode": case.mode, "batch": case.batch, "context_len": case.context_len,
+           "contiguous_ms": round(contiguous_s * 1e3, 4), "contiguous_reps": reps, "paged": {}}
+    for name, impl in impls.items():
+        paged_s, reps = time_call(lambda impl=impl: run_paged(case, impl), min_time_s, max_reps)
+        error = (run_paged(case, impl).float() - reference).abs().max().item()
+        row["paged"][name] = {"ms": round(paged_s * 1e3, 4), "reps": reps,
+                              "overhead_pct": overhead_pct(paged_s, contiguous_s),
+                              "max_abs_diff": float(f"{error:.3g}")}
+    return row
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm.model.loader import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in ("decode", "prefill"):
+            raise ValueError(f"--modes takes decode and/or prefill; got {mode!r}")
+    cases = grid(modes, parse_int_list(args.contexts), parse_int_list(args.batches),
+                 parse_int_list(args.max_decode_tokens)[0], parse_int_list(args.max_prefill_tokens)[0])
+    impls = implementations()
+    shape = {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads,
+             "head_dim": args.head_dim}
+    rows = []
+    torch.manual_seed(args.seed)
+    for mode, batch, ctx in cases:
+        case = make_case(mode, batch, ctx, **shape, block_size=args.block_size, dtype=dtype,
+                         seed=args.seed)
+        row = measure_case(case, impls, args.min_time, args.max_reps)
+        del case
+        query_len = 1 if mode == "decode" else ctx
+        row.update(time_prepare(batch, ctx, args.block_size, query_len, args.min_time / 3,
+                                args.max_reps))
+        active = row["paged"][next(iter(impls))]["ms"]
+        row["prepare_pct_of_step_attention"] = round(
+            100.0 * row["prepare_ms"] / (args.num_layers * active), 2)
+        rows.append(row)
+        _print_row(row)
+    payload = {"implementations": list(impls), "active_implementation": next(iter(impls)),
+               "dtype": str(dtype).removeprefix("torch."), "block_size": args.block_size,
+               "num_threads": torch.get_num_threads(), **shape, "num_layers": args.num_layers,
+               "paper_overhead": PAPER_OVERHEAD_PCT, "summary": summarize(rows, list(impls)),
+               "cases": rows}
+    _print(payload)
+    write_json(args.output_json, payload)
+    return 0
+
+
+def summarize(rows: list[dict], impl_names: list[str]) -> dict:
+    """Per implementation and mode: the geometric mean of paged / contiguous over the cases,
+    as an overhead percentage, and the range."""
+    summary: dict = {}
+    for name in impl_names:
+        for mode in ("decode", "prefill"):
+            ratios = [r["paged"][name]["ms"] / r["contiguous_ms"] for r in rows
+                      if r["mode"] == mode and r["contiguous_ms"] > 0]
+            if not ratios:
+                continue
+            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            summary.setdefault(name, {})[mode] = {
+                "geomean_overhead_pct": round(100.0 * (geo - 1.0), 1),
+                "min_overhead_pct": round(100.0 * (min(ratios) - 1.0), 1),
+                "max_overhead_pct": round(100.0 * (max(ratios) - 1.0), 1),
+                "num_cases": len(ratios)}
+    return summary
+
+
+def _print_row(row: dict) -> None:
+    paged = ", ".join(f"{name} {p['ms']} ms ({p['overhead_pct']:+}%)" for name, p in row["paged"].items())
+    print(f"{row['mode']:7} B={row['batch']:<3} L={row['context_len']:<6} contiguous "
+          f"{row['contiguous_ms']} ms; paged {paged}; _prepare {row['prepare_ms']} ms", flush=True)
+
+
+def _print(p: dict) -> None:
+    header = ["mode", "batch", "context", "contiguous ms"]
+    for name in p["implementations"]:
+        header += [f"{name} ms", "overhead", "max |diff|"]
+    header += ["_prepare ms", "_prepare / step attn"]
+    rows = []
+    for r in p["cases"]:
+        row = [r["mode"], r["batch"], r["context_len"], r["contiguous_ms"]]
+        for name in p["implementations"]:
+            q = r["paged"][name]
+            row += [q["ms"], f"{q['overhead_pct']:+}%", q["max_abs_diff"]]
+        row += [r["prepare_ms"], f"{r['prepare_pct_of_step_attention']}%"]
+        rows.append(row)
+    print_table(f"Attention over paged vs contiguous KV ({p['dtype']}, block {p['block_size']}, "
+                f"{p['num_threads']} threads; active: {p['active_implementation']})", header, rows)
+    for name, modes in p["summary"].items():
+        for mode, s in modes.items():
+            print(f"{name} {mode}: paging overhead {s['geomean_overhead_pct']:+}% (geometric mean "
+                  f"of {s['num_cases']} cases; {s['min_overhead_pct']:+}% to {s['max_overhead_pct']:+}%)")
+    print(f"vLLM paper: {p['paper_overhead']}")

@@ -1,0 +1,100 @@
+"""The attention bench's set-up on small exact cases: the paged and contiguous inputs hold the
+same numbers, the metadata is the runner's, and the overhead arithmetic (timings are the bench's job)."""
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.attention import torch_ref
+from pagedllm.bench import attention as bench
+from tests.conftest import build_attn_metadata
+
+SHAPE = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+
+
+def test_parse_int_list_takes_k_suffixes_and_rejects_junk():
+    assert bench.parse_int_list("256, 1k,32K") == [256, 1024, 32768]
+    for bad in ("", "0", "ten", "1,-2"):
+        with pytest.raises(ValueError, match="positive"):
+            bench.parse_int_list(bad)
+
+
+def test_shuffled_block_tables_use_every_block_once_out_of_order():
+    tables = bench.shuffled_block_tables(batch=4, blocks_per_seq=8, seed=3)
+    assert tables.shape == (4, 8) and tables.dtype == torch.int32
+    assert sorted(tables.flatten().tolist()) == list(range(32))
+    assert tables.flatten().tolist() != list(range(32))  # shuffled: paging is real
+    assert torch.equal(tables, bench.shuffled_block_tables(4, 8, seed=3))
+
+
+def test_to_paged_puts_each_tokens_kv_where_the_block_table_says():
+    kv = torch.randn(3, 21, 2, 8)  # 21 tokens: the last of 3 blocks of 8 is partial
+    tables = bench.shuffled_block_tables(3, 3, seed=0)
+    cache = bench.to_paged(kv, tables, block_size=8)
+    assert cache.shape == (9, 8, 2, 8)
+    for b in range(3):
+        for pos in range(21):
+            block = tables[b, pos // 8].item()
+            assert torch.equal(cache[block, pos % 8], kv[b, pos])
+
+
+@pytest.mark.parametrize("mode,context_len", [("decode", 37), ("prefill", 19)])
+def test_metadata_is_what_the_runner_layout_gives(mode, context_len):
+    tables = bench.shuffled_block_tables(2, -(-context_len // 8), seed=1)
+    query_len = 1 if mode == "decode" else context_len
+    meta = bench.paged_metadata(tables, context_len, query_len, block_size=8)
+    expected, _ = build_attn_metadata(
+        [(context_len - query_len, query_len, tables[b].tolist()) for b in range(2)], block_size=8)
+    assert torch.equal(meta.slot_mapping, expected.slot_mapping)
+    assert meta.seq_lens_cpu == expected.seq_lens_cpu
+    assert meta.query_start_loc_cpu == expected.query_start_loc_cpu
+    assert torch.equal(meta.block_tables, expected.block_tables)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_paged_and_contiguous_compute_the_same_attention(mode):
+    case = bench.make_case(mode, batch=3, context_len=45, **SHAPE, block_size=8,
+                           dtype=torch.float32, seed=2)
+    assert case.query.shape[0] == (3 if mode == "decode" else 3 * 45)
+    paged = bench.run_paged(case, torch_ref.paged_attention)
+    contiguous = bench.contiguous_as_flat(bench.run_contiguous(case))
+    torch.testing.assert_close(paged, contiguous, atol=1e-5, rtol=1e-5)
+
+
+def test_the_runner_prepare_builds_the_same_slots_and_tables():
+    block_size, batch, context_len = 8, 3, 30
+    runner, scheduled = bench.make_prepare_runner(batch, context_len, block_size, query_len=1)
+    _, positions, meta = runner._prepare(scheduled)
+    assert positions.tolist() == [context_len - 1] * batch
+    tables = torch.tensor([s.block_ids for s in scheduled], dtype=torch.int32)
+    expected = bench.paged_metadata(tables, context_len, 1, block_size)
+    assert torch.equal(meta.slot_mapping, expected.slot_mapping)
+    assert torch.equal(meta.block_tables, expected.block_tables)
+
+
+def test_grid_skips_cases_over_the_token_caps():
+    cases = bench.grid(["decode", "prefill"], [256, 4096], [1, 64], max_decode_tokens=64 * 256,
+                       max_prefill_tokens=4096)
+    assert cases == [("decode", 1, 256), ("decode", 64, 256), ("decode", 1, 4096),
+                     ("prefill", 1, 256), ("prefill", 1, 4096)]
+
+
+def test_overhead_and_its_geometric_mean():
+    assert bench.overhead_pct(1.25, 1.0) == 25.0
+    assert bench.overhead_pct(0.9, 1.0) == -10.0
+    rows = [{"mode": "decode", "contiguous_ms": 1.0, "paged": {"x": {"ms": 2.0}}},
+            {"mode": "decode", "contiguous_ms": 4.0, "paged": {"x": {"ms": 2.0}}},
+            {"mode": "prefill", "contiguous_ms": 1.0, "paged": {"x": {"ms": 1.2}}}]
+    summary = bench.summarize(rows, ["x"])
+    assert summary["x"]["decode"] == {"geomean_overhead_pct": 0.0, "min_overhead_pct": -50.0,
+                                      "max_overhead_pct": 100.0, "num_cases": 2}
+    assert math.isclose(summary["x"]["prefill"]["geomean_overhead_pct"], 20.0)
+
+
+def test_implementations_name_the_active_one_first_and_keep_the_reference():
+    impls = bench.implementations()
+    names = list(impls)
+    assert impls[names[0]] is bench.attention.paged_attention
+    assert impls.get("torch_ref", torch_ref.paged_attention) is torch_ref.paged_attention
+    assert "torch_ref" in names
