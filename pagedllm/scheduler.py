@@ -292,7 +292,8 @@ class Scheduler:
                              f"{parent.status.value}")
         self._check_admissible(child)
         computed = parent.num_computed_tokens
-        if child.num_tokens <= computed or child.token_ids[:computed] != parent.token_ids[:computed]:
+        shares_prefix = child.token_ids[:computed] == parent.token_ids[:computed]
+        if child.num_tokens <= computed or not shares_prefix:
             raise ValueError("a forked child must start with the parent's computed tokens "
                              "and have at least one more")
         self._requests[child.request_id] = child

@@ -363,3 +363,16 @@ def test_a_missing_sample_is_an_error_not_a_stuck_request():
     scheduler.add_request(req("a", 3))
     with pytest.raises(ValueError, match="no sampled token"):
         scheduler.update_from_output(scheduler.schedule(), {})
+
+
+def test_the_overhead_benchmark_runs_and_reports(tmp_path, capsys):
+    from pagedllm.bench import scheduler_overhead
+
+    report = scheduler_overhead.run(num_requests=4, context_lens=(16, 64), block_size=4, steps=6,
+                                    prefix_caching=True)
+    assert [r["context_len"] for r in report["results"]] == [16, 64]
+    assert all(r["num_preemptions"] == 0 and r["total"]["p50_us"] > 0 for r in report["results"])
+    path = tmp_path / "overhead.json"
+    assert scheduler_overhead.main(["--num-requests", "2", "--context-lens", "8,32", "--steps",
+                                    "3", "--output-json", str(path)]) == 0
+    assert "context" in capsys.readouterr().out and path.exists()

@@ -141,11 +141,20 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if table is None:
             return self._allocate_first(request, num_new_tokens, prefix_hit or NO_HIT)
-        self._cache_computed_blocks(request, table)
+        bs = self.block_size
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        if self.enable_prefix_caching and start // bs > table.num_cached:
+            self._cache_computed_blocks(request, table)
+        blocks = table.blocks
+        tail_start = (len(blocks) - 1) * bs
+        if blocks and tail_start <= start and end <= tail_start + bs and blocks[-1].ref_cnt == 1:
+            # The usual decode: the new tokens fit in the request's own tail block.
+            if end - tail_start > blocks[-1].num_filled:
+                self.pool.fill(blocks[-1], end - tail_start)
+            return True
         shared = self._shared_blocks_written(table, start, end)
-        num_new_blocks = max(0, _cdiv(end, self.block_size) - len(table.blocks))
+        num_new_blocks = max(0, _cdiv(end, bs) - len(table.blocks))
         if num_new_blocks + len(shared) > self.pool.num_free_blocks:
             return False
         for index in shared:

@@ -48,7 +48,8 @@ class KVStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0
 
     def _bytes(self, slots: int) -> int:
         return slots * self.bytes_per_block // self.block_size
