@@ -15,14 +15,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_STOP_TOKEN_IDS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,19 +56,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.state.engine = engine
     app.state.metrics = metrics
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(APIError("invalid or missing API key: send 'Authorization: Bearer "
-                                       "<key>'", 401))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return _error(APIError(f"request body is {length} bytes; the limit is "
-                                   f"{max_body_bytes}", 413))
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -112,6 +104,79 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(_: Request, exc: Exception):
         logger.exception("unexpected error")
         return _error(APIError("internal server error", 500, error_type="server_error"))
+
+
+class _Guard:
+    """The API key (on /v1/*) and the body-size limit, checked before any endpoint runs.
+
+    Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
+    (no Content-Length) as it arrives and refuse it past the limit without buffering more."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected_auth):  # constant time
+                await _error(APIError("invalid or missing API key: send 'Authorization: Bearer "
+                                      "<key>'", 401))(scope, receive, send)
+                return
+        length = headers.get("content-length")
+        if length is not None:
+            # The HTTP server already holds the body to its declared length.
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                await self._too_large(f"{length} bytes")(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_limited(receive)
+        if body is None:
+            await self._too_large("larger (sent in chunks, without Content-Length)")(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_limited(self, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it passes the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self, size: str) -> JSONResponse:
+        return _error(APIError(f"the request body is {size}; the limit is {self.max_body_bytes} "
+                               "bytes", 413, code="request_too_large"))
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the already-read body once, then passes on (e.g. disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -172,7 +237,8 @@ class _Api:
                            param="top_logprobs")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt)
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from exc
         except Exception as exc:  # the template itself raised (e.g. roles out of order)
@@ -195,6 +261,9 @@ class _Api:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if isinstance(body.stop, list) and len(body.stop) > 16:
             raise APIError("stop may list at most 16 strings", param="stop")
+        if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids; got "
+                           f"{len(body.stop_token_ids)}", param="stop_token_ids")
 
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -203,6 +272,9 @@ class _Api:
             raise APIError("prompt is empty: send a string, a list of strings or token ids", param="prompt")
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "
+                           f"{len(prompt)}", param="prompt")
         result = []
         for p in prompt:
             if isinstance(p, str):
@@ -265,12 +337,16 @@ class _Api:
     async def _start(self, response_id: str, body, prompts, params) -> list[AsyncIterator]:
         streams = []
         try:
+            self.engine.check_room(len(prompts))  # all or none of a request's prompts
             for i, ((text, ids), p) in enumerate(zip(prompts, params)):
                 prompt = {"prompt_token_ids": ids, "prompt": text}
                 streams.append(await self.engine.generate(f"{response_id}-{i}", prompt, p, body.cache_salt))
         except ValueError as exc:
             await _close_all(streams)
             raise APIError(str(exc), param="prompt") from exc
+        except QueueFullError as exc:
+            await _close_all(streams)
+            raise APIError(str(exc), 503, code="server_overloaded") from exc
         except EngineDeadError as exc:
             await _close_all(streams)
             raise APIError(str(exc), 503) from exc
@@ -302,6 +378,8 @@ async def _collect_or_abort(streams, raw: Request) -> list[RequestOutput]:
             return gathered.result()
         except RequestFailed as exc:
             raise APIError(str(exc), 500, error_type="server_error") from exc
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503) from exc
     finally:
         watcher.cancel()
         if not gathered.done():
@@ -364,7 +442,7 @@ class _Format:
         self.n = body.n
 
     def usage(self, prompts, outputs_token_counts: int) -> dict:
-        prompt_tokens = sum(len(ids) for _, ids in prompts) 
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_token_counts,
                 "total_tokens": prompt_tokens + outputs_token_counts}
 
@@ -412,6 +490,9 @@ class _Format:
                             "usage": self.usage(prompts, sum(generated.values()))})
         except (RequestFailed, EngineDeadError) as exc:
             yield _sse(error_body(str(exc), "server_error", code=500))
+        except Exception:  # the 200 is sent already: the client can only hear it in the stream
+            logger.exception("streaming response %s failed", response_id)
+            yield _sse(error_body("internal server error", "server_error", code=500))
         yield "data: [DONE]\n\n"
 
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:

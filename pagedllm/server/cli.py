@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from pagedllm.cli import add_engine_args, engine_config_from_args
+from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +19,11 @@ def register(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                       help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                       help="requests past this many waiting for the engine get a fast 503 with "
+                            f"Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -29,9 +34,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.server.app import build_app
     from pagedllm.server.async_engine import AsyncEngine
 
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be positive; got {args.max_body_bytes}")
+    async_engine_args = dict(max_waiting_requests=args.max_waiting_requests)
+    AsyncEngine.check_args(**async_engine_args)  # before the minutes a model load may take
     engine = LLMEngine(engine_config_from_args(args))
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-    app = build_app(AsyncEngine(engine), name, api_key=args.api_key,
+    app = build_app(AsyncEngine(engine, **async_engine_args), name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
     # (bounded by the timeout), then runs the app's shutdown, which stops the engine thread.

@@ -7,6 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_ITEMS = 16
+# Limits on one request, past what SamplingParams checks (n, logprobs, stop strings).
+MAX_PROMPTS_PER_REQUEST = 64  # a completion's list of prompts
+MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
+# Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
+DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 class _Body(BaseModel):

@@ -1,13 +1,17 @@
-"""A real uvicorn server on a free loopback port, running the default model in float32."""
+"""A real uvicorn server on a free loopback port, running the default model in float32, and
+a tiny random Llama (byte tokenizer, 64 positions) for tests that need many fast requests or
+an engine of their own (storms, faults, fuzzing, limits)."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from pagedllm.engine import LLMEngine
@@ -26,8 +30,9 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine: LLMEngine, api_key: str | None = None, **app_kwargs) -> None:
-        self.async_engine = AsyncEngine(engine)
+    def __init__(self, engine: LLMEngine, api_key: str | None = None,
+                 async_engine_kwargs: dict | None = None, **app_kwargs) -> None:
+        self.async_engine = AsyncEngine(engine, **(async_engine_kwargs or {}))
         self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -76,3 +81,27 @@ def server_engine():
 def server(server_engine):
     with RunningServer(server_engine) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (safetensors, byte-level tokenizer with a chat template)."""
+    pytest.importorskip("transformers")
+    from tests.model.tiny import make_hf_model, save_checkpoint
+
+    return save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path_factory.mktemp("tiny-llama"))
+
+
+def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:
+    """An engine over the tiny model: float32, max_model_len 64; kwargs override."""
+    return LLMEngine(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, **kwargs})
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The tiny model's matmuls are too small to share: on a busy machine, OpenMP threads
+    spin-waiting for each other make a step many times slower than one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
