@@ -1,0 +1,225 @@
+"""Faults: a model step that raises fails the requests of that step (the client sees an error,
+the cause is logged, their blocks go back) and the server goes on; an engine that keeps failing
+is marked dead and /health says 503; a damaged model file stops `pagedllm serve` at start with
+a clear message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from pagedllm.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from tests.server.conftest import RunningServer, free_port, tiny_engine
+
+POISON = "POISON"  # a prompt starting with this fails every step it is scheduled in
+NORMAL = "A normal request"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def has_poison(engine, scheduled) -> bool:
+    poison_ids = engine.tokenizer.encode(POISON)
+    return any(s.request.prompt_token_ids[:len(poison_ids)] == poison_ids for s in scheduled)
+
+
+@contextmanager
+def failing_steps(engine, *, when=None):
+    """Make the model step raise InjectedFault when `when(scheduled)` is true (default: a
+    request whose prompt starts with POISON is in the batch)."""
+    when = when or (lambda scheduled: has_poison(engine, scheduled))
+    real_execute = engine.runner.execute
+    calls = {"failed": 0}
+
+    def execute(scheduled):
+        if when(scheduled):
+            calls["failed"] += 1
+            raise InjectedFault("injected fault in the model step")
+        return real_execute(scheduled)
+
+    engine.runner.execute = execute
+    try:
+        yield calls
+    finally:
+        engine.runner.execute = real_execute
+
+
+@pytest.fixture(scope="module")
+def fault_engine(tiny_model_dir):
+    return tiny_engine(tiny_model_dir, num_kv_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def fault_server(fault_engine):
+    with RunningServer(fault_engine) as running:
+        yield running
+
+
+def complete(server, prompt: str, **fields) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+
+
+def assert_all_blocks_free(server) -> None:
+    snap = server.wait_idle()
+    assert snap["num_used_blocks"] == 0 and snap["num_free_blocks"] == snap["num_blocks"]
+    assert not server.async_engine._streams
+
+
+def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server, fault_engine,
+                                                              one_torch_thread, caplog):
+    solo = complete(fault_server, NORMAL).json()["choices"][0]["text"]
+    with caplog.at_level(logging.ERROR), failing_steps(fault_engine) as calls:
+        response = complete(fault_server, POISON + " non-streamed")
+    assert calls["failed"] == 1
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "server_error" and "injected fault" in error["message"]
+    assert "InjectedFault: injected fault in the model step" in caplog.text  # the cause, logged
+    assert_all_blocks_free(fault_server)
+    assert httpx.get(f"{fault_server.base_url}/health").status_code == 200
+    after = complete(fault_server, NORMAL)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo
+
+
+def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine, one_torch_thread):
+    # Fail on the request's 8th step, after some tokens have gone out.
+    steps = {"n": 0}
+
+    def eighth_step(scheduled):
+        steps["n"] += 1
+        return steps["n"] == 8
+
+    with failing_steps(fault_engine, when=eighth_step), httpx.stream(
+            "POST", f"{fault_server.base_url}/v1/completions", timeout=60,
+            json={"prompt": NORMAL, "max_tokens": 20, "temperature": 0, "stream": True,
+                  "ignore_eos": True}) as response:
+        assert response.status_code == 200
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert any(c.get("choices") and c["choices"][0]["text"] for c in chunks)  # tokens came first
+    assert "injected fault" in chunks[-1]["error"]["message"]
+    assert_all_blocks_free(fault_server)
+
+
+def test_only_the_failing_steps_requests_fail(tiny_model_dir, one_torch_thread):
+    """One request per step: the poisoned request fails while another waits in the scheduler's
+    queue behind it; the waiting one is untouched, runs next and gets its solo text."""
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
+    with RunningServer(engine) as server:
+        solo = complete(server, NORMAL, max_tokens=12).json()["choices"][0]["text"]
+
+        def poisoned_while_another_waits(scheduled) -> bool:
+            if not has_poison(engine, scheduled):
+                return False
+            if engine.scheduler.num_waiting == 0:
+                time.sleep(0.02)  # keep the poisoned request going until the other is queued
+                return False
+            return True
+
+        async def both():
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                poisoned = asyncio.ensure_future(client.post("/v1/completions", json={
+                    "prompt": POISON, "max_tokens": 50, "ignore_eos": True, "temperature": 0}))
+                while engine.scheduler.num_running < 1:
+                    await asyncio.sleep(0.01)
+                normal = await client.post(
+                    "/v1/completions", json={"prompt": NORMAL, "max_tokens": 12, "temperature": 0})
+                return await poisoned, normal
+
+        with failing_steps(engine, when=poisoned_while_another_waits) as calls:
+            poisoned, normal = asyncio.run(both())
+        assert calls["failed"] == 1
+        assert poisoned.status_code == 500
+        assert normal.status_code == 200 and normal.json()["choices"][0]["text"] == solo
+        assert server.async_engine.healthy
+        assert_all_blocks_free(server)
+
+
+def test_engine_that_keeps_failing_is_dead_and_health_says_503(tiny_model_dir, one_torch_thread):
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
+    with RunningServer(engine) as server:
+        async def many():
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                return await asyncio.gather(*(client.post(
+                    "/v1/completions", json={"prompt": f"{NORMAL} {i}", "max_tokens": 4})
+                    for i in range(2 * MAX_CONSECUTIVE_STEP_FAILURES)))
+
+        with failing_steps(engine, when=lambda scheduled: True) as calls:
+            responses = asyncio.run(many())
+            assert calls["failed"] == MAX_CONSECUTIVE_STEP_FAILURES
+            # Every client got an answer (none hangs): 500 for a failed step, 503 once dead.
+            assert sorted({r.status_code for r in responses}) == [500, 503]
+            assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in responses)
+            health = httpx.get(f"{server.base_url}/health")
+            assert health.status_code == 503 and health.headers["retry-after"]
+            assert "failed 3 steps in a row" in health.json()["error"]["message"]
+            refused = complete(server, NORMAL)
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            snap = engine.memory_stats()
+            assert snap["num_used_blocks"] == 0 and not engine.has_unfinished_requests()
+
+
+# -- a damaged model file stops `pagedllm serve` at start -----------------------------------------
+
+@pytest.fixture
+def damaged_models(tiny_model_dir, tmp_path):
+    from tests.model.tiny import make_hf_model, write_gguf
+
+    truncated_folder = tmp_path / "truncated-safetensors"
+    shutil.copytree(tiny_model_dir, truncated_folder)
+    weights = truncated_folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    gguf_file = write_gguf(make_hf_model("llama_gqa_untied"), tmp_path / "tiny.gguf")
+    os.truncate(gguf_file, gguf_file.stat().st_size * 2 // 3)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"this is not a model" * 100)
+    return {"safetensors": (truncated_folder, "truncated"), "gguf": (gguf_file, "truncated"),
+            "garbage": (garbage, "GGUF")}
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf", "garbage"])
+def test_damaged_model_fails_serve_at_start(damaged_models, kind, capsys):
+    from pagedllm.cli import main
+
+    path, words = damaged_models[kind]
+    port = free_port()
+    code = main(["serve", "--model", str(path), "--port", str(port), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("pagedllm: error: ") and str(path) in err and words in err, err
+    with pytest.raises(httpx.ConnectError):  # it never started listening
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+def test_damaged_model_as_a_real_process(damaged_models):
+    """The same through the installed entry point: exit status 2, one clear line, no traceback."""
+    path, words = damaged_models["gguf"]
+    done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(path),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "pagedllm: error: " in done.stderr and words in done.stderr, done.stderr
+
+
+def test_bad_serve_flags_fail_before_loading(capsys):
+    from pagedllm.cli import main
+
+    for flags in (["--max-waiting-requests", "0"], ["--max-body-bytes", "0"]):
+        started = time.monotonic()
+        assert main(["serve", "--model", "/nowhere/at/all", *flags]) == 2
+        assert "must be" in capsys.readouterr().err
+        assert time.monotonic() - started < 5
