@@ -21,6 +21,8 @@ import pytest
 from pagedllm.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.server.conftest import RunningServer, free_port, tiny_engine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 POISON = "POISON"  # a prompt starting with this fails every step it is scheduled in
 NORMAL = "A normal request"
 
@@ -77,8 +79,7 @@ def assert_all_blocks_free(server) -> None:
     assert not server.async_engine._streams
 
 
-def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server, fault_engine,
-                                                              one_torch_thread, caplog):
+def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server, fault_engine, caplog):
     solo = complete(fault_server, NORMAL).json()["choices"][0]["text"]
     with caplog.at_level(logging.ERROR), failing_steps(fault_engine) as calls:
         response = complete(fault_server, POISON + " non-streamed")
@@ -94,7 +95,7 @@ def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server, faul
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo
 
 
-def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine, one_torch_thread):
+def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine):
     # Fail on the request's 8th step, after some tokens have gone out.
     steps = {"n": 0}
 
@@ -115,7 +116,7 @@ def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine,
     assert_all_blocks_free(fault_server)
 
 
-def test_only_the_failing_steps_requests_fail(tiny_model_dir, one_torch_thread):
+def test_only_the_failing_steps_requests_fail(tiny_model_dir):
     """One request per step: the poisoned request fails while another waits in the scheduler's
     queue behind it; the waiting one is untouched, runs next and gets its solo text."""
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
@@ -149,7 +150,7 @@ def test_only_the_failing_steps_requests_fail(tiny_model_dir, one_torch_thread):
         assert_all_blocks_free(server)
 
 
-def test_engine_that_keeps_failing_is_dead_and_health_says_503(tiny_model_dir, one_torch_thread):
+def test_engine_that_keeps_failing_is_dead_and_health_says_503(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
     with RunningServer(engine) as server:
         async def many():

@@ -21,6 +21,8 @@ import pytest
 from pagedllm.sampling_params import SamplingParams
 from tests.server.conftest import RunningServer, tiny_engine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NUM_REQUESTS = int(os.environ.get("PAGEDLLM_STORM_REQUESTS", "300"))
 NUM_PROMPTS = int(os.environ.get("PAGEDLLM_STORM_PROMPTS", "40"))  # distinct prompts, reused
 MAX_TOKENS = int(os.environ.get("PAGEDLLM_STORM_MAX_TOKENS", "16"))
@@ -102,7 +104,7 @@ def plans(rng: random.Random) -> list[tuple[str, float]]:
     return result
 
 
-def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine, one_torch_thread):
+def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     prompts = [prompt_of(i) for i in range(NUM_REQUESTS)]
     solo = solo_texts(storm_engine, sorted(set(prompts)))
     preemptions_before = storm_engine.scheduler.num_preemptions
