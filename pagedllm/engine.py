@@ -84,6 +84,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.last_step_num_requests = 0
+        self.num_computed_tokens_total = 0  # every token run through the model (prefill + decode)
         # The request ids the current (or last) step scheduled; None while unknown, so that a
         # caller catching a failed step can fail just those requests (None: all of them).
         self.step_request_ids: list[str] | None = None
@@ -224,6 +225,7 @@ class LLMEngine:
         self.step_request_ids = list(dict.fromkeys(
             self._seqs[s.request.request_id][0].request_id for s in out.scheduled))
         self.last_step_num_requests = len(out.scheduled)
+        self.num_computed_tokens_total += out.num_batched_tokens
         self.runner.drop_requests(out.finished + out.preempted)
         if not out.scheduled:
             return []
