@@ -11,7 +11,7 @@ head is the least recently used; taking a cached block evicts it (its hash is dr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 
 class KVBlock:
@@ -215,3 +215,34 @@ class BlockPool:
                 block.num_filled = 0
         self.num_cached_free = 0
         return True
+
+
+class PendingCopies:
+    """Block copies (src, dst) the runner must do before the next model run.
+
+    Kept free of chains (a copy out of a block that is itself waiting for a copy reads from
+    the original source instead) and of two copies into one block, so the runner may do them
+    all at once, gathering every source before scattering, and get what doing them in order
+    would give.
+    """
+
+    def __init__(self) -> None:
+        self._src_of: dict[int, int] = {}  # dst -> src, in recording order
+
+    def __bool__(self) -> bool:
+        return bool(self._src_of)
+
+    def add(self, src: int, dst: int) -> None:
+        src = self._src_of.get(src, src)
+        self._src_of.pop(dst, None)
+        if src != dst:
+            self._src_of[dst] = src
+
+    def discard_into(self, is_freed: Callable[[int], bool]) -> None:
+        """Forget copies into blocks given back before the copy ran: nobody reads them."""
+        self._src_of = {dst: src for dst, src in self._src_of.items() if not is_freed(dst)}
+
+    def take(self) -> list[tuple[int, int]]:
+        copies = [(src, dst) for dst, src in self._src_of.items()]
+        self._src_of = {}
+        return copies

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from pagedllm.kv.block_pool import PendingCopies
 from pagedllm.kv.manager import NO_HIT, PrefixHit
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
@@ -51,7 +52,7 @@ class ContiguousKVManager:
         self._num_free_blocks = num_blocks
         self._reservations: dict[str, _Reservation] = {}
         self._used_slots = 0
-        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_copies = PendingCopies()
 
     def max_tokens_per_request(self) -> int:
         if self.reserve == "max" and _cdiv(self.max_model_len, self.block_size) > self.num_blocks:
@@ -96,7 +97,7 @@ class ContiguousKVManager:
         self._release_run(reservation.start, reservation.num_blocks)
         if self._pending_copies:
             freed = range(reservation.start, reservation.start + reservation.num_blocks)
-            self._pending_copies = [c for c in self._pending_copies if c[1] not in freed]
+            self._pending_copies.discard_into(freed.__contains__)
 
     def fork(self, parent: Request, child: Request) -> bool:
         """Reserve a run for the child and copy the parent's used blocks into it; False
@@ -111,7 +112,8 @@ class ContiguousKVManager:
         if target is None:
             return False
         num_used_blocks = _cdiv(source.num_used_tokens, self.block_size)
-        self._pending_copies.extend(zip(source.ids[:num_used_blocks], target.ids))
+        for src, dst in zip(source.ids[:num_used_blocks], target.ids):
+            self._pending_copies.add(src, dst)
         self._use(target, source.num_used_tokens)
         return True
 
@@ -120,8 +122,7 @@ class ContiguousKVManager:
         return reservation.ids if reservation is not None else []
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+        return self._pending_copies.take()
 
     def reset_prefix_cache(self) -> bool:
         return True

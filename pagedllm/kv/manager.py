@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.kv.block_pool import BlockPool, KVBlock
+from pagedllm.kv.block_pool import BlockPool, KVBlock, PendingCopies
 from pagedllm.kv.prefix_hash import extend_block_hashes
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
@@ -73,7 +73,7 @@ class KVCacheManager:
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, _BlockTable] = {}
-        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_copies = PendingCopies()
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -197,7 +197,7 @@ class KVCacheManager:
         self.pool.fill(dst, src.num_filled)
         self.pool.release([src])
         table.replace(index, dst)
-        self._pending_copies.append((src.block_id, dst.block_id))
+        self._pending_copies.add(src.block_id, dst.block_id)
 
     def _fill(self, table: _BlockTable, start: int, end: int) -> None:
         bs = self.block_size
@@ -236,9 +236,7 @@ class KVCacheManager:
         # cached sequence should be evicted before its head.
         self.pool.release(reversed(table.blocks))
         if self._pending_copies:
-            # A copy into a block just given back would be wasted (or clobber its next owner).
-            self._pending_copies = [(src, dst) for src, dst in self._pending_copies
-                                    if self.pool.blocks[dst].ref_cnt]
+            self._pending_copies.discard_into(lambda dst: not self.pool.blocks[dst].ref_cnt)
 
     def fork(self, parent: Request, child: Request) -> bool:
         """The child shares every block of the parent; the first write to a shared block
@@ -260,9 +258,9 @@ class KVCacheManager:
         return table.ids if table is not None else []
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) copies to do, in order, before the next model run."""
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+        """(src, dst) copies to do before the next model run: no block is both a source and
+        a destination, so they may be done all at once."""
+        return self._pending_copies.take()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request holds blocks."""

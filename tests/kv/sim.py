@@ -29,8 +29,10 @@ class SimRunner:
 
     def execute(self, output: SchedulerOutput) -> None:
         bs = self.block_size
-        for src, dst in output.block_copies:
-            self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
+        # All at once, like the runner's batched copy: gather every source, then scatter.
+        sources = [self.slots[src * bs:(src + 1) * bs] for src, _ in output.block_copies]
+        for (_, dst), content in zip(output.block_copies, sources):
+            self.slots[dst * bs:(dst + 1) * bs] = content
         # Like a model layer: write every new token's K/V, then attend over the contexts.
         for item in output.scheduled:
             for pos, slot in zip(range(item.num_computed_tokens, item.num_context_tokens),
@@ -123,5 +125,6 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
         if isinstance(manager, KVCacheManager):
             for block_id in {slot // manager.block_size for slot in slots}:
                 assert manager.pool.blocks[block_id].ref_cnt == 1, "write to a shared block"
-    for src, dst in output.block_copies:
-        assert src != dst
+    srcs = [src for src, _ in output.block_copies]
+    dsts = [dst for _, dst in output.block_copies]
+    assert len(set(dsts)) == len(dsts) and not set(srcs) & set(dsts), output.block_copies

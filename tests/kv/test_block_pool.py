@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from pagedllm.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock, PendingCopies
 
 
 def ids(blocks) -> list[int]:
@@ -111,3 +111,18 @@ def test_reset_prefix_cache_only_when_nothing_is_owned():
     pool.release([a])
     assert pool.reset_prefix_cache()
     assert not a.is_cached and pool.cached_blocks(b"h") == [] and pool.num_cached_free == 0
+
+
+def test_pending_copies_resolve_chains_so_they_can_run_at_once():
+    copies = PendingCopies()
+    copies.add(1, 2)
+    copies.add(2, 3)  # 2 still waits for 1's contents: copy from 1 directly
+    copies.add(4, 5)
+    copies.add(5, 4)  # back: 4 already holds what 5 will get, no copy needed
+    assert copies.take() == [(1, 2), (1, 3), (4, 5)]
+    assert not copies and copies.take() == []
+    copies.add(1, 2)
+    copies.add(3, 2)  # the later copy into 2 wins
+    copies.add(6, 7)
+    copies.discard_into(lambda block: block == 7)  # 7 was given back before the step
+    assert copies.take() == [(3, 2)]

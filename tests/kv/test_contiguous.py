@@ -99,3 +99,15 @@ def test_outgrowing_a_reservation_is_an_error_not_a_silent_overwrite():
 def test_bad_reserve_mode():
     with pytest.raises(ValueError, match="reserve"):
         ContiguousKVManager(4, 4, 16, reserve="sometimes")
+
+
+def test_a_fork_of_a_fork_copies_from_the_original_even_if_the_middle_one_goes():
+    manager = ContiguousKVManager(num_blocks=6, block_size=2, max_model_len=4)
+    parent = req("p", 3)
+    manager.allocate_slots(parent, 3)
+    parent.num_computed_tokens = 3
+    child, grandchild = req("c", 3), req("g", 3)
+    child.num_computed_tokens = 3
+    assert manager.fork(parent, child) and manager.fork(child, grandchild)
+    manager.free(child)  # before the step that would have run the copies
+    assert manager.take_block_copies() == [(0, 4), (1, 5)]

@@ -123,7 +123,9 @@ class Harness:
                         eos_token_id=EOS, cache_salt=parent.cache_salt)
         for token in parent.output_token_ids:
             child.append_token(token)
-        if self.draw(st.booleans(), "diverge") and parent.num_tokens > parent.num_computed_tokens:
+        last_is_new_output = parent.num_output_tokens and \
+            parent.num_tokens > parent.num_computed_tokens
+        if last_is_new_output and self.draw(st.booleans(), "diverge"):
             child.token_ids[-1] = self.draw(st.integers(1, 3), "other")
         self.scheduler.fork_request(parent, child)
         check_scheduler(self.scheduler)
