@@ -5,8 +5,9 @@ into blocks whose physical order is shuffled (so every block-table lookup is a r
 once as `F.scaled_dot_product_attention` over that KV laid out contiguously as [B, H, L, D], the
 layout a traditional engine keeps. Decode (one new token per request, every request at the same
 context length) and prefill (the whole context is new, causal) are measured separately. Each
-paging implementation the attention module offers is measured (the active one behind the public
-`paged_attention`, and the torch reference when it is a different function).
+paged implementation that can run a case is measured (the compiled CPU kernel where it is built,
+and the portable torch reference), and each case records which of them the public
+`pagedllm.attention.paged_attention`, the function the model calls, dispatched to ("active").
 
 It also times what paging costs outside the kernel: the runner's per-step building of the
 block-table and slot-mapping tensors (`ModelRunner._prepare`, with its persistent BlockTable).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 import pagedllm.attention as attention
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.bench.common import print_table, write_json
+from pagedllm.bench.common import print_table, timed_functions, write_json
 
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
 DEFAULT_SHAPE = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30}
@@ -144,22 +145,28 @@ def contiguous_as_flat(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def implementations() -> dict[str, object]:
-    """Paged attention implementations to measure: the public one first, named by what is
-    behind it, then the torch reference if the public one is something else."""
-    active = attention.paged_attention
-    impls = {implementation_name(active): active}
-    if active is not torch_ref.paged_attention:
-        impls["torch_ref"] = torch_ref.paged_attention
+def implementations(case: Case) -> dict[str, object]:
+    """Every paged attention implementation that can run this case, by name: the compiled CPU
+    kernel (pagedllm.attention.cpu_kernel) where it is present, built and takes these inputs
+    (PAGEDLLM_ATTENTION=torch turns it off), and always the portable torch reference."""
+    impls = {}
+    try:
+        from pagedllm.attention import cpu_kernel
+    except ImportError:
+        cpu_kernel = None
+    if cpu_kernel is not None and cpu_kernel.supports(case.query, case.key_cache):
+        impls["cpu_kernel"] = cpu_kernel.paged_attention
+    impls["torch_ref"] = torch_ref.paged_attention
     return impls
 
 
-def implementation_name(fn) -> str:
-    if fn is torch_ref.paged_attention:
-        return "torch_ref"
-    name = getattr(fn, "implementation", None) or getattr(fn, "__name__", "paged_attention")
-    module = getattr(fn, "__module__", "") or ""
-    return f"{module.rsplit('.', 1)[-1]}.{name}" if module else str(name)
+def active_implementation(case: Case, impls: dict[str, object]) -> str:
+    """Which of impls the public pagedllm.attention.paged_attention runs for this case, found by
+    calling it once with each implementation timed (the model calls the public function)."""
+    with timed_functions(*impls.values()) as timers:
+        run_paged(case, attention.paged_attention)
+    ran = [name for name, timer in zip(impls, timers) if timer.calls]
+    return ran[0] if ran else "paged_attention"
 
 
 def time_call(fn, min_time_s: float, max_reps: int) -> tuple[float, int]:
@@ -235,6 +242,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.3,
                         help="seconds to spend timing each call (median of the repeats)")
     parser.add_argument("--max-reps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own choice)")
     parser.set_defaults(func=main)
 
 
@@ -246,11 +255,16 @@ def grid(modes: list[str], contexts: list[int], batches: list[int], max_decode_t
             if batch * ctx <= cap[mode]]
 
 
-def measure_case(case: Case, impls: dict, min_time_s: float, max_reps: int) -> dict:
+def measure_case(case: Case, min_time_s: float, max_reps: int) -> dict:
+    impls = implementations(case)
+    active = active_implementation(case, impls)
+    if active not in impls:  # the public function runs something this bench does not know
+        impls = {active: attention.paged_attention, **impls}
     contiguous_s, reps = time_call(lambda: run_contiguous(case), min_time_s, max_reps)
     reference = contiguous_as_flat(run_contiguous(case)).float()
     row = {"mode": case.mode, "batch": case.batch, "context_len": case.context_len,
-           "contiguous_ms": round(contiguous_s * 1e3, 4), "contiguous_reps": reps, "paged": {}}
+           "active": active, "contiguous_ms": round(contiguous_s * 1e3, 4), "contiguous_reps": reps,
+           "paged": {}}
     for name, impl in impls.items():
         paged_s, reps = time_call(lambda impl=impl: run_paged(case, impl), min_time_s, max_reps)
         error = (run_paged(case, impl).float() - reference).abs().max().item()
@@ -264,80 +278,84 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm.model.loader import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         if mode not in ("decode", "prefill"):
             raise ValueError(f"--modes takes decode and/or prefill; got {mode!r}")
     cases = grid(modes, parse_int_list(args.contexts), parse_int_list(args.batches),
                  parse_int_list(args.max_decode_tokens)[0], parse_int_list(args.max_prefill_tokens)[0])
-    impls = implementations()
     shape = {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads,
              "head_dim": args.head_dim}
     rows = []
-    torch.manual_seed(args.seed)
     for mode, batch, ctx in cases:
         case = make_case(mode, batch, ctx, **shape, block_size=args.block_size, dtype=dtype,
                          seed=args.seed)
-        row = measure_case(case, impls, args.min_time, args.max_reps)
+        row = measure_case(case, args.min_time, args.max_reps)
         del case
         query_len = 1 if mode == "decode" else ctx
         row.update(time_prepare(batch, ctx, args.block_size, query_len, args.min_time / 3,
                                 args.max_reps))
-        active = row["paged"][next(iter(impls))]["ms"]
         row["prepare_pct_of_step_attention"] = round(
-            100.0 * row["prepare_ms"] / (args.num_layers * active), 2)
+            100.0 * row["prepare_ms"] / (args.num_layers * row["paged"][row["active"]]["ms"]), 2)
         rows.append(row)
         _print_row(row)
-    payload = {"implementations": list(impls), "active_implementation": next(iter(impls)),
+    names = list(dict.fromkeys(name for r in rows for name in r["paged"]))
+    payload = {"implementations": names,
+               "active_implementations": sorted({r["active"] for r in rows}),
                "dtype": str(dtype).removeprefix("torch."), "block_size": args.block_size,
                "num_threads": torch.get_num_threads(), **shape, "num_layers": args.num_layers,
-               "paper_overhead": PAPER_OVERHEAD_PCT, "summary": summarize(rows, list(impls)),
-               "cases": rows}
+               "paper_overhead": PAPER_OVERHEAD_PCT, "summary": summarize(rows), "cases": rows}
     _print(payload)
     write_json(args.output_json, payload)
     return 0
 
 
-def summarize(rows: list[dict], impl_names: list[str]) -> dict:
-    """Per implementation and mode: the geometric mean of paged / contiguous over the cases,
-    as an overhead percentage, and the range."""
+def summarize(rows: list[dict]) -> dict:
+    """Per implementation (and "active": whichever the public function ran) and mode: the
+    geometric mean of paged / contiguous time over the cases, as an overhead %, and the range."""
+    series: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["contiguous_ms"] <= 0:
+            continue
+        for name, p in r["paged"].items():
+            series.setdefault((name, r["mode"]), []).append(p["ms"] / r["contiguous_ms"])
+        active = r["paged"][r["active"]]["ms"] / r["contiguous_ms"]
+        series.setdefault(("active", r["mode"]), []).append(active)
     summary: dict = {}
-    for name in impl_names:
-        for mode in ("decode", "prefill"):
-            ratios = [r["paged"][name]["ms"] / r["contiguous_ms"] for r in rows
-                      if r["mode"] == mode and r["contiguous_ms"] > 0]
-            if not ratios:
-                continue
-            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-            summary.setdefault(name, {})[mode] = {
-                "geomean_overhead_pct": round(100.0 * (geo - 1.0), 1),
-                "min_overhead_pct": round(100.0 * (min(ratios) - 1.0), 1),
-                "max_overhead_pct": round(100.0 * (max(ratios) - 1.0), 1),
-                "num_cases": len(ratios)}
+    for (name, mode), ratios in series.items():
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        summary.setdefault(name, {})[mode] = {
+            "geomean_overhead_pct": round(100.0 * (geo - 1.0), 1),
+            "min_overhead_pct": round(100.0 * (min(ratios) - 1.0), 1),
+            "max_overhead_pct": round(100.0 * (max(ratios) - 1.0), 1),
+            "num_cases": len(ratios)}
     return summary
 
 
 def _print_row(row: dict) -> None:
     paged = ", ".join(f"{name} {p['ms']} ms ({p['overhead_pct']:+}%)" for name, p in row["paged"].items())
     print(f"{row['mode']:7} B={row['batch']:<3} L={row['context_len']:<6} contiguous "
-          f"{row['contiguous_ms']} ms; paged {paged}; _prepare {row['prepare_ms']} ms", flush=True)
+          f"{row['contiguous_ms']} ms; paged {paged}; active {row['active']}; "
+          f"_prepare {row['prepare_ms']} ms", flush=True)
 
 
 def _print(p: dict) -> None:
     header = ["mode", "batch", "context", "contiguous ms"]
     for name in p["implementations"]:
         header += [f"{name} ms", "overhead", "max |diff|"]
-    header += ["_prepare ms", "_prepare / step attn"]
+    header += ["active", "_prepare ms", "_prepare / step attn"]
     rows = []
     for r in p["cases"]:
         row = [r["mode"], r["batch"], r["context_len"], r["contiguous_ms"]]
         for name in p["implementations"]:
-            q = r["paged"][name]
-            row += [q["ms"], f"{q['overhead_pct']:+}%", q["max_abs_diff"]]
-        row += [r["prepare_ms"], f"{r['prepare_pct_of_step_attention']}%"]
+            q = r["paged"].get(name)
+            row += [q["ms"], f"{q['overhead_pct']:+}%", q["max_abs_diff"]] if q else ["-", "-", "-"]
+        row += [r["active"], r["prepare_ms"], f"{r['prepare_pct_of_step_attention']}%"]
         rows.append(row)
     print_table(f"Attention over paged vs contiguous KV ({p['dtype']}, block {p['block_size']}, "
-                f"{p['num_threads']} threads; active: {p['active_implementation']})", header, rows)
+                f"{p['num_threads']} threads)", header, rows)
     for name, modes in p["summary"].items():
         for mode, s in modes.items():
             print(f"{name} {mode}: paging overhead {s['geomean_overhead_pct']:+}% (geometric mean "
