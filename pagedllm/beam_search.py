@@ -131,7 +131,8 @@ class BeamSearch:
         by_request = {r.request_id: j for j, r in enumerate(sampled)}
         # Provisional token (the beam's best) so the scheduler can account the step; the
         # selection below may replace it: it is not computed into the cache until next step.
-        self.scheduler.update_from_output(out, {r.request_id: int(top_ids[j, 0]) for j, r in enumerate(sampled)})
+        provisional = {r.request_id: int(top_ids[j, 0]) for j, r in enumerate(sampled)}
+        self.scheduler.update_from_output(out, provisional)
         for p in states:
             ready = [b for b in p.beams if b.request.request_id in by_request]
             if not ready:
@@ -140,7 +141,8 @@ class BeamSearch:
                 raise RuntimeError("beams of one prompt fell out of step")
             for b in ready:
                 j = by_request[b.request.request_id]
-                b.candidates = [(b.cum_logprob + v, t) for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
+                b.candidates = [(b.cum_logprob + v, t)
+                                for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
             self._select(p)
 
     def _select(self, p: _Prompt) -> None:

@@ -16,6 +16,8 @@ BENCHES = {
                   "the price of paging: attention over paged blocks vs contiguous KV, and _prepare"),
     "block-size": ("pagedllm.bench.block_size",
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
+    "prefix": ("pagedllm.bench.prefix",
+               "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
 }
 # Benches that talk to a server take no engine flags.
 CLIENT_ONLY = {"serve"}
