@@ -30,12 +30,28 @@ from pagedllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     error_body,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+# What /openapi.json documents, so that clients (and the fuzz test) know every answer there is.
+_ERROR = {"model": ErrorResponse}
+_V1_ERRORS = {401: {**_ERROR, "description": "Missing or wrong API key"},
+              413: {**_ERROR, "description": "Request body too large"}}
+_GENERATE_RESPONSES = {
+    200: {"description": "The completion, or with stream=true server-sent events",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    400: {**_ERROR, "description": "Invalid request"},
+    404: {**_ERROR, "description": "No such model"},
+    500: {**_ERROR, "description": "The engine failed while running the request"},
+    503: {**_ERROR, "description": "Overloaded (too many waiting requests) or engine dead; "
+                                   "see Retry-After"},
+    **_V1_ERRORS,
+}
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -58,7 +74,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     _install_error_handlers(app)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "Serving", "content": {}},
+        503: {**_ERROR, "description": "The engine is dead: restart the server"}})
     async def health():
         if engine.healthy:
             return Response(status_code=200)
@@ -68,19 +86,20 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_V1_ERRORS)
     async def models():
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request):
         return await api.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
 
@@ -186,22 +205,56 @@ def _error(exc: APIError) -> JSONResponse:
 
 def _describe_validation(exc: RequestValidationError) -> str:
     problems = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    for err in _most_specific(exc.errors()):
+        loc = ".".join(_field_path(err))
+        msg = str(err.get("msg", "invalid"))
         if err.get("type") == "json_invalid":
-            problems.append("the body is not valid JSON")
+            problem = "the body is not valid JSON"
         elif err.get("type") in ("model_attributes_type", "dict_type") and not loc:
-            problems.append("the body must be a JSON object")
+            problem = "the body must be a JSON object"
+        elif msg.startswith("Input should be "):  # "n must be less than or equal to 64; got 65"
+            got = repr(err.get("input"))
+            got = got if len(got) <= 40 else got[:37] + "..."
+            problem = f"{loc or 'body'} must be {msg.removeprefix('Input should be ')}; got {got}"
         else:
-            problems.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(problems)
+            problem = f"{loc or 'body'}: {msg}"
+        if problem not in problems:
+            problems.append(problem)
+    return "invalid request: " + "; ".join(problems[:5])
+
+
+def _most_specific(errors) -> list[dict]:
+    """A value that fits no branch of a union (say stop=[""] against str | list[str]) fails
+    each branch: keep the errors about its content, not the type mismatches of other branches."""
+    def is_type_error(err: dict) -> bool:
+        return str(err.get("type", "")).endswith(("_type", "_parsing"))
+
+    specific = {tuple(_field_path(e)[:1]) for e in errors if not is_type_error(e)}
+    return [e for e in errors if not (is_type_error(e) and tuple(_field_path(e)[:1]) in specific)]
+
+
+def _field_path(err: dict) -> list[str]:
+    """The field names and list indexes of an error's location, without pydantic's union
+    branch tags ('str', 'list[int]', 'constrained-str', ...)."""
+    path = []
+    for part in err.get("loc", ()):
+        if isinstance(part, int):
+            path.append(str(part))
+        elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
+            path.append(part)
+    return path
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _first_param(exc: RequestValidationError) -> str | None:
     for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        if loc:
-            return loc[0]
+        if err.get("type") == "json_invalid":  # its location is a character offset
+            continue
+        path = _field_path(err)
+        if path:
+            return path[0]
     return None
 
 

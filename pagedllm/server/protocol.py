@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic_core import PydanticCustomError
 
-MAX_STOP_ITEMS = 16
+from pagedllm.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+MAX_STOP_ITEMS = MAX_STOP_STRINGS
 # Limits on one request, past what SamplingParams checks (n, logprobs, stop strings).
 MAX_PROMPTS_PER_REQUEST = 64  # a completion's list of prompts
 MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
@@ -15,55 +18,94 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI-compatible servers do. NaN and Infinity (which
+    # Python's JSON parser accepts) are not numbers anyone means.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _json_number(kind: str) -> BeforeValidator:
+    """Numbers as JSON Schema means them: 2.0 is an integer, but "16" is no max_tokens and
+    false is no temperature (pydantic's lax mode would take both)."""
+    message = "Input should be a valid integer" if kind == "int" else "Input should be a valid number"
+
+    def check(value):
+        if isinstance(value, (bool, str, bytes)):
+            raise PydanticCustomError(f"{kind}_type", message)
+        return value
+
+    return BeforeValidator(check)
+
+
+Int = Annotated[int, _json_number("int")]
+Float = Annotated[float, _json_number("float")]
+
+
+def _unicode(value: str) -> str:
+    """JSON may spell a lone UTF-16 surrogate ("\\udbee"), which no tokenizer (nor UTF-8) can
+    take: refuse it here rather than fail deep inside with a 500."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "string_unicode", "Input should be a valid string; it holds a lone UTF-16 "
+                "surrogate at position {position}", {"position": exc.start}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+# The ranges below are SamplingParams' (which checks them again for library callers); here they
+# give a clear 400 before any work and document the limits in /openapi.json.
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+TokenId = Annotated[Int, Field(ge=0)]
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Body):
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
-    stream: bool = False
+    model: Text | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    temperature: Float | None = Field(None, ge=0, le=100)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    user: Text | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Float] | None = None
     # extras vLLM users rely on
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0, le=1)
+    repetition_penalty: Float | None = Field(None, gt=0, le=2)
+    ignore_eos: StrictBool = False
+    min_tokens: Int = Field(0, ge=0)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    cache_salt: Text | None = Field(default=None, min_length=1)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -81,11 +123,24 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers with, in OpenAI's shape (documented in /openapi.json)."""
+
+    error: ErrorInfo
 
 
 class APIError(Exception):
