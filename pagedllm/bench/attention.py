@@ -145,18 +145,29 @@ def contiguous_as_flat(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def implementations(case: Case) -> dict[str, object]:
-    """Every paged attention implementation that can run this case, by name: the compiled CPU
-    kernel (pagedllm.attention.cpu_kernel) where it is present, built and takes these inputs
-    (PAGEDLLM_ATTENTION=torch turns it off), and always the portable torch reference."""
+def known_implementations() -> dict[str, object]:
+    """The paged attention implementations the attention module has, by name: the compiled CPU
+    kernel (pagedllm.attention.cpu_kernel) where that module exists, and the torch reference."""
     impls = {}
     try:
         from pagedllm.attention import cpu_kernel
     except ImportError:
         cpu_kernel = None
-    if cpu_kernel is not None and cpu_kernel.supports(case.query, case.key_cache):
+    if cpu_kernel is not None:
         impls["cpu_kernel"] = cpu_kernel.paged_attention
     impls["torch_ref"] = torch_ref.paged_attention
+    return impls
+
+
+def implementations(case: Case) -> dict[str, object]:
+    """The implementations that can run this case: the kernel where it is built and takes these
+    inputs (PAGEDLLM_ATTENTION=torch turns it off), and always the torch reference."""
+    impls = known_implementations()
+    if "cpu_kernel" in impls:
+        from pagedllm.attention import cpu_kernel
+
+        if not cpu_kernel.supports(case.query, case.key_cache):
+            del impls["cpu_kernel"]
     return impls
 
 

@@ -8,7 +8,8 @@ share of the run's wall time spent inside the attention calls.
 Attention time share: every call of `pagedllm.attention.paged_attention` (and, separately,
 `write_kv`) is wrapped with a wall-clock timer for the run, wherever the model imported it from
 (bench.common.timed_functions); share = seconds inside those calls / the run's elapsed seconds.
-On the CPU a call returns when its work is done, so no synchronisation is needed.
+On the CPU a call returns when its work is done, so no synchronisation is needed. The
+implementations behind it (compiled CPU kernel, torch reference) are timed too, to report which ran.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.attention import paged_attention, write_kv
-from pagedllm.bench.attention import parse_int_list
+from pagedllm.bench.attention import known_implementations, parse_int_list
 from pagedllm.bench.common import (
     engine_config,
     print_table,
@@ -81,11 +82,16 @@ def main(args: argparse.Namespace) -> int:
             if workload is None:
                 workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts,
                                          args.input_len, args.output_len, args.seed)
-            with timed_functions(paged_attention, write_kv) as (attn_timer, write_timer):
+            impls = known_implementations()
+            with timed_functions(paged_attention, write_kv, *impls.values()) as timers:
                 result = run_workload(engine, workload, record_steps=True, tag=f"bs{block_size}")
+            attn_timer, write_timer, *impl_timers = timers
             figures = layout_figures(result)
             rows.append(sweep_row(block_size, figures, attn_timer.seconds, write_timer.seconds,
                                   attn_timer.calls))
+            # which implementation(s) the public paged_attention ran, and how often
+            rows[-1]["implementation_calls"] = {name: t.calls for name, t in zip(impls, impl_timers)
+                                                if t.calls}
             print(f"block {block_size}: waste {figures['waste_pct']}%, {figures['output_tokens_per_s']} "
                   f"out tok/s, attention {rows[-1]['attention_share_pct']}% of the time", flush=True)
             del engine
@@ -102,10 +108,11 @@ def main(args: argparse.Namespace) -> int:
 
 def _print(p: dict) -> None:
     header = ["block", "waste (avg)", "waste (peak)", "max running", "mean running", "preemptions",
-              "out tok/s", "total tok/s", "attention share", "write_kv share", "time s"]
+              "out tok/s", "total tok/s", "attention share", "write_kv share", "time s", "attention impl"]
     rows = [[r["block_size"], f"{r['waste_pct']}%", f"{r['peak_waste_pct']}%", r["max_running"],
              r["mean_running"], r["num_preemptions"], r["output_tokens_per_s"], r["total_tokens_per_s"],
-             f"{r['attention_share_pct']}%", f"{r['write_kv_share_pct']}%", r["elapsed_s"]]
+             f"{r['attention_share_pct']}%", f"{r['write_kv_share_pct']}%", r["elapsed_s"],
+             ",".join(r["implementation_calls"]) or "-"]
             for r in p["sweep"]]
     print_table(f"Block size sweep: {p['workload']['num_requests']} requests, KV budget "
                 f"{p['kv_tokens']} token slots, max_model_len {p['max_model_len']}", header, rows)

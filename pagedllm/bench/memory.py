@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.bench.common import RunResult, engine_config, print_table, run_workload, write_json
-from pagedllm.bench.workload import load_workload, summarize
+from pagedllm.bench.common import RunResult, StepRecord, engine_config, print_table, run_workload, write_json
+from pagedllm.bench.workload import BenchRequest, load_workload, summarize
+from pagedllm.config import SchedulerConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.kv.contiguous import ContiguousKVManager
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.model.loader import load_tokenizer
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler import Scheduler
 
 SEED_CLAIMS = {"paged_waste_pct": "under 4%", "contiguous_waste_pct": "60-80% (vLLM paper)",
                "concurrency": "2-4x more requests at once"}
@@ -20,19 +27,24 @@ SEED_CLAIMS = {"paged_waste_pct": "under 4%", "contiguous_waste_pct": "60-80% (v
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reservations", type=int, default=16,
                         help="KV budget as this many contiguous reservations of max_model_len tokens")
+    parser.add_argument("--simulate", action="store_true",
+                        help="scheduler and KV manager only, no model: the same memory figures in "
+                             "seconds (tokens do not matter with ignore_eos), no timings")
     parser.add_argument("--plot", default="bench-out/memory.png", help="PNG path ('' for none)")
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256",
                         max_model_len=1024)
 
 
-def layout_figures(result: RunResult) -> dict:
+def layout_figures(result: RunResult, timed: bool = True) -> dict:
+    """Waste, concurrency and preemptions over the run's steps (and its rates when timed)."""
     steps = result.steps
     allocated = sum(s.allocated_slots for s in steps)
     used = sum(s.used_slots for s in steps)
     peak = max(steps, key=lambda s: s.allocated_slots)
     return {
-        # time-averaged over steps, weighted by allocation: empty slots / allocated slots
+        # averaged over steps (each step's state once), weighted by allocation: empty / allocated
         "waste_pct": round(100.0 * (allocated - used) / allocated, 2) if allocated else 0.0,
+        **({"waste_pct_time_weighted": _time_weighted_waste_pct(steps)} if timed else {}),
         "peak_waste_pct": round(100.0 * (peak.allocated_slots - peak.used_slots)
                                 / peak.allocated_slots, 2) if peak.allocated_slots else 0.0,
         "peak_allocated_slots": peak.allocated_slots,
@@ -40,18 +52,70 @@ def layout_figures(result: RunResult) -> dict:
         "mean_running": round(sum(s.running for s in steps) / len(steps), 2),
         "num_steps": len(steps),
         "num_preemptions": result.num_preemptions,
-        **result.rates(),
+        **(result.rates() if timed else {}),
         "timeline": [[round(s.t_s, 4), s.allocated_slots, s.used_slots, s.running, s.waiting]
                      for s in steps],
     }
 
 
+def _time_weighted_waste_pct(steps: list[StepRecord]) -> float:
+    """Waste with each step's state weighted by how long it lasted (until the next record)."""
+    allocated = used = 0.0
+    for before, step in zip(steps, steps[1:]):
+        duration = step.t_s - before.t_s
+        allocated += duration * before.allocated_slots
+        used += duration * before.used_slots
+    return round(100.0 * (allocated - used) / allocated, 2) if allocated else 0.0
+
+
+def simulate_workload(scheduler: Scheduler, requests: list[BenchRequest]) -> RunResult:
+    """Drive the scheduler and its KV manager as the engine would, without a model: every
+    request is added at once (greedy, ignore_eos) and each step "samples" token 0. With
+    ignore_eos only lengths decide when a request stops, so the steps and the memory figures are
+    the ones a real run gets. Step records carry the step index as their time."""
+    for i, r in enumerate(requests):
+        params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(f"sim-{i}", list(r.prompt_token_ids), params, arrival_time=i))
+    steps: list[StepRecord] = []
+    output_tokens = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        sampled = {s.request.request_id: 0 for s in out.scheduled if s.samples}
+        output_tokens += len(sampled)
+        scheduler.update_from_output(out, sampled)
+        stats = scheduler.memory_stats()
+        steps.append(StepRecord(len(steps), stats["allocated_slots"], stats["used_slots"],
+                                stats["num_running"], stats["num_waiting"]))
+    return RunResult(0.0, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                     output_tokens, scheduler.num_preemptions, steps)
+
+
+def simulated_scheduler(args: argparse.Namespace, layout: str, max_model_len: int,
+                        num_blocks: int) -> Scheduler:
+    """The scheduler and KV manager an engine with these settings makes (prefix caching off)."""
+    config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+    if layout == "contiguous":
+        manager = ContiguousKVManager(num_blocks, args.block_size, max_model_len)
+    else:
+        manager = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
+    return Scheduler(config, manager)
+
+
 def main(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or 1024
+    num_blocks = args.reservations * -(-max_model_len // args.block_size)
     results = {}
     workload = None
+    if args.simulate:
+        workload = load_workload(load_tokenizer(args.model), args.dataset, args.num_prompts,
+                                 args.input_len, args.output_len, args.seed)
     for layout in ("paged", "contiguous"):
-        num_blocks = args.reservations * -(-max_model_len // args.block_size)
+        if args.simulate:
+            run = simulate_workload(simulated_scheduler(args, layout, max_model_len, num_blocks),
+                                    workload)
+            results[layout] = layout_figures(run, timed=False)
+            results[layout]["token_slots"] = num_blocks * args.block_size
+            continue
         engine = LLMEngine(engine_config(args, kv_layout=layout, max_model_len=max_model_len,
                                          num_kv_blocks=num_blocks, enable_prefix_caching=False))
         if workload is None:
@@ -63,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
         del engine
     paged, contiguous = results["paged"], results["contiguous"]
     payload = {"workload": summarize(workload), "max_model_len": max_model_len,
-               "reservations": args.reservations, "seed_claims": SEED_CLAIMS,
+               "reservations": args.reservations, "block_size": args.block_size,
+               "simulated": args.simulate, "seed_claims": SEED_CLAIMS,
                "concurrency_ratio": round(paged["max_running"] / max(contiguous["max_running"], 1), 2),
                **results}
     _print(payload)
@@ -78,7 +143,8 @@ def _print(p: dict) -> None:
     for layout in ("paged", "contiguous"):
         r = p[layout]
         rows.append([layout, f"{r['waste_pct']}%", f"{r['peak_waste_pct']}%", r["max_running"],
-                     r["mean_running"], r["num_preemptions"], r["output_tokens_per_s"], r["elapsed_s"]])
+                     r["mean_running"], r["num_preemptions"], r.get("output_tokens_per_s", "-"),
+                     r.get("elapsed_s", "-")])
     print_table(f"KV memory: {p['workload']['num_requests']} requests, budget = {p['reservations']} x "
                 f"{p['max_model_len']} tokens", ["layout", "waste (avg)", "waste (peak)", "max running",
                                                   "mean running", "preemptions", "out tok/s", "time s"],
@@ -110,7 +176,7 @@ def _plot(p: dict, path: str) -> None:
         twin.set_ylabel("running requests")
         ax.legend(loc="upper left")
         twin.legend(loc="upper right")
-    axes[-1].set_xlabel("seconds")
+    axes[-1].set_xlabel("steps (simulated, no model)" if p.get("simulated") else "seconds")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
