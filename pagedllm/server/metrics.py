@@ -25,6 +25,10 @@ class _EngineCollector:
             "kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1)", s.get("usage", 0.0)),
             "kv_cache_blocks_total": ("KV cache blocks", s["num_blocks"]),
             "kv_cache_blocks_free": ("KV cache blocks not in use", s["num_free_blocks"]),
+            "kv_cache_blocks_cached_free": ("Free blocks still holding reusable prefix-cache K/V",
+                                            s.get("num_cached_free_blocks", 0)),
+            "prefix_cache_hit_rate": ("Prefix cache hits / queries, in tokens (0-1)",
+                                      s.get("prefix_cache_hit_rate", 0.0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedllm:{name}", doc, value=value)
@@ -34,8 +38,7 @@ class _EngineCollector:
             "generation_tokens": ("Tokens generated", s["generation_tokens_total"]),
         }
         for name in ("prefix_cache_queries", "prefix_cache_hits"):
-            if name in s:
-                counters[name] = (f"Prefix cache {name.rsplit('_', 1)[1]}, in tokens", s[name])
+            counters[name] = (f"Prefix cache {name.rsplit('_', 1)[1]}, in tokens", s.get(name, 0))
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=value)
 

@@ -127,7 +127,8 @@ def test_metrics_names(server):
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "kv_cache_blocks_total", "kv_cache_blocks_free", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prefix_cache_hit_rate", "kv_cache_blocks_cached_free",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
                  "e2e_request_latency_seconds_bucket"]:
         assert f"pagedllm:{name}" in text, name
