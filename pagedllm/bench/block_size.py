@@ -22,6 +22,7 @@ from pagedllm.bench.common import (
     engine_config,
     print_table,
     run_workload,
+    serve_one,
     shared_model_loads,
     timed_functions,
     write_json,
@@ -82,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
             if workload is None:
                 workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts,
                                          args.input_len, args.output_len, args.seed)
+            serve_one(engine)  # warm-up: first calls (kernel build, allocator) are not timed
             impls = known_implementations()
             with timed_functions(paged_attention, write_kv, *impls.values()) as timers:
                 result = run_workload(engine, workload, record_steps=True, tag=f"bs{block_size}")

@@ -8,10 +8,16 @@ import time
 
 import psutil
 
-from pagedllm.bench.common import engine_config, peak_rss_bytes, print_table, run_workload, write_json
+from pagedllm.bench.common import (
+    engine_config,
+    peak_rss_bytes,
+    print_table,
+    run_workload,
+    serve_one,
+    write_json,
+)
 from pagedllm.bench.workload import BenchRequest, load_workload, summarize
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +30,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     process_started = psutil.Process().create_time()
     engine = LLMEngine(engine_config(args))
-    _serve_one(engine)
+    serve_one(engine)  # start-up counts until a first request is served, as a user sees it
     startup_s = time.time() - process_started
     workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts, args.input_len,
                              args.output_len, args.seed)
@@ -48,13 +54,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"\npagedllm / transformers generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
     write_json(args.output_json, payload)
     return 0
-
-
-def _serve_one(engine: LLMEngine) -> None:
-    """Start-up counts until a first request is served, as a user would see it."""
-    engine.add_request("warmup", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def _row(r: dict) -> list:
