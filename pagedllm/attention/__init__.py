@@ -2,14 +2,19 @@
 
 The KV cache of one layer is a (key_cache, value_cache) pair, each shaped
 [num_blocks, block_size, num_kv_heads, head_dim]: one token's K/V is one contiguous write.
+
+paged_attention runs the compiled CPU kernel (cpu_kernel: in place through the block table, one
+call for prefill chunks and decodes) where it is built and takes the call, and the portable torch
+path (torch_ref, also the reference the kernel is tested against) everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention import cpu_kernel, torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import paged_attention, write_kv
+from pagedllm.attention.torch_ref import write_kv
 
 __all__ = [
     "AttentionMetadata",
@@ -18,6 +23,23 @@ __all__ = [
     "paged_attention",
     "write_kv",
 ]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache
+    (the new K/V already written by write_kv): [T, Hq, D]."""
+    if cpu_kernel.supports(query, key_cache):
+        return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                          sliding_window)
+    return torch_ref.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                     sliding_window)
 
 
 def kv_cache_shape(

@@ -1,0 +1,121 @@
+"""The compiled CPU paged-attention kernel (csrc/paged_attention.cpp): built on first use with the
+local C++ compiler, cached per machine kind, and skipped (with one log line) where it cannot be.
+
+The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
+torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes.
+PAGEDLLM_ATTENTION=torch turns the kernel off (the portable torch path runs instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
+_DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool once a load was tried; "why": the reason it failed
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags")
+            for flag in line.split(":", 1)[1].split()}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "torch_extensions"
+
+
+def _build_name() -> str:
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join(_CFLAGS).encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
+    return f"pagedllm_cpu_{key.hexdigest()[:16]}"
+
+
+def _why_unavailable() -> str | None:
+    if os.environ.get("PAGEDLLM_ATTENTION", "auto") == "torch":
+        return "PAGEDLLM_ATTENTION=torch"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernel is written for x86-64 with AVX-512; this is {platform.machine()}"
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if not _SOURCE.is_file():
+        return f"{_SOURCE} is missing"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) on PATH"
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is loaded (building it on the first call where it can be)."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+    why = _why_unavailable()
+    if why is None:
+        try:
+            from torch.utils import cpp_extension
+
+            name = _build_name()
+            build_dir = cache_dir() / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+            logger.debug("paged attention: CPU kernel loaded from %s", build_dir)
+            return True
+        except Exception as exc:  # a failed build must never stop the engine
+            why = f"the build failed ({type(exc).__name__}: {str(exc).strip()[-500:]})"
+    _state["why"] = why
+    logger.warning("paged attention: using the portable torch path, not the CPU kernel: %s", why)
+    return False
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel can run this call (dtype, device, head size); builds it on first use."""
+    return (query.device.type == "cpu" and query.dtype in _DTYPES and key_cache.dtype == query.dtype
+            and query.shape[-1] % 16 == 0 and query.shape[1] % key_cache.shape[2] == 0
+            and available())
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as torch_ref.paged_attention; call only where supports() is true."""
+    return torch.ops.pagedllm_cpu.paged_attention(
+        query.contiguous(), key_cache, value_cache, attn_metadata.block_tables,
+        attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
+        sliding_window if sliding_window is not None else 0)

@@ -1,0 +1,139 @@
+"""The compiled CPU kernel against the portable torch path: random block tables, batches mixing
+fresh prefills, chunks after cached context and decodes, GQA, sliding windows, fp32 and bf16.
+And the fallback: where the kernel cannot be built, the torch path runs, with one warning."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from pagedllm import attention
+from pagedllm.attention import allocate_kv_cache, cpu_kernel, torch_ref, write_kv
+from tests.conftest import build_attn_metadata
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
+                                  reason=f"CPU kernel unavailable: {cpu_kernel._state.get('why')}")
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """A filled paged cache and the metadata of one step. requests: [(num_computed, num_new)]."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = sum(-(-(c + n) // block_size) for c, n in requests)
+    num_blocks = blocks_needed + 3
+    physical = list(range(num_blocks))
+    rng.shuffle(physical)  # block tables in random physical order
+    key_cache, value_cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype)[0]
+    # Garbage in the unused blocks, so reading past a request's own blocks would show.
+    key_cache.normal_(generator=gen)
+    value_cache.normal_(generator=gen)
+    batch = [(c, n, [physical.pop() for _ in range(-(-(c + n) // block_size))]) for c, n in requests]
+    full, _ = build_attn_metadata([(0, c + n, b) for c, n, b in batch], block_size)
+    total = full.slot_mapping.numel()
+    write_kv(torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),
+             torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),
+             key_cache, value_cache, full.slot_mapping)
+    meta, _ = build_attn_metadata(batch, block_size)
+    num_tokens = sum(n for _, n in requests)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    return query, key_cache, value_cache, meta
+
+
+def compare(requests, *, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+            dtype=torch.float32, sliding_window=None, seed=0):
+    query, key_cache, value_cache, meta = make_case(
+        requests, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, seed=seed)
+    scale = head_dim**-0.5
+    expected = torch_ref.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    got = cpu_kernel.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+MIXED = [(0, 37), (5, 1), (100, 1), (64, 20), (0, 1), (31, 1), (17, 40), (250, 1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_mixed_batch_matches_torch(dtype, block_size):
+    compare(MIXED, block_size=block_size, dtype=dtype, seed=block_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4, 16), (8, 2, 128), (9, 3, 64), (6, 1, 32)])
+def test_head_shapes(dtype, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    compare([(0, 19), (40, 1), (3, 33), (0, 1)], num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, dtype=dtype, block_size=8)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_sliding_window(dtype, window):
+    compare([(0, 50), (70, 1), (30, 21), (9, 1)], dtype=dtype, sliding_window=window, block_size=4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches(seed):
+    rng = random.Random(seed)
+    requests = [(rng.choice([0, rng.randint(0, 300)]), rng.choice([1, 1, rng.randint(1, 70)]))
+                for _ in range(rng.randint(1, 12))]
+    compare(requests, block_size=rng.choice([2, 8, 16]), dtype=rng.choice([torch.float32, torch.bfloat16]),
+            seed=seed)
+
+
+@needs_kernel
+def test_long_prefill_and_many_decodes():
+    compare([(0, 300)] + [(rng_len, 1) for rng_len in range(0, 640, 10)], dtype=torch.bfloat16)
+
+
+@needs_kernel
+def test_dispatch_uses_kernel():
+    query, key_cache, value_cache, meta = make_case(
+        [(3, 5)], block_size=4, num_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, seed=1)
+    assert cpu_kernel.supports(query, key_cache)
+    torch.testing.assert_close(attention.paged_attention(query, key_cache, value_cache, meta, 0.25),
+                               cpu_kernel.paged_attention(query, key_cache, value_cache, meta, 0.25))
+
+
+def test_unsupported_calls_take_the_torch_path():
+    query, key_cache, value_cache, meta = make_case(
+        [(3, 5), (2, 1)], block_size=4, num_heads=2, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+        seed=2)  # head_dim 8: not a multiple of 16
+    assert not cpu_kernel.supports(query, key_cache)
+    torch.testing.assert_close(attention.paged_attention(query, key_cache, value_cache, meta, 0.3),
+                               torch_ref.paged_attention(query, key_cache, value_cache, meta, 0.3))
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "_why_unavailable", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "_build_name", lambda: "pagedllm_cpu_test_broken")
+    monkeypatch.setattr(cpu_kernel, "_SOURCE", cpu_kernel._SOURCE.with_name("does_not_exist.cpp"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    query, key_cache, value_cache, meta = make_case(
+        [(0, 6), (4, 1)], block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+        seed=3)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.attention.cpu_kernel"):
+        for _ in range(3):
+            out = attention.paged_attention(query, key_cache, value_cache, meta, 0.25)
+    torch.testing.assert_close(out, torch_ref.paged_attention(query, key_cache, value_cache, meta, 0.25))
+    warnings = [r for r in caplog.records if "portable torch path" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_env_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("PAGEDLLM_ATTENTION", "torch")
+    assert not cpu_kernel.available()
+    assert "PAGEDLLM_ATTENTION" in cpu_kernel._state["why"]
