@@ -1,4 +1,5 @@
 # Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
+# Longer reliability runs (not in `make test`): `make fuzz`, `make stress`, `make soak`.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,19 @@ HOST ?= 127.0.0.1
 MODEL ?=
 MODEL_FLAG := $(if $(MODEL),--model $(MODEL),)
 
-.PHONY: install serve test lint
+# make fuzz: schemathesis and raw-body fuzzing, FUZZ_EXAMPLES cases per endpoint and mode,
+# randomly seeded (CI runs 60 with a fixed seed).
+FUZZ_EXAMPLES ?= 2000
+# make stress: the overload and abort storm, larger (CI runs 300 requests, 16 tokens, 12 blocks).
+STRESS_REQUESTS ?= 2000
+STRESS_MAX_TOKENS ?= 32
+STRESS_KV_BLOCKS ?= 24
+# make soak: `pagedllm bench serve` at a steady rate against `pagedllm serve`; RSS and blocks.
+SOAK_DURATION_S ?= 600
+SOAK_RATE ?= 1
+SOAK_SERVE_ARGS ?= --dtype float32 --kv-cache-memory 256MiB $(MODEL_FLAG)
+
+.PHONY: install serve test lint fuzz stress soak
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,3 +42,14 @@ test: install
 
 lint: install
 	$(BIN)/ruff check pagedllm tests
+
+fuzz: install
+	PAGEDLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/server/test_fuzz.py -p no:cacheprovider
+
+stress: install
+	PAGEDLLM_STORM_REQUESTS=$(STRESS_REQUESTS) PAGEDLLM_STORM_MAX_TOKENS=$(STRESS_MAX_TOKENS) \
+	PAGEDLLM_STORM_KV_BLOCKS=$(STRESS_KV_BLOCKS) $(BIN)/python -m pytest tests/server/test_storm.py
+
+soak: install
+	$(BIN)/python -m tests.server.soak --duration-s $(SOAK_DURATION_S) --request-rate $(SOAK_RATE) \
+		--output-json bench-out/soak.json -- $(SOAK_SERVE_ARGS)
