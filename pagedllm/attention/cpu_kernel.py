@@ -27,6 +27,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
 _DTYPES = (torch.float32, torch.bfloat16)
+_HEAD_DIMS = (16, 32, 64, 128, 256)  # the sizes compiled in
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once a load was tried; "why": the reason it failed
@@ -102,7 +103,7 @@ def _load() -> bool:
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the kernel can run this call (dtype, device, head size); builds it on first use."""
     return (query.device.type == "cpu" and query.dtype in _DTYPES and key_cache.dtype == query.dtype
-            and query.shape[-1] % 16 == 0 and query.shape[1] % key_cache.shape[2] == 0
+            and query.shape[-1] in _HEAD_DIMS and query.shape[1] % key_cache.shape[2] == 0
             and available())
 
 

@@ -93,24 +93,56 @@ inline __m512 sum_lanes_16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, mixed);
 }
 
+// dst[k][j] = src[j][k] for a 16x16 fp32 tile (rows src_stride apart, dst rows 16 apart).
+inline void transpose_16x16(const float* src, int64_t src_stride, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {  // r[k] is column k
+    _mm512_storeu_ps(dst + i * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+    _mm512_storeu_ps(dst + (i + 8) * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+  }
+}
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
 struct WorkItem {
   int64_t seq;
-  int64_t token_begin;  // first new token of the tile, counted within the request's new tokens
+  int64_t token_begin;  // first new token of the item, counted within the request's new tokens
   int64_t num_tokens;
-  int64_t kv_head;
+  int64_t head_begin, num_heads;  // kv heads
   int64_t cost;
 };
 
 struct Scratch {
-  std::vector<float> q, o, s, k, v, m, l;
-  void reserve(int64_t rows, int64_t head_dim) {
-    q.resize(rows * head_dim);
-    o.resize(rows * head_dim);
-    s.resize(rows * kKeyTile);
+  std::vector<float> q, o, m, l, corr, probs, k, kt, v;
+  std::vector<int64_t> slots;
+  void reserve(int64_t heads, int64_t rows, int64_t head_dim) {
+    q.resize(heads * rows * head_dim);
+    o.resize(heads * rows * head_dim);
+    m.resize(heads * rows);
+    l.resize(heads * rows);
+    corr.resize(rows);
+    probs.resize(rows * kKeyTile);
     k.resize(kKeyTile * head_dim);
+    kt.resize(kKeyTile * head_dim);
     v.resize(kKeyTile * head_dim);
-    m.resize(rows);
-    l.resize(rows);
+    slots.resize(kKeyTile);
   }
 };
 
@@ -127,122 +159,233 @@ struct Problem {
   float scale;
 };
 
-template <typename T>
-void run_item(const Problem<T>& p, const WorkItem& item, Scratch& sc) {
-  const int64_t D = p.head_dim, group = p.num_heads / p.num_kv_heads;
-  const int64_t rows = item.num_tokens * group, h = item.kv_head;
-  const int64_t q_begin = p.query_start_loc[item.seq], q_len = p.query_start_loc[item.seq + 1] - q_begin;
-  const int64_t ctx_len = p.seq_lens[item.seq];
-  const int64_t first_pos = ctx_len - q_len + item.token_begin;  // absolute position of row 0's token
-  const int64_t last_pos = first_pos + item.num_tokens - 1;
-  const int64_t key_end = last_pos + 1;
-  const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
-  const int32_t* table = p.block_tables + item.seq * p.table_stride;
-  const int64_t row_stride = p.num_kv_heads * D;  // between consecutive tokens of one kv head
+// Rows of this many or fewer (decodes: the query heads of one kv head) take dot products folded
+// by sum_lanes_16; more rows amortize a transposed K tile and need no folding.
+constexpr int64_t kDotRows = 8;
+constexpr int64_t kTiledRows = 8;  // row block of the transposed-K score loop
 
-  sc.reserve(rows, D);
-  float *q = sc.q.data(), *o = sc.o.data(), *s = sc.s.data(), *kf = sc.k.data(), *vf = sc.v.data();
-  float *m = sc.m.data(), *l = sc.l.data();
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
-    const T* src = p.query + ((q_begin + item.token_begin + r / group) * p.num_heads + h * group + r % group) * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      store_f32(q + r * D + d, _mm512_mul_ps(load_f32(src + d), scale));
-      store_f32(o + r * D + d, _mm512_setzero_ps());
-    }
-    m[r] = kNoScore;
-    l[r] = 0.0f;
-  }
+template <typename T, int D>
+struct Kernel {
+  static constexpr int C = D / 16;                            // 512-bit chunks per row
+  static constexpr int PV_ROWS = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows per P.V register block
 
-  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0));
-    for (int j = 0; j < kKeyTile; ++j) {  // this tile's K/V rows in fp32; zeros past the end
-      if (j < n) {
-        const int64_t pos = k0 + j;
-        const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
-        const T* krow = p.key_cache + slot * row_stride + h * D;
-        const T* vrow = p.value_cache + slot * row_stride + h * D;
-        for (int64_t d = 0; d < D; d += 16) {
-          store_f32(kf + j * D + d, load_f32(krow + d));
-          store_f32(vf + j * D + d, load_f32(vrow + d));
-        }
-      } else {
-        for (int64_t d = 0; d < D; d += 16) {
-          store_f32(kf + j * D + d, _mm512_setzero_ps());
-          store_f32(vf + j * D + d, _mm512_setzero_ps());
-        }
-      }
-    }
-    // Keys of this tile that some row must not see: past the end, after a row's own position
-    // (causal), or out of a row's sliding window.
-    const bool needs_mask = n < kKeyTile || k0 + n - 1 > first_pos ||
-                            (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
-    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0)),
-                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  // scores[r][0..16) = q[r] . k[j], for rows of the dot form.
+  static void scores_dot(const float* q, int64_t rows, const float* kf, float* scores) {
     for (int64_t r = 0; r < rows; ++r) {
       __m512 partial[kKeyTile];
       for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qv = load_f32(q + r * D + d);
-        for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_fmadd_ps(qv, load_f32(kf + j * D + d), partial[j]);
-      }
-      __m512 scores = sum_lanes_16(partial);
-      if (needs_mask) {
-        const int64_t pos = first_pos + r / group;
-        __mmask16 visible = _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
-        if (p.sliding_window > 0) {
-          visible &= _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos - p.sliding_window)),
-                                           _MM_CMPINT_GT);
+      for (int c = 0; c < C; ++c) {
+        const __m512 qv = _mm512_loadu_ps(q + r * D + c * 16);
+        for (int j = 0; j < kKeyTile; ++j) {
+          partial[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * D + c * 16), partial[j]);
         }
-        visible &= static_cast<__mmask16>((1u << n) - 1);
-        scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, scores);
       }
-      // Online softmax: rescale what was accumulated to the new running max.
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(scores));
-      const __m512 probs = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
-      const float correction = std::exp(m[r] - m_new);
-      l[r] = l[r] * correction + _mm512_reduce_add_ps(probs);
-      m[r] = m_new;
-      _mm512_storeu_ps(s + r * kKeyTile, probs);
-      const __m512 corr = _mm512_set1_ps(correction);
-      for (int64_t d = 0; d < D; d += 16) {
-        __m512 acc = _mm512_mul_ps(load_f32(o + r * D + d), corr);
-        for (int j = 0; j < n; ++j) {
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(s[r * kKeyTile + j]), load_f32(vf + j * D + d), acc);
+      _mm512_storeu_ps(scores + r * kKeyTile, sum_lanes_16(partial));
+    }
+  }
+
+  // The same from K transposed (kt[d][j]); rows padded to a multiple of kTiledRows.
+  static void scores_tiled(const float* q, int64_t rows, const float* kt, float* scores) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows) {
+      __m512 acc[kTiledRows];
+      for (int i = 0; i < kTiledRows; ++i) acc[i] = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const __m512 kd = _mm512_loadu_ps(kt + d * kKeyTile);
+        for (int i = 0; i < kTiledRows; ++i) {
+          acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[(r0 + i) * D + d]), kd, acc[i]);
         }
-        store_f32(o + r * D + d, acc);
+      }
+      for (int i = 0; i < kTiledRows; ++i) _mm512_storeu_ps(scores + (r0 + i) * kKeyTile, acc[i]);
+    }
+  }
+
+  // o[r] = o[r] * corr[r] + sum_j probs[r][j] v[j]; rows padded to a multiple of PV_ROWS.
+  static void accumulate_pv(float* o, int64_t rows, const float* corr, const float* probs, const float* vf) {
+    for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
+      __m512 acc[PV_ROWS][C];
+      for (int i = 0; i < PV_ROWS; ++i) {
+        const __m512 ci = _mm512_set1_ps(corr[r0 + i]);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + i) * D + c * 16), ci);
+      }
+      for (int j = 0; j < kKeyTile; ++j) {
+        __m512 vj[C];
+        for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(vf + j * D + c * 16);
+        for (int i = 0; i < PV_ROWS; ++i) {
+          const __m512 pij = _mm512_set1_ps(probs[(r0 + i) * kKeyTile + j]);
+          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < PV_ROWS; ++i) {
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
       }
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = p.out + ((q_begin + item.token_begin + r / group) * p.num_heads + h * group + r % group) * D;
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    for (int64_t d = 0; d < D; d += 16) store_f32(dst + d, _mm512_mul_ps(load_f32(o + r * D + d), inv));
-  }
-}
+  static void run_item(const Problem<T>& p, const WorkItem& item, Scratch& sc) {
+    const int64_t group = p.num_heads / p.num_kv_heads;
+    const int64_t rows = item.num_tokens * group;  // per kv head: token r / group, query head r % group
+    const bool dot = rows <= kDotRows;
+    const int64_t padded = round_up(rows, dot ? PV_ROWS : std::max<int64_t>(kTiledRows, PV_ROWS));
+    const int64_t q_begin = p.query_start_loc[item.seq];
+    const int64_t q_len = p.query_start_loc[item.seq + 1] - q_begin;
+    const int64_t ctx_len = p.seq_lens[item.seq];
+    const int64_t first_pos = ctx_len - q_len + item.token_begin;  // of the item's first token
+    const int64_t last_pos = first_pos + item.num_tokens - 1;
+    const int64_t key_end = last_pos + 1;
+    const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
+    const int32_t* table = p.block_tables + item.seq * p.table_stride;
+    const int64_t token_stride = p.num_kv_heads * D;  // between consecutive tokens in the cache
+    const int64_t head_bytes = item.num_heads * D * static_cast<int64_t>(sizeof(T));
 
+    sc.reserve(item.num_heads, padded, D);
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    for (int64_t hh = 0; hh < item.num_heads; ++hh) {
+      float* q = sc.q.data() + hh * padded * D;
+      for (int64_t r = 0; r < padded; ++r) {
+        const int64_t head = (item.head_begin + hh) * group + r % group;
+        const T* src = p.query + ((q_begin + item.token_begin + r / group) * p.num_heads + head) * D;
+        for (int c = 0; c < C; ++c) {
+          const __m512 x = r < rows ? _mm512_mul_ps(load_f32(src + c * 16), scale) : _mm512_setzero_ps();
+          _mm512_storeu_ps(q + r * D + c * 16, x);
+          _mm512_storeu_ps(sc.o.data() + (hh * padded + r) * D + c * 16, _mm512_setzero_ps());
+        }
+        sc.m[hh * padded + r] = kNoScore;
+        sc.l[hh * padded + r] = 0.0f;
+      }
+    }
+
+    auto slot_of = [&](int64_t pos) {
+      return static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
+    };
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
+      const int n = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0));
+      for (int j = 0; j < n; ++j) sc.slots[j] = slot_of(k0 + j);
+      // The next tile's rows are on their way from memory while this one is computed.
+      for (int64_t pos = k0 + kKeyTile; pos < std::min(k0 + 2 * kKeyTile, key_end); ++pos) {
+        const int64_t off = slot_of(pos) * token_stride + item.head_begin * D;
+        const char* kp = reinterpret_cast<const char*>(p.key_cache + off);
+        const char* vp = reinterpret_cast<const char*>(p.value_cache + off);
+        for (int64_t b = 0; b < head_bytes; b += 64) {
+          _mm_prefetch(kp + b, _MM_HINT_T0);
+          _mm_prefetch(vp + b, _MM_HINT_T0);
+        }
+      }
+      const bool needs_mask = n < kKeyTile || k0 + n - 1 > first_pos ||
+                              (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
+      const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0)), lane);
+      const __mmask16 in_tile = static_cast<__mmask16>((1u << n) - 1);
+
+      for (int64_t hh = 0; hh < item.num_heads; ++hh) {
+        const int64_t h = item.head_begin + hh;
+        float *kf = sc.k.data(), *vf = sc.v.data(), *probs = sc.probs.data();
+        for (int j = 0; j < kKeyTile; ++j) {  // this tile's K/V rows in fp32; zeros past the end
+          const T* krow = p.key_cache + sc.slots[j] * token_stride + h * D;
+          const T* vrow = p.value_cache + sc.slots[j] * token_stride + h * D;
+          for (int c = 0; c < C; ++c) {
+            _mm512_storeu_ps(kf + j * D + c * 16, j < n ? load_f32(krow + c * 16) : _mm512_setzero_ps());
+            _mm512_storeu_ps(vf + j * D + c * 16, j < n ? load_f32(vrow + c * 16) : _mm512_setzero_ps());
+          }
+        }
+        const float* q = sc.q.data() + hh * padded * D;
+        if (dot) {
+          scores_dot(q, rows, kf, probs);
+        } else {
+          for (int c = 0; c < C; ++c) transpose_16x16(kf + c * 16, D, sc.kt.data() + c * 16 * kKeyTile);
+          scores_tiled(q, padded, sc.kt.data(), probs);
+        }
+        float* m = sc.m.data() + hh * padded;
+        float* l = sc.l.data() + hh * padded;
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 s = _mm512_loadu_ps(probs + r * kKeyTile);
+          if (needs_mask) {
+            // Keys past the end, after the row's own position (causal) or out of its window.
+            const int64_t pos = first_pos + r / group;
+            __mmask16 visible = in_tile & _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos)),
+                                                                _MM_CMPINT_LE);
+            if (p.sliding_window > 0) {
+              visible &= _mm512_cmp_epi32_mask(
+                  key_pos, _mm512_set1_epi32(static_cast<int>(pos - p.sliding_window)), _MM_CMPINT_GT);
+            }
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, s);
+          }
+          // Online softmax: what was accumulated is rescaled to the new running max.
+          const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+          sc.corr[r] = std::exp(m[r] - m_new);
+          l[r] = l[r] * sc.corr[r] + _mm512_reduce_add_ps(e);
+          m[r] = m_new;
+          _mm512_storeu_ps(probs + r * kKeyTile, e);
+        }
+        for (int64_t r = rows; r < round_up(rows, PV_ROWS); ++r) {  // padding rows stay zero
+          sc.corr[r] = 0.0f;
+          _mm512_storeu_ps(probs + r * kKeyTile, _mm512_setzero_ps());
+        }
+        accumulate_pv(sc.o.data() + hh * padded * D, round_up(rows, PV_ROWS), sc.corr.data(), probs, vf);
+      }
+    }
+
+    for (int64_t hh = 0; hh < item.num_heads; ++hh) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t head = (item.head_begin + hh) * group + r % group;
+        T* dst = p.out + ((q_begin + item.token_begin + r / group) * p.num_heads + head) * D;
+        const float* o = sc.o.data() + (hh * padded + r) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / sc.l[hh * padded + r]);
+        for (int c = 0; c < C; ++c) store_f32(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), inv));
+      }
+    }
+  }
+};
+
+// Decodes (and other short queries) take all kv heads in one item, reading each cached token's
+// K/V row whole; prefill chunks are cut into tiles of kQueryTile tokens, one item per kv head.
 template <typename T>
-void run(const Problem<T>& p, int64_t num_seqs) {
+std::vector<WorkItem> plan(const Problem<T>& p, int64_t num_seqs) {
   std::vector<WorkItem> items;
+  const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = p.query_start_loc[b + 1] - p.query_start_loc[b];
     const int64_t ctx_len = p.seq_lens[b];
+    if (q_len == 0) continue;
+    if (q_len * group <= kDotRows) {
+      items.push_back({b, 0, q_len, 0, p.num_kv_heads, ctx_len * q_len * p.num_kv_heads});
+      continue;
+    }
     for (int64_t t = 0; t < q_len; t += kQueryTile) {
       const int64_t n = std::min<int64_t>(kQueryTile, q_len - t);
       int64_t keys = ctx_len - q_len + t + n;
       if (p.sliding_window > 0) keys = std::min(keys, p.sliding_window + n);
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, keys * n});
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, 1, keys * n});
     }
   }
   // Longest first, so the last items to start are short ones and threads finish together.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T, int D>
+void run(const Problem<T>& p, int64_t num_seqs) {
+  const std::vector<WorkItem> items = plan(p, num_seqs);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) run_item(p, items[i], scratch);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      Kernel<T, D>::run_item(p, items[i], scratch);
+    }
   });
+}
+
+template <typename T>
+void run_any_head_dim(const Problem<T>& p, int64_t num_seqs) {
+  switch (p.head_dim) {
+    case 16: return run<T, 16>(p, num_seqs);
+    case 32: return run<T, 32>(p, num_seqs);
+    case 64: return run<T, 64>(p, num_seqs);
+    case 128: return run<T, 128>(p, num_seqs);
+    case 256: return run<T, 256>(p, num_seqs);
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", p.head_dim, " is not compiled in");
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -258,7 +401,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                   query_start_loc.scalar_type() == at::kInt,
               "paged_attention: int32 metadata");
   const int64_t head_dim = query.size(2);
-  TORCH_CHECK(head_dim % 16 == 0 && key_cache.size(3) == head_dim, "paged_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_attention: query and cache head_dim differ");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv heads");
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
   at::Tensor out = at::empty_like(query);
@@ -271,7 +414,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                  out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
                  starts.const_data_ptr<int32_t>(), tables.dim() == 2 ? tables.size(1) : 0, key_cache.size(1),
                  query.size(1), key_cache.size(2), head_dim, sliding_window, static_cast<float>(scale)};
-    run(p, num_seqs);
+    run_any_head_dim(p, num_seqs);
   };
   if (query.scalar_type() == at::kFloat) {
     dispatch(static_cast<float*>(nullptr));
