@@ -64,6 +64,8 @@ class ModelRunner:
                  kv_dtype: torch.dtype, device: str = "cpu") -> None:
         cfg = model.config
         self.model = model
+        if str(device) == "cpu" and hasattr(model, "prepack_for_cpu"):
+            model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,

@@ -1,5 +1,7 @@
-"""The compiled CPU paged-attention kernel (csrc/paged_attention.cpp): built on first use with the
-local C++ compiler, cached per machine kind, and skipped (with one log line) where it cannot be.
+"""The compiled CPU kernels: paged attention (csrc/paged_attention.cpp) and the elementwise fusions
+around it in a layer (csrc/fused_ops.cpp: RMSNorm with the residual add, rotary in place,
+SiLU-and-mul). Built on first use with the local C++ compiler, cached per machine kind, and skipped
+(with one log line) where they cannot be: callers then take the portable torch path.
 
 The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
 torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes.
@@ -23,7 +25,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
+_HEADERS = ("vec.h",)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -49,7 +53,8 @@ def cache_dir() -> Path:
 
 def _build_name() -> str:
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for name in _SOURCES + _HEADERS:
+        key.update((_CSRC / name).read_bytes())
     key.update(" ".join(_CFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
     return f"pagedllm_cpu_{key.hexdigest()[:16]}"
@@ -63,8 +68,9 @@ def _why_unavailable() -> str | None:
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    if not _SOURCE.is_file():
-        return f"{_SOURCE} is missing"
+    missing = [name for name in _SOURCES + _HEADERS if not (_CSRC / name).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing from {_CSRC}"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     return None
@@ -89,14 +95,14 @@ def _load() -> bool:
             name = _build_name()
             build_dir = cache_dir() / name
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES], extra_cflags=_CFLAGS,
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
-            logger.debug("paged attention: CPU kernel loaded from %s", build_dir)
+            logger.debug("CPU kernels loaded from %s", build_dir)
             return True
         except Exception as exc:  # a failed build must never stop the engine
             why = f"the build failed ({type(exc).__name__}: {str(exc).strip()[-500:]})"
     _state["why"] = why
-    logger.warning("paged attention: using the portable torch path, not the CPU kernel: %s", why)
+    logger.warning("CPU kernels unavailable, using the portable torch path: %s", why)
     return False
 
 
@@ -116,7 +122,34 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_attention; call only where supports() is true."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
     return torch.ops.pagedllm_cpu.paged_attention(
-        query.contiguous(), key_cache, value_cache, attn_metadata.block_tables,
+        query, key_cache, value_cache, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
         sliding_window if sliding_window is not None else 0)
+
+
+def fused_ops_support(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise ops can take this activation (builds the kernels on first use)."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim of [T, H], rounded as the torch RMSNorm rounds."""
+    return torch.ops.pagedllm_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual)."""
+    torch.ops.pagedllm_cpu.add_rms_norm_(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim: [T, I]."""
+    return torch.ops.pagedllm_cpu.silu_and_mul(gate_up)
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """Rotary embedding in place on the first num_heads heads of each row of qkv [T, width]."""
+    torch.ops.pagedllm_cpu.rotary_(qkv, cos, sin, num_heads, head_dim)

@@ -3,6 +3,11 @@
 One flat batch of T tokens from many requests goes through each layer together; only attention
 looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
 q/k/v projection, one gate/up projection): fewer, larger matmuls are faster on CPU.
+
+On CPUs where pagedllm's compiled kernels are built (pagedllm.attention.cpu_kernel), the
+elementwise work between the matmuls runs fused: the residual add inside RMSNorm, rotary in place
+on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() stores bf16 matmul weights in oneDNN's
+blocked layout once instead of on every call. Elsewhere the plain torch code below runs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, paged_attention, write_kv
+from pagedllm.attention import AttentionMetadata, cpu_kernel, paged_attention, write_kv
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
 
@@ -28,7 +33,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
+        fused = (cpu_kernel.fused_ops_support(x) and x.dim() == 2 and x.is_contiguous()
+                 and self.weight.dtype == x.dtype)
+        if residual is None:
+            return cpu_kernel.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
+        if fused and residual.is_contiguous() and residual.dtype == x.dtype:
+            cpu_kernel.add_rms_norm_(x, residual, self.weight, self.eps)  # both in place
+            return x, residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 whatever the weights' dtype, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -136,9 +153,17 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        if cpu_kernel.fused_ops_support(qkv) and qkv.stride(-1) == 1 and cos.is_contiguous():
+            # Rotate q and k where they are, then take views: no copies.
+            cpu_kernel.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
@@ -159,7 +184,10 @@ class MLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernel.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
+            return self.down_proj(cpu_kernel.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -171,9 +199,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
+        """x: the previous layer's MLP output (or the embeddings, with residual None); returns this
+        layer's MLP output and the residual stream, whose sum is the layer's output."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -202,14 +237,34 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat batch; writes the new K/V into kv_caches."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, attn_metadata, x.dtype)
+        residual = None  # the residual add is folded into the next RMSNorm
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
+        packed = getattr(self, "_packed_lm_head", None)
+        if packed is not None:
+            return packed(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepack_for_cpu(self, max_num_tokens: int) -> bool:
+        """Store the bf16 matmul weights (and a copy of a tied LM head) in oneDNN's blocked layout,
+        so no matmul reorders its weight on every call (1.5-1.9x faster at decode batch sizes; the
+        same results bit for bit, but for a bias added before rounding instead of after). Only for
+        bfloat16 on CPU; returns whether it packed."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _can_pack(max_num_tokens):
+            return False
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear(child.weight, child.bias, max_num_tokens))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_lm_head = PackedLinear(head, None, max_num_tokens)
+        return True
 
     @classmethod
     def from_hf_tensors(
@@ -288,3 +343,28 @@ def fused_state_dict(
         tensors = [load(name) for name in parts]
         state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     return state
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear over a weight reordered once for oneDNN (mkldnn), as torch.compile's CPU freezing
+    does; the results of F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_num_tokens: int):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max_num_tokens)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def _can_pack(max_num_tokens: int) -> bool:
+    """Whether this torch build packs and runs a bf16 linear correctly here."""
+    try:
+        weight = torch.randn(48, 32).to(torch.bfloat16)
+        x = torch.randn(5, 32).to(torch.bfloat16)
+        packed = PackedLinear(weight, None, max_num_tokens)
+        return torch.equal(packed(x), F.linear(x, weight))
+    except (AttributeError, RuntimeError):
+        return False

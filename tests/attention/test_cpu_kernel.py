@@ -119,7 +119,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path)
     monkeypatch.setattr(cpu_kernel, "_state", {})
     monkeypatch.setattr(cpu_kernel, "_why_unavailable", lambda: None)
     monkeypatch.setattr(cpu_kernel, "_build_name", lambda: "pagedllm_cpu_test_broken")
-    monkeypatch.setattr(cpu_kernel, "_SOURCE", cpu_kernel._SOURCE.with_name("does_not_exist.cpp"))
+    monkeypatch.setattr(cpu_kernel, "_SOURCES", ("does_not_exist.cpp",))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     query, key_cache, value_cache, meta = make_case(
         [(0, 6), (4, 1)], block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,

@@ -13,11 +13,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -27,46 +29,11 @@
 
 namespace {
 
+using namespace pagedllm_vec;
+
 constexpr int kKeyTile = 16;    // keys per tile: one 512-bit register of fp32 scores
 constexpr int kQueryTile = 16;  // new tokens per work item (prefill chunks are cut into these)
 constexpr float kNoScore = -1e30f;  // running max before any key: finite, so no inf - inf
-
-inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load_f32(const c10::BFloat16* p) {
-  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-inline void store_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-inline void store_f32(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as torch does when casting float32 to bfloat16.
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
-}
-
-// exp(x) for x <= 0 (scores minus their running max); exactly 0 below about -87.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 alive = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  // exp(r) for |r| <= ln2/2: Taylor to degree 7, relative error below 1e-8.
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, n));
-}
 
 // Lane j of the result is the sum of the 16 lanes of v[j].
 inline __m512 sum_lanes_16(__m512 v[16]) {
@@ -155,6 +122,7 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
+  int64_t query_stride;  // between tokens of query (out is contiguous)
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim, sliding_window;
   float scale;
 };
@@ -243,7 +211,7 @@ struct Kernel {
       float* q = sc.q.data() + hh * padded * D;
       for (int64_t r = 0; r < padded; ++r) {
         const int64_t head = (item.head_begin + hh) * group + r % group;
-        const T* src = p.query + ((q_begin + item.token_begin + r / group) * p.num_heads + head) * D;
+        const T* src = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + head * D;
         for (int c = 0; c < C; ++c) {
           const __m512 x = r < rows ? _mm512_mul_ps(load_f32(src + c * 16), scale) : _mm512_setzero_ps();
           _mm512_storeu_ps(q + r * D + c * 16, x);
@@ -311,7 +279,7 @@ struct Kernel {
           }
           // Online softmax: what was accumulated is rescaled to the new running max.
           const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+          const __m512 e = exp_f32(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
           sc.corr[r] = std::exp(m[r] - m_new);
           l[r] = l[r] * sc.corr[r] + _mm512_reduce_add_ps(e);
           m[r] = m_new;
@@ -393,8 +361,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: query [T, Hq, D], caches [blocks, block_size, Hkv, D]");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_attention: contiguous tensors only");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(),
+              "paged_attention: contiguous caches, query rows of contiguous heads");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "paged_attention: query and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -404,7 +373,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(key_cache.size(3) == head_dim, "paged_attention: query and cache head_dim differ");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv heads");
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
-  at::Tensor out = at::empty_like(query);
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const int64_t num_seqs = lens.size(0);
   if (num_seqs == 0 || query.size(0) == 0) return out;
 
@@ -412,7 +381,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
     using T = std::remove_pointer_t<decltype(tag)>;
     Problem<T> p{query.const_data_ptr<T>(), key_cache.const_data_ptr<T>(), value_cache.const_data_ptr<T>(),
                  out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
-                 starts.const_data_ptr<int32_t>(), tables.dim() == 2 ? tables.size(1) : 0, key_cache.size(1),
+                 starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0, key_cache.size(1),
                  query.size(1), key_cache.size(2), head_dim, sliding_window, static_cast<float>(scale)};
     run_any_head_dim(p, num_seqs);
   };
