@@ -60,6 +60,9 @@ def test_paged_and_contiguous_compute_the_same_attention(mode):
     contiguous = bench.contiguous_as_flat(bench.run_contiguous(case))
     for impl in bench.implementations(case).values():  # the compiled kernel too, where built
         torch.testing.assert_close(bench.run_paged(case, impl), contiguous, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(bench.run_unpaged(case, impl), contiguous, atol=1e-4, rtol=1e-4)
+    assert case.meta_unpaged.block_tables.flatten().tolist() == [0, 1, 2]  # one block each, in order
+    assert case.key_unpaged.shape == (3, 45, SHAPE["num_kv_heads"], SHAPE["head_dim"])
 
 
 def test_the_runner_prepare_builds_the_same_slots_and_tables():
@@ -84,17 +87,22 @@ def test_overhead_and_its_geometric_mean():
     assert bench.overhead_pct(1.25, 1.0) == 25.0
     assert bench.overhead_pct(0.9, 1.0) == -10.0
     rows = [{"mode": "decode", "contiguous_ms": 1.0, "active": "x",
-             "paged": {"x": {"ms": 2.0}, "y": {"ms": 1.0}}},
+             "paged": {"x": {"ms": 2.0, "unpaged_ms": 1.6}, "y": {"ms": 1.0, "unpaged_ms": 1.0}}},
             {"mode": "decode", "contiguous_ms": 4.0, "active": "y",
-             "paged": {"x": {"ms": 2.0}, "y": {"ms": 8.0}}},
-            {"mode": "prefill", "contiguous_ms": 1.0, "active": "x", "paged": {"x": {"ms": 1.2}}}]
+             "paged": {"x": {"ms": 2.0, "unpaged_ms": 1.6}, "y": {"ms": 8.0, "unpaged_ms": 4.0}}},
+            {"mode": "prefill", "contiguous_ms": 1.0, "active": "x",
+             "paged": {"x": {"ms": 1.2, "unpaged_ms": 1.2}}}]
     summary = bench.summarize(rows)
-    assert summary["x"]["decode"] == {"geomean_overhead_pct": 0.0, "min_overhead_pct": -50.0,
-                                      "max_overhead_pct": 100.0, "num_cases": 2}
-    assert math.isclose(summary["x"]["prefill"]["geomean_overhead_pct"], 20.0)
+    assert summary["x"]["decode"]["vs_contiguous_sdpa"] == {
+        "geomean_overhead_pct": 0.0, "min_overhead_pct": -50.0, "max_overhead_pct": 100.0,
+        "num_cases": 2}
+    assert summary["x"]["decode"]["vs_unpaged"]["geomean_overhead_pct"] == 25.0
+    assert math.isclose(summary["x"]["prefill"]["vs_contiguous_sdpa"]["geomean_overhead_pct"], 20.0)
+    assert summary["x"]["prefill"]["vs_unpaged"]["geomean_overhead_pct"] == 0.0
     assert "prefill" not in summary["y"]
-    # "active" follows whichever implementation each case ran: 2x, then 2x
-    assert summary["active"]["decode"]["geomean_overhead_pct"] == 100.0
+    # "active" follows whichever implementation each case ran: 2x then 2x; 1.25x then 2x
+    assert summary["active"]["decode"]["vs_contiguous_sdpa"]["geomean_overhead_pct"] == 100.0
+    assert summary["active"]["decode"]["vs_unpaged"]["geomean_overhead_pct"] == 58.1
 
 
 def test_the_active_implementation_is_the_one_the_public_function_ran():
