@@ -18,7 +18,7 @@ STRESS_KV_BLOCKS ?= 24
 # make soak: `pagedllm bench serve` at a steady rate against `pagedllm serve`; RSS and blocks.
 SOAK_DURATION_S ?= 600
 SOAK_RATE ?= 1
-SOAK_SERVE_ARGS ?= --dtype float32 --kv-cache-memory 256MiB $(MODEL_FLAG)
+SOAK_SERVE_ARGS ?= --dtype float32 --max-model-len 2048 --kv-cache-memory 256MiB $(MODEL_FLAG)
 
 .PHONY: install serve test lint fuzz stress soak
 

@@ -81,7 +81,8 @@ def bench(base_url: str, args: argparse.Namespace, *, rate: str, num_prompts: in
                "--output-len", args.output_len, "--output-json", str(output_json)]
     if duration_s is not None:
         command += ["--duration-s", str(duration_s)]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    log = output_json.with_suffix(".log").open("w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
                                "serve", "--host", "127.0.0.1", "--port", str(port), *args.serve_args],
                               stdout=server_log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: httpx.get(f"{base_url}/health", timeout=2).status_code == 200, 600,
-                 "the server to start")
+        def started() -> bool:
+            if server.poll() is not None:
+                server_log.flush()
+                log = (workdir / "server.log").read_text()[-2000:]
+                raise RuntimeError(f"pagedllm serve exited with status {server.returncode}:\n{log}")
+            return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
+
+        wait_for(started, 600, "the server to start")
         process = psutil.Process(server.pid)
         rss_loaded = process.memory_info().rss
         warmup = bench(base_url, args, rate="inf", num_prompts=args.warmup_requests,
