@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import time
 
 import httpx
 import pytest
@@ -146,3 +147,34 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     assert not leftover_streams
     assert healthy == 200
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo[prompts[0]]
+
+
+def test_non_streamed_clients_that_time_out_are_aborted(storm_engine):
+    """A client that gives up on a non-streamed request (a timeout, a closed socket) stops the
+    work for it: the server notices the disconnect, aborts the request and frees its blocks."""
+    real_execute = storm_engine.runner.execute
+
+    def slow_execute(scheduled):  # ~50 ms a step: 30 tokens take seconds
+        time.sleep(0.05)
+        return real_execute(scheduled)
+
+    with RunningServer(storm_engine) as server:
+        tokens_before = storm_engine.num_generation_tokens_total
+        storm_engine.runner.execute = slow_execute
+        try:
+            async def give_up_early():
+                async with httpx.AsyncClient(base_url=server.base_url) as client:
+                    tasks = [client.post("/v1/completions", timeout=0.5, json={
+                        "prompt": prompt_of(i), "max_tokens": 30, "ignore_eos": True}) for i in range(4)]
+                    return await asyncio.gather(*tasks, return_exceptions=True)
+
+            outcomes = asyncio.run(give_up_early())
+            assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
+            snap = server.wait_idle(timeout_s=30)
+        finally:
+            storm_engine.runner.execute = real_execute
+        assert storm_engine.num_generation_tokens_total - tokens_before < 4 * 30
+        assert snap["num_used_blocks"] == 0 and not server.async_engine._streams
+        after = httpx.post(f"{server.base_url}/v1/completions",
+                           json={"prompt": prompt_of(0), "max_tokens": 4}, timeout=30)
+        assert after.status_code == 200
