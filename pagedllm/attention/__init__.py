@@ -14,7 +14,6 @@ import torch
 
 from pagedllm.attention import cpu_kernel, torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_ref import write_kv
 
 __all__ = [
     "AttentionMetadata",
@@ -23,6 +22,20 @@ __all__ = [
     "paged_attention",
     "write_kv",
 ]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K/V [T, Hkv, D] at its physical slot (block * block_size + offset)."""
+    if cpu_kernel.write_kv_supports(key, key_cache) and cpu_kernel.write_kv_supports(value, value_cache):
+        cpu_kernel.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        torch_ref.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

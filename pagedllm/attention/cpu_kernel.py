@@ -130,6 +130,17 @@ def paged_attention(
         sliding_window if sliding_window is not None else 0)
 
 
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Same contract as torch_ref.write_kv, for key/value rows that may be strided views."""
+    torch.ops.pagedllm_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_kv_supports(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (key.device.type == "cpu" and key.dtype == key_cache.dtype and key.dim() == 3
+            and key.stride(2) == 1 and key.stride(1) == key.shape[2] and available())
+
+
 def fused_ops_support(x: torch.Tensor) -> bool:
     """Whether the fused elementwise ops can take this activation (builds the kernels on first use)."""
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()

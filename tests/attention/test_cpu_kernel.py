@@ -137,3 +137,19 @@ def test_env_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ATTENTION", "torch")
     assert not cpu_kernel.available()
     assert "PAGEDLLM_ATTENTION" in cpu_kernel._state["why"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_from_strided_rows_matches_torch(dtype):
+    """K/V taken as views of fused q/k/v rows land in the same slots as the torch path puts them."""
+    num_kv_heads, head_dim, tokens = 3, 64, 21
+    qkv = torch.randn(tokens, (9 + 2 * num_kv_heads) * head_dim).to(dtype)
+    _, key, value = qkv.split([9 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key, value = key.view(tokens, num_kv_heads, head_dim), value.view(tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(8 * 4)[:tokens]
+    caches = [allocate_kv_cache(1, 8, 4, num_kv_heads, head_dim, dtype)[0] for _ in range(2)]
+    cpu_kernel.write_kv(key, value, *caches[0], slots)
+    torch_ref.write_kv(key, value, *caches[1], slots)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert cpu_kernel.write_kv_supports(key, caches[0][0])

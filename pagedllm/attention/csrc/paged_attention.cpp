@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -395,11 +396,50 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+// key_cache/value_cache viewed as [slots, Hkv * D]: row slot_mapping[t] = key[t] / value[t]. Each
+// token's K and V are one contiguous row wherever they sit (e.g. views into the fused q/k/v rows).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+              "write_kv: key/value [T, Hkv, D] with each token's heads contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
+                  key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "write_kv: caches [blocks, block_size, Hkv, D] matching key/value");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "write_kv: key/value in the cache dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
+              "write_kv: int64 slot_mapping, one slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot ", sp[t], " out of range");
+  }
+  const char* kp = static_cast<const char*>(key.const_data_ptr());
+  const char* vp = static_cast<const char*>(value.const_data_ptr());
+  char* kc = static_cast<char*>(key_cache.mutable_data_ptr());
+  char* vc = static_cast<char*>(value_cache.mutable_data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, key.size(0), 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
+      std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
