@@ -267,6 +267,9 @@ class _Api:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
+        # Tokenizing holds the GIL (and so the event loop): a 4 MiB prompt takes seconds. No
+        # text longer than this can fit in max_model_len tokens, so it is refused untokenized.
+        self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
@@ -297,7 +300,7 @@ class _Api:
         except Exception as exc:  # the template itself raised (e.g. roles out of order)
             raise APIError(f"the chat template could not render these messages: {exc}",
                            param="messages") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, "messages", add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = [self._sampling_params(body, ids, max_tokens, logprobs)]
@@ -333,11 +336,18 @@ class _Api:
             if isinstance(p, str):
                 if not p:
                     raise APIError("prompt is empty: send at least one character", param="prompt")
-                result.append((p, self.tokenizer.encode(p)))
+                result.append((p, self._encode(p, "prompt")))
             else:
                 self._check_token_ids(p)
                 result.append((None, list(p)))
         return result
+
+    def _encode(self, text: str, param: str, **kwargs) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(f"the prompt is {len(text)} characters, more than this model's maximum "
+                           f"context length of {self.max_model_len} tokens can hold (at most "
+                           f"{self.max_prompt_chars} characters): shorten it", param=param)
+        return self.tokenizer.encode(text, **kwargs)
 
     def _check_token_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -404,6 +414,17 @@ class _Api:
             await _close_all(streams)
             raise APIError(str(exc), 503) from exc
         return streams
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry (in
+    byte-level and metaspace vocabularies an entry is at least as long as the text it decodes
+    to). Without a vocabulary to look at, no bound."""
+    try:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max(len(token) for token in vocab)
+    except Exception:  # another kind of tokenizer: always tokenize
+        return 2**40
 
 
 async def _close_all(streams) -> None:

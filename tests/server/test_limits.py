@@ -98,6 +98,8 @@ def test_chunked_body_under_the_limit_is_served(limits_server):
     ({"prompt": ["hi"] * (MAX_PROMPTS_PER_REQUEST + 1)}, "prompt", [str(MAX_PROMPTS_PER_REQUEST)]),
     ({"prompt": "hi", "max_tokens": 63}, "max_tokens", ["'max_tokens' is too large: 63", "64 tokens"]),
     ({"prompt": "x" * 64}, "prompt", ["maximum context length is 64", "64"]),
+    # Too long to fit whatever it tokenizes to: refused before tokenizing (7 = "<|bos|>").
+    ({"prompt": "x" * 1000}, "prompt", ["1000 characters", f"at most {64 * 7} characters"]),
     ({"prompt": "hi", "max_tokens": 2**70}, "max_tokens", ["max_tokens"]),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
 ])
@@ -112,6 +114,7 @@ def test_completion_limits(limits_server, body, param, words):
     ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
     ({"n": MAX_N + 1}, "n"),
     ({"max_completion_tokens": 1000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "y" * 1000}]}, "messages"),
     ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
 ])
 def test_chat_limits(limits_server, fields, param):
