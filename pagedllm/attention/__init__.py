@@ -10,6 +10,8 @@ path (torch_ref, also the reference the kernel is tested against) everywhere els
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pagedllm.attention import cpu_kernel, torch_ref
@@ -70,13 +72,26 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (key_cache, value_cache) pair per layer."""
+    """One zeroed (key_cache, value_cache) pair per layer: views into one allocation.
+
+    A large CPU allocation is a fresh mapping of the OS's zero pages (glibc serves anything over
+    32 MiB with its own mmap), so it is not written here: the KV budget then costs resident memory
+    only as its blocks get used, and no start-up time.
+    """
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device),
-         torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    full_shape = (num_layers, 2, *shape)
+    nbytes = math.prod(full_shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type == "cpu" and nbytes >= _UNWRITTEN_ZEROS_BYTES:
+        caches = torch.empty(full_shape, dtype=dtype, device=device)
+        flat = caches.view(-1)
+        if flat[0] != 0 or flat[-1] != 0:  # not fresh pages after all (reading maps no memory)
+            caches.zero_()
+    else:
+        caches = torch.zeros(full_shape, dtype=dtype, device=device)
+    return [(caches[layer, 0], caches[layer, 1]) for layer in range(num_layers)]
+
+
+_UNWRITTEN_ZEROS_BYTES = 48 * 2**20
 
 
 def kv_cache_bytes_per_block(
