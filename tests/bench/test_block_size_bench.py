@@ -5,7 +5,7 @@ import types
 
 from pagedllm.attention import paged_attention
 from pagedllm.bench import block_size as bench
-from pagedllm.bench.common import CallTimer, timed_functions
+from pagedllm.bench.common import CallTimer, RunResult, StepRecord, timed_functions
 
 
 def test_the_token_budget_is_the_same_for_every_block_size():
@@ -14,15 +14,20 @@ def test_the_token_budget_is_the_same_for_every_block_size():
 
 
 def test_sweep_row_shares_are_of_the_run_elapsed_time():
-    figures = {"waste_pct": 3.5, "peak_waste_pct": 4.0, "max_running": 12, "mean_running": 8.5,
-               "num_preemptions": 2, "num_steps": 100, "elapsed_s": 20.0,
-               "output_tokens_per_s": 50.0, "total_tokens_per_s": 300.0}
-    row = bench.sweep_row(32, figures, attention_s=5.0, write_kv_s=0.5, attention_calls=3000)
+    steps = [StepRecord(0.0, allocated_slots=100, used_slots=90, running=3, waiting=1),
+             StepRecord(1.0, allocated_slots=200, used_slots=190, running=4, waiting=0)]
+    result = RunResult(elapsed_s=20.0, num_requests=4, prompt_tokens=500, output_tokens=1000,
+                       num_preemptions=2, steps=steps)
+    row = bench.sweep_row(32, result, attention_s=5.0, write_kv_s=0.5, attention_calls=3000,
+                          cpu_s=40.0)
     assert row["block_size"] == 32
     assert row["attention_share_pct"] == 25.0
     assert row["write_kv_share_pct"] == 2.5
     assert row["attention_calls"] == 3000
-    assert row["waste_pct"] == 3.5 and row["num_preemptions"] == 2
+    assert row["waste_pct"] == 6.67  # (10 + 10) / 300
+    assert row["max_running"] == 4 and row["num_preemptions"] == 2
+    assert row["output_tokens_per_s"] == 50.0
+    assert row["output_tokens_per_cpu_s"] == 25.0  # 1000 tokens over 40 CPU seconds
 
 
 def test_call_timer_counts_a_dispatcher_reentry_once():
