@@ -1,22 +1,22 @@
 """`pagedllm bench attention`: the price of paging itself.
 
-The same attention runs twice on the same numbers: once through `paged_attention` over KV cut
-into blocks whose physical order is shuffled (so every block-table lookup is a real jump), and
-once as `F.scaled_dot_product_attention` over that KV laid out contiguously as [B, H, L, D], the
-layout a traditional engine keeps. Decode (one new token per request, every request at the same
-context length) and prefill (the whole context is new, causal) are measured separately. Each
-paged implementation that can run a case is measured (the compiled CPU kernel where it is built,
-and the portable torch reference), and each case records which of them the public
-`pagedllm.attention.paged_attention`, the function the model calls, dispatched to ("active").
+The same attention runs on the same numbers three ways: through a paged implementation over KV
+cut into blocks whose physical order is shuffled (so every block-table step is a real jump);
+through the same implementation over unpaged KV, one in-order block of L tokens per request (same
+code, no scattered blocks); and as `F.scaled_dot_product_attention` over the KV laid out
+contiguously as [B, H, L, D], the layout a traditional engine keeps. Overhead = paged time /
+baseline time - 1: "vs unpaged" is what block tables and scattered blocks cost; "vs SDPA" also
+mixes in the two kernels' quality. (The vLLM paper reports 20-26% for its GPU kernel against
+FasterTransformer's contiguous one.)
+
+Decode (one new token per request, every request at the same context length) and prefill (the
+whole context is new, causal) are measured separately. Each paged implementation that can run a
+case is measured (the compiled CPU kernel where it is built, and the portable torch reference),
+and each case records which of them the public `pagedllm.attention.paged_attention`, the
+function the model calls, dispatched to ("active").
 
 It also times what paging costs outside the kernel: the runner's per-step building of the
 block-table and slot-mapping tensors (`ModelRunner._prepare`, with its persistent BlockTable).
-
-Overhead = paged time / baseline time - 1, against two baselines: SDPA over the contiguous
-[B, H, L, D] KV (another kernel: it mixes the price of paging with the two kernels' quality), and
-the same paged implementation over unpaged KV, one in-order block of L tokens per request (the
-same code: what block tables and scattered blocks cost). The vLLM paper reports 20-26% for its
-GPU kernel against FasterTransformer's contiguous one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ PAPER_OVERHEAD_PCT = "20-26% (vLLM paper, GPU kernel)"
 
 @dataclass
 class Case:
-    """One batch of `batch` requests with `context_len` tokens each, in both layouts."""
+    """One batch of `batch` requests with `context_len` tokens each, in every layout measured."""
 
     mode: str  # "decode" or "prefill"
     batch: int

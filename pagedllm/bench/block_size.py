@@ -147,7 +147,7 @@ def _plot(p: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     sizes = [r["block_size"] for r in p["sweep"]]
-    panels = [("waste_pct", "KV waste, time-averaged (%)"),
+    panels = [("waste_pct", "KV waste, averaged over steps (%)"),
               ("output_tokens_per_cpu_s", "generated tokens / CPU second"),
               ("attention_share_pct", "attention share of wall time (%)"),
               ("mean_running", "mean running requests")]
