@@ -4,7 +4,8 @@ gets alone; requests are preempted (and counted) along the way; afterwards no bl
 and no request is left anywhere.
 
 CI size runs in well under a minute on the tiny model; `make stress` sets
-PAGEDLLM_STORM_REQUESTS (and friends) for a larger storm.
+PAGEDLLM_STORM_REQUESTS (and friends) for a larger storm, past the server's waiting-queue
+limit, so that the excess is refused at once (503, Retry-After) while the rest still complete.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 from tests.server.conftest import RunningServer, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,6 +31,8 @@ NUM_PROMPTS = int(os.environ.get("PAGEDLLM_STORM_PROMPTS", "40"))  # distinct pr
 MAX_TOKENS = int(os.environ.get("PAGEDLLM_STORM_MAX_TOKENS", "16"))
 NUM_KV_BLOCKS = int(os.environ.get("PAGEDLLM_STORM_KV_BLOCKS", "12"))  # 16 tokens each
 SEED = int(os.environ.get("PAGEDLLM_STORM_SEED", "0"))
+# The server's waiting-queue limit; a storm larger than this gets fast 503s for the excess.
+MAX_WAITING = int(os.environ.get("PAGEDLLM_STORM_MAX_WAITING", str(DEFAULT_MAX_WAITING_REQUESTS)))
 
 
 def prompt_of(i: int) -> str:
@@ -61,7 +65,8 @@ async def stream_one(client: httpx.AsyncClient, prompt: str, hang_up_after: int 
     text, finish_reason, events = [], None, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
-            return {"status": response.status_code, "body": (await response.aread()).decode()}
+            return {"status": response.status_code, "body": (await response.aread()).decode(),
+                    "retry_after": response.headers.get("retry-after")}
         async for line in response.aiter_lines():
             if hang_up_after is not None and events >= hang_up_after:
                 return {"status": "hung up"}
@@ -112,7 +117,7 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     rng = random.Random(SEED)
     order = plans(rng)
 
-    with RunningServer(storm_engine) as server:
+    with RunningServer(storm_engine, async_engine_kwargs={"max_waiting_requests": MAX_WAITING}) as server:
         async def run():
             limits = httpx.Limits(max_connections=NUM_REQUESTS + 10, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=server.base_url, limits=limits,
@@ -128,11 +133,18 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
                            json={"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0})
         leftover_streams = dict(server.async_engine._streams)
 
-    stayed = [(p, r) for p, r, plan in zip(prompts, results, order) if plan[0] == "stay"]
+    # Past the queue limit a client is refused at once (503, Retry-After), never queued.
+    refused = [r for r in results if r["status"] == 503]
+    assert all("overloaded" in r["body"] and r["retry_after"] for r in refused), refused[:3]
+    if NUM_REQUESTS <= MAX_WAITING:
+        assert not refused
+    stayed = [(p, r) for p, r, plan in zip(prompts, results, order) if plan[0] == "stay"
+              and r["status"] != 503]
     bad = [(p, r) for p, r in stayed if r.get("status") != 200 or r["text"] != solo[p]]
     assert not bad, f"{len(bad)} of {len(stayed)} staying clients got a wrong answer: {bad[:3]}"
+    assert len(stayed) >= min(NUM_REQUESTS, MAX_WAITING) // 2
     assert all(r["finish_reason"] in ("length", "stop") for _, r in stayed)
-    hangups = [r for r, plan in zip(results, order) if plan[0] != "stay"]
+    hangups = [r for r, plan in zip(results, order) if plan[0] != "stay" and r["status"] != 503]
     assert all(r["status"] in ("hung up", 200) for r in hangups), hangups
     assert sum(r["status"] == "hung up" for r in hangups) >= len(hangups) // 3
 
