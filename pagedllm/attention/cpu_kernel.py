@@ -30,6 +30,8 @@ _SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
 _HEADERS = ("vec.h",)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
+# Compiled in where the CPU has it: bf16 dot products for bf16 attention scores.
+_OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 128, 256)  # the sizes compiled in
 
@@ -46,6 +48,11 @@ def _cpu_flags() -> set[str]:
             for flag in line.split(":", 1)[1].split()}
 
 
+def _cflags() -> list[str]:
+    flags = _cpu_flags()
+    return _CFLAGS + [opt for flag, opt in _OPTIONAL_CFLAGS.items() if flag in flags]
+
+
 def cache_dir() -> Path:
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
     return Path(root) / "torch_extensions"
@@ -55,7 +62,7 @@ def _build_name() -> str:
     key = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         key.update((_CSRC / name).read_bytes())
-    key.update(" ".join(_CFLAGS).encode())
+    key.update(" ".join(_cflags()).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
     return f"pagedllm_cpu_{key.hexdigest()[:16]}"
 
@@ -95,7 +102,7 @@ def _load() -> bool:
             name = _build_name()
             build_dir = cache_dir() / name
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES], extra_cflags=_CFLAGS,
+            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES], extra_cflags=_cflags(),
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
             logger.debug("CPU kernels loaded from %s", build_dir)
             return True

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,10 +62,12 @@ inline __m512 sum_lanes_16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, mixed);
 }
 
-// dst[k][j] = src[j][k] for a 16x16 fp32 tile (rows src_stride apart, dst rows 16 apart).
-inline void transpose_16x16(const float* src, int64_t src_stride, float* dst) {
+// dst[k][j] = rows[j][k] for a 16 x cols tile of 32-bit elements (cols <= 16; dst rows 16 apart).
+// Rows j >= 16 are not read; dst rows k >= cols are not written.
+inline void transpose_16x16(const float* const* rows, int64_t offset, int cols, float* dst) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  const __mmask16 m = tail_mask(cols);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps(m, rows[i] + offset);
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -81,9 +84,9 @@ inline void transpose_16x16(const float* src, int64_t src_stride, float* dst) {
     t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
     t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
   }
-  for (int i = 0; i < 8; ++i) {  // r[k] is column k
-    _mm512_storeu_ps(dst + i * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
-    _mm512_storeu_ps(dst + (i + 8) * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+  for (int i = 0; i < 8; ++i) {  // column k is shuffle(t[k % 8], t[k % 8 + 8]), low or high half
+    if (i < cols) _mm512_storeu_ps(dst + i * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+    if (i + 8 < cols) _mm512_storeu_ps(dst + (i + 8) * 16, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
   }
 }
 
@@ -97,11 +100,12 @@ struct WorkItem {
   int64_t cost;
 };
 
+constexpr int kMaxHeadDim = 256;
+alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for missing rows (bf16 zero is 0 bits too)
+
 struct Scratch {
-  std::vector<float> q, o, m, l, corr, probs, k, kt, v;
-  std::vector<int64_t> slots;
+  std::vector<float> o, m, l, corr, probs, k, kt, v;
   void reserve(int64_t heads, int64_t rows, int64_t head_dim) {
-    q.resize(heads * rows * head_dim);
     o.resize(heads * rows * head_dim);
     m.resize(heads * rows);
     l.resize(heads * rows);
@@ -110,7 +114,6 @@ struct Scratch {
     k.resize(kKeyTile * head_dim);
     kt.resize(kKeyTile * head_dim);
     v.resize(kKeyTile * head_dim);
-    slots.resize(kKeyTile);
   }
 };
 
@@ -131,62 +134,121 @@ struct Problem {
 // Rows of this many or fewer (decodes: the query heads of one kv head) take dot products folded
 // by sum_lanes_16; more rows amortize a transposed K tile and need no folding.
 constexpr int64_t kDotRows = 8;
-constexpr int64_t kTiledRows = 8;  // row block of the transposed-K score loop
+constexpr int kTiledRows = 8;  // row block of the transposed-K score loop
+
+#ifdef __AVX512BF16__
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
 
 template <typename T, int D>
 struct Kernel {
-  static constexpr int C = D / 16;                            // 512-bit chunks per row
+  static constexpr int C = D / 16;                                // 512-bit fp32 chunks per row
   static constexpr int PV_ROWS = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows per P.V register block
+  // bf16 scores with AVX512-BF16: pairs of bf16 products summed in fp32 (exact products), no
+  // conversion of K at all.
+  static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16> && kHaveBf16Dot;
 
-  // scores[r][0..16) = q[r] . k[j], for rows of the dot form.
-  static void scores_dot(const float* q, int64_t rows, const float* kf, float* scores) {
+  // scores[r][j] = q[r] . k[j] for a few rows: 16-lane dot products folded by sum_lanes_16.
+  static void scores_dot(const T* const* qrows, int64_t rows, const T* const* krows, float* scores) {
     for (int64_t r = 0; r < rows; ++r) {
       __m512 partial[kKeyTile];
       for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        const __m512 qv = _mm512_loadu_ps(q + r * D + c * 16);
-        for (int j = 0; j < kKeyTile; ++j) {
-          partial[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * D + c * 16), partial[j]);
+#ifdef __AVX512BF16__
+      if constexpr (kBf16) {
+        for (int c = 0; c < D; c += 32) {
+          const __mmask32 m = D - c >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+          const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, qrows[r] + c);
+          for (int j = 0; j < kKeyTile; ++j) {
+            partial[j] = _mm512_dpbf16_ps(partial[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, krows[j] + c));
+          }
         }
+        _mm512_storeu_ps(scores + r * kKeyTile, sum_lanes_16(partial));
+        continue;
+      }
+#endif
+      for (int c = 0; c < C; ++c) {
+        const __m512 qv = load_f32(qrows[r] + c * 16);
+        for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_fmadd_ps(qv, load_f32(krows[j] + c * 16), partial[j]);
       }
       _mm512_storeu_ps(scores + r * kKeyTile, sum_lanes_16(partial));
     }
   }
 
-  // The same from K transposed (kt[d][j]); rows padded to a multiple of kTiledRows.
-  static void scores_tiled(const float* q, int64_t rows, const float* kt, float* scores) {
+  // The same for many rows (a multiple of kTiledRows) from K transposed once per tile: in fp32
+  // (kt[d][j]), or with AVX512-BF16 as bf16 pairs (kt[d/2][j] = k[j][d], k[j][d+1]).
+  static void scores_tiled(const T* const* qrows, int64_t rows, const T* const* krows, float* kf, float* kt,
+                           float* scores) {
+#ifdef __AVX512BF16__
+    if constexpr (kBf16) {
+      constexpr int P = D / 2;  // bf16 pairs per row
+      for (int c = 0; c < P; c += 16) {
+        transpose_16x16(reinterpret_cast<const float* const*>(krows), c, std::min(16, P - c), kt + c * kKeyTile);
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows) {
+        __m512 acc[kTiledRows];
+        const int32_t* q[kTiledRows];
+        for (int i = 0; i < kTiledRows; ++i) {
+          acc[i] = _mm512_setzero_ps();
+          q[i] = reinterpret_cast<const int32_t*>(qrows[r0 + i]);
+        }
+        for (int d = 0; d < P; ++d) {
+          const __m512bh kd = (__m512bh)_mm512_loadu_ps(kt + d * kKeyTile);
+          for (int i = 0; i < kTiledRows; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(q[i][d]), kd);
+        }
+        for (int i = 0; i < kTiledRows; ++i) _mm512_storeu_ps(scores + (r0 + i) * kKeyTile, acc[i]);
+      }
+      return;
+    }
+#endif
+    const float* kf_rows[kKeyTile];
+    for (int j = 0; j < kKeyTile; ++j) {  // K rows in fp32, then transposed
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(kf + j * D + c * 16, load_f32(krows[j] + c * 16));
+      kf_rows[j] = kf + j * D;
+    }
+    for (int c = 0; c < C; ++c) transpose_16x16(kf_rows, c * 16, 16, kt + c * 16 * kKeyTile);
     for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows) {
       __m512 acc[kTiledRows];
       for (int i = 0; i < kTiledRows; ++i) acc[i] = _mm512_setzero_ps();
       for (int d = 0; d < D; ++d) {
         const __m512 kd = _mm512_loadu_ps(kt + d * kKeyTile);
-        for (int i = 0; i < kTiledRows; ++i) {
-          acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[(r0 + i) * D + d]), kd, acc[i]);
-        }
+        for (int i = 0; i < kTiledRows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(qrows[r0 + i][d])), kd, acc[i]);
       }
       for (int i = 0; i < kTiledRows; ++i) _mm512_storeu_ps(scores + (r0 + i) * kKeyTile, acc[i]);
     }
   }
 
-  // o[r] = o[r] * corr[r] + sum_j probs[r][j] v[j]; rows padded to a multiple of PV_ROWS.
-  static void accumulate_pv(float* o, int64_t rows, const float* corr, const float* probs, const float* vf) {
-    for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
-      __m512 acc[PV_ROWS][C];
-      for (int i = 0; i < PV_ROWS; ++i) {
-        const __m512 ci = _mm512_set1_ps(corr[r0 + i]);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + i) * D + c * 16), ci);
+  // o[r] = o[r] * corr[r] + sum_j probs[r][j] v[j] for R rows; v rows in fp32 or the cache dtype.
+  template <int R, typename S>
+  static void pv_block(float* o, const float* corr, const float* probs, const S* const* vrows) {
+    __m512 acc[R][C];
+    for (int i = 0; i < R; ++i) {
+      const __m512 ci = _mm512_set1_ps(corr[i]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), ci);
+    }
+    for (int j = 0; j < kKeyTile; ++j) {
+      __m512 vj[C];
+      for (int c = 0; c < C; ++c) vj[c] = load_f32(vrows[j] + c * 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512 pij = _mm512_set1_ps(probs[i * kKeyTile + j]);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
       }
-      for (int j = 0; j < kKeyTile; ++j) {
-        __m512 vj[C];
-        for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(vf + j * D + c * 16);
-        for (int i = 0; i < PV_ROWS; ++i) {
-          const __m512 pij = _mm512_set1_ps(probs[(r0 + i) * kKeyTile + j]);
-          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
-        }
-      }
-      for (int i = 0; i < PV_ROWS; ++i) {
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
-      }
+    }
+    for (int i = 0; i < R; ++i) {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
+    }
+  }
+
+  template <typename S>
+  static void accumulate_pv(float* o, int64_t rows, const float* corr, const float* probs, const S* const* vrows) {
+    int64_t r = 0;
+    for (; r + PV_ROWS <= rows; r += PV_ROWS) pv_block<PV_ROWS>(o + r * D, corr + r, probs + r * kKeyTile, vrows);
+    switch (rows - r) {  // at most PV_ROWS - 1 <= 3 left
+      case 3: pv_block<3>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
+      case 2: pv_block<2>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
+      case 1: pv_block<1>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
+      default: break;
     }
   }
 
@@ -194,7 +256,7 @@ struct Kernel {
     const int64_t group = p.num_heads / p.num_kv_heads;
     const int64_t rows = item.num_tokens * group;  // per kv head: token r / group, query head r % group
     const bool dot = rows <= kDotRows;
-    const int64_t padded = round_up(rows, dot ? PV_ROWS : std::max<int64_t>(kTiledRows, PV_ROWS));
+    const int64_t padded = dot ? rows : round_up(rows, kTiledRows);
     const int64_t q_begin = p.query_start_loc[item.seq];
     const int64_t q_len = p.query_start_loc[item.seq + 1] - q_begin;
     const int64_t ctx_len = p.seq_lens[item.seq];
@@ -204,41 +266,31 @@ struct Kernel {
     const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
     const int32_t* table = p.block_tables + item.seq * p.table_stride;
     const int64_t token_stride = p.num_kv_heads * D;  // between consecutive tokens in the cache
-    const int64_t head_bytes = item.num_heads * D * static_cast<int64_t>(sizeof(T));
+    const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
 
     sc.reserve(item.num_heads, padded, D);
-    const __m512 scale = _mm512_set1_ps(p.scale);
+    std::fill(sc.o.begin(), sc.o.end(), 0.0f);
+    std::fill(sc.m.begin(), sc.m.end(), kNoScore);
+    std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+    std::vector<const T*> qrows(item.num_heads * padded, zero_row);  // padding rows read zeros
     for (int64_t hh = 0; hh < item.num_heads; ++hh) {
-      float* q = sc.q.data() + hh * padded * D;
-      for (int64_t r = 0; r < padded; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = (item.head_begin + hh) * group + r % group;
-        const T* src = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + head * D;
-        for (int c = 0; c < C; ++c) {
-          const __m512 x = r < rows ? _mm512_mul_ps(load_f32(src + c * 16), scale) : _mm512_setzero_ps();
-          _mm512_storeu_ps(q + r * D + c * 16, x);
-          _mm512_storeu_ps(sc.o.data() + (hh * padded + r) * D + c * 16, _mm512_setzero_ps());
-        }
-        sc.m[hh * padded + r] = kNoScore;
-        sc.l[hh * padded + r] = 0.0f;
+        qrows[hh * padded + r] = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + head * D;
       }
     }
 
-    auto slot_of = [&](int64_t pos) {
-      return static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
-    };
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    int64_t slots[kKeyTile];
+    const T* krows[kKeyTile];
+    const T* vrows[kKeyTile];
+    const float* vf_rows[kKeyTile];
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
       const int n = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0));
-      for (int j = 0; j < n; ++j) sc.slots[j] = slot_of(k0 + j);
-      // The next tile's rows are on their way from memory while this one is computed.
-      for (int64_t pos = k0 + kKeyTile; pos < std::min(k0 + 2 * kKeyTile, key_end); ++pos) {
-        const int64_t off = slot_of(pos) * token_stride + item.head_begin * D;
-        const char* kp = reinterpret_cast<const char*>(p.key_cache + off);
-        const char* vp = reinterpret_cast<const char*>(p.value_cache + off);
-        for (int64_t b = 0; b < head_bytes; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T0);
-          _mm_prefetch(vp + b, _MM_HINT_T0);
-        }
+      for (int j = 0; j < n; ++j) {
+        const int64_t pos = k0 + j;
+        slots[j] = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
       }
       const bool needs_mask = n < kKeyTile || k0 + n - 1 > first_pos ||
                               (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
@@ -247,26 +299,21 @@ struct Kernel {
 
       for (int64_t hh = 0; hh < item.num_heads; ++hh) {
         const int64_t h = item.head_begin + hh;
-        float *kf = sc.k.data(), *vf = sc.v.data(), *probs = sc.probs.data();
-        for (int j = 0; j < kKeyTile; ++j) {  // this tile's K/V rows in fp32; zeros past the end
-          const T* krow = p.key_cache + sc.slots[j] * token_stride + h * D;
-          const T* vrow = p.value_cache + sc.slots[j] * token_stride + h * D;
-          for (int c = 0; c < C; ++c) {
-            _mm512_storeu_ps(kf + j * D + c * 16, j < n ? load_f32(krow + c * 16) : _mm512_setzero_ps());
-            _mm512_storeu_ps(vf + j * D + c * 16, j < n ? load_f32(vrow + c * 16) : _mm512_setzero_ps());
-          }
+        for (int j = 0; j < kKeyTile; ++j) {  // past the end: zero rows (their weight is 0 anyway)
+          krows[j] = j < n ? p.key_cache + slots[j] * token_stride + h * D : zero_row;
+          vrows[j] = j < n ? p.value_cache + slots[j] * token_stride + h * D : zero_row;
         }
-        const float* q = sc.q.data() + hh * padded * D;
+        float* probs = sc.probs.data();
+        const T* const* q = qrows.data() + hh * padded;
         if (dot) {
-          scores_dot(q, rows, kf, probs);
+          scores_dot(q, rows, krows, probs);
         } else {
-          for (int c = 0; c < C; ++c) transpose_16x16(kf + c * 16, D, sc.kt.data() + c * 16 * kKeyTile);
-          scores_tiled(q, padded, sc.kt.data(), probs);
+          scores_tiled(q, padded, krows, sc.k.data(), sc.kt.data(), probs);
         }
         float* m = sc.m.data() + hh * padded;
         float* l = sc.l.data() + hh * padded;
         for (int64_t r = 0; r < rows; ++r) {
-          __m512 s = _mm512_loadu_ps(probs + r * kKeyTile);
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(probs + r * kKeyTile), scale);
           if (needs_mask) {
             // Keys past the end, after the row's own position (causal) or out of its window.
             const int64_t pos = first_pos + r / group;
@@ -286,11 +333,17 @@ struct Kernel {
           m[r] = m_new;
           _mm512_storeu_ps(probs + r * kKeyTile, e);
         }
-        for (int64_t r = rows; r < round_up(rows, PV_ROWS); ++r) {  // padding rows stay zero
-          sc.corr[r] = 0.0f;
-          _mm512_storeu_ps(probs + r * kKeyTile, _mm512_setzero_ps());
+        float* o = sc.o.data() + hh * padded * D;
+        if (dot) {  // few rows: V straight from the cache
+          accumulate_pv(o, rows, sc.corr.data(), probs, vrows);
+        } else {  // many rows: V in fp32 once
+          float* vf = sc.v.data();
+          for (int j = 0; j < kKeyTile; ++j) {
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + j * D + c * 16, load_f32(vrows[j] + c * 16));
+            vf_rows[j] = vf + j * D;
+          }
+          accumulate_pv(o, rows, sc.corr.data(), probs, vf_rows);
         }
-        accumulate_pv(sc.o.data() + hh * padded * D, round_up(rows, PV_ROWS), sc.corr.data(), probs, vf);
       }
     }
 
