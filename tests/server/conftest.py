@@ -97,10 +97,12 @@ def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:
     return LLMEngine(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, **kwargs})
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """The tiny model's matmuls are too small to share: on a busy machine, OpenMP threads
-    spin-waiting for each other make a step many times slower than one thread."""
+    spin-waiting for each other make a step many times slower than one thread. Module-scoped,
+    and requested by the module-scoped servers, because an engine thread keeps the setting it
+    started with."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -58,7 +58,7 @@ def failing_steps(engine, *, when=None):
 
 
 @pytest.fixture(scope="module")
-def fault_engine(tiny_model_dir):
+def fault_engine(tiny_model_dir, one_torch_thread):
     return tiny_engine(tiny_model_dir, num_kv_blocks=32)
 
 

@@ -43,7 +43,7 @@ WITH_BODY = {path for method, path in ENDPOINTS if method == "POST"}
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_model_dir):
+def fuzz_server(tiny_model_dir, one_torch_thread):
     # Room for a fuzzed request with many prompts and large n without endless preemption.
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=1024, max_num_seqs=256)
     with RunningServer(engine) as running:

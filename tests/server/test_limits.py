@@ -22,7 +22,7 @@ MAX_BODY_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
-def limits_engine(tiny_model_dir):
+def limits_engine(tiny_model_dir, one_torch_thread):
     return tiny_engine(tiny_model_dir)  # max_model_len 64
 
 

@@ -29,7 +29,7 @@ def test_serve_binds_to_loopback_by_default():
 
 
 @pytest.fixture(scope="module")
-def secured_server(tiny_model_dir):
+def secured_server(tiny_model_dir, one_torch_thread):
     with RunningServer(tiny_engine(tiny_model_dir), api_key=API_KEY, max_body_bytes=4096) as running:
         yield running
 

@@ -40,7 +40,7 @@ def prompt_of(i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def storm_engine(tiny_model_dir):
+def storm_engine(tiny_model_dir, one_torch_thread):
     # Each request needs 2-3 blocks; 12 blocks hold about 5 of the 300 at once.
     return tiny_engine(tiny_model_dir, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64)
 
