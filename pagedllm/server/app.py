@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import reprlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -213,8 +214,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
         elif err.get("type") in ("model_attributes_type", "dict_type") and not loc:
             problem = "the body must be a JSON object"
         elif msg.startswith("Input should be "):  # "n must be less than or equal to 64; got 65"
-            got = repr(err.get("input"))
-            got = got if len(got) <= 40 else got[:37] + "..."
+            got = reprlib.repr(err.get("input"))  # bounded, however large the input
             problem = f"{loc or 'body'} must be {msg.removeprefix('Input should be ')}; got {got}"
         else:
             problem = f"{loc or 'body'}: {msg}"

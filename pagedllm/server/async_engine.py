@@ -176,7 +176,10 @@ class AsyncEngine:
                 self._closed = True
             self._fail_all(EngineDeadError(self.dead_reason or "the server is shutting down"))
             self._refuse_pending_adds()
-            self.snapshot = self._stats()
+            try:
+                self.snapshot = self._stats()
+            except Exception:  # a broken engine may not even report; keep the last snapshot
+                logger.exception("could not read the engine's final figures")
 
     def _loop_until_stopped(self) -> None:
         failures = 0

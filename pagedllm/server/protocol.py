@@ -53,11 +53,12 @@ def _unicode(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_unicode)]
+_UNICODE = AfterValidator(_unicode)
+Text = Annotated[str, _UNICODE]
 
 # The ranges below are SamplingParams' (which checks them again for library callers); here they
 # give a clear 400 before any work and document the limits in /openapi.json.
-StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN), _UNICODE]
 TokenId = Annotated[Int, Field(ge=0)]
 
 
@@ -87,7 +88,7 @@ class _SamplingFields(_Body):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    cache_salt: Text | None = Field(default=None, min_length=1)
+    cache_salt: Annotated[str, Field(min_length=1), _UNICODE] | None = None
 
 
 class CompletionRequest(_SamplingFields):
