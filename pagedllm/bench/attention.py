@@ -1,13 +1,15 @@
 """`pagedllm bench attention`: the price of paging itself.
 
-The same attention runs on the same numbers three ways: through a paged implementation over KV
-cut into blocks whose physical order is shuffled (so every block-table step is a real jump);
-through the same implementation over unpaged KV, one in-order block of L tokens per request (same
-code, no scattered blocks); and as `F.scaled_dot_product_attention` over the KV laid out
+The same attention runs on the same numbers four ways: through a paged implementation over KV
+cut into blocks whose physical order is shuffled (so every block-table step is a real jump in
+memory); through the same implementation with the same blocks in order ("in_order": the table
+lookups stay, the jumps go); with one block of L tokens per request ("unpaged": same code, one
+table entry per request); and as `F.scaled_dot_product_attention` over the KV laid out
 contiguously as [B, H, L, D], the layout a traditional engine keeps. Overhead = paged time /
-baseline time - 1: "vs unpaged" is what block tables and scattered blocks cost; "vs SDPA" also
-mixes in the two kernels' quality. (The vLLM paper reports 20-26% for its GPU kernel against
-FasterTransformer's contiguous one.)
+baseline time - 1: "vs in_order" is what scattering the blocks costs, "vs unpaged" what paging
+costs altogether, and "vs SDPA" also mixes in the two kernels' quality. (The vLLM paper reports
+20-26% for its GPU kernel against FasterTransformer's contiguous one.) The variants of a case are
+timed in interleaved rounds, so load from other processes falls on all of them alike.
 
 Decode (one new token per request, every request at the same context length) and prefill (the
 whole context is new, causal) are measured separately. Each paged implementation that can run a
@@ -49,17 +51,13 @@ class Case:
     batch: int
     context_len: int
     query: torch.Tensor  # [T, Hq, D], the model's flat batch
-    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], blocks in shuffled order
-    value_cache: torch.Tensor
-    meta: AttentionMetadata
+    # layout -> (key_cache, value_cache, metadata), caches [num_blocks, block_size, Hkv, D]:
+    # "paged": blocks of block_size in shuffled order; "in_order": the same blocks in order;
+    # "unpaged": one block of L tokens per request ([B, L, Hkv, D]).
+    paged: dict[str, tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
     query_contiguous: torch.Tensor  # [B, Hq, q_len, D]
     key_contiguous: torch.Tensor  # [B, Hkv, L, D]
     value_contiguous: torch.Tensor
-    # The same KV unpaged for the paged implementations: one block of L tokens per request, in
-    # order ([B, L, Hkv, D]), so the same code runs with no table jumps and no scattered blocks.
-    key_unpaged: torch.Tensor
-    value_unpaged: torch.Tensor
-    meta_unpaged: AttentionMetadata
     scale: float
 
 
@@ -127,27 +125,28 @@ def make_case(mode: str, batch: int, context_len: int, *, num_heads: int, num_kv
     key, value = randn(batch, context_len, num_kv_heads, head_dim), randn(batch, context_len,
                                                                           num_kv_heads, head_dim)
     query = randn(batch * query_len, num_heads, head_dim)
-    tables = shuffled_block_tables(batch, -(-context_len // block_size), seed)
+    blocks_per_seq = -(-context_len // block_size)
+    shuffled = shuffled_block_tables(batch, blocks_per_seq, seed)
+    in_order = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+    one_block = torch.arange(batch, dtype=torch.int32)[:, None]
     return Case(
         mode=mode, batch=batch, context_len=context_len, query=query,
-        key_cache=to_paged(key, tables, block_size), value_cache=to_paged(value, tables, block_size),
-        meta=paged_metadata(tables, context_len, query_len, block_size),
+        paged={
+            "paged": (to_paged(key, shuffled, block_size), to_paged(value, shuffled, block_size),
+                      paged_metadata(shuffled, context_len, query_len, block_size)),
+            "in_order": (to_paged(key, in_order, block_size), to_paged(value, in_order, block_size),
+                         paged_metadata(in_order, context_len, query_len, block_size)),
+            "unpaged": (key, value, paged_metadata(one_block, context_len, query_len, context_len)),
+        },
         query_contiguous=query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous(),
         key_contiguous=key.transpose(1, 2).contiguous(),
         value_contiguous=value.transpose(1, 2).contiguous(),
-        key_unpaged=key, value_unpaged=value,
-        meta_unpaged=paged_metadata(torch.arange(batch, dtype=torch.int32)[:, None], context_len,
-                                    query_len, block_size=context_len),
         scale=head_dim**-0.5)
 
 
-def run_paged(case: Case, impl) -> torch.Tensor:
-    return impl(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
-
-
-def run_unpaged(case: Case, impl) -> torch.Tensor:
-    """The same paged implementation over one in-order block per request: no paging."""
-    return impl(case.query, case.key_unpaged, case.value_unpaged, case.meta_unpaged, case.scale)
+def run_paged(case: Case, impl, layout: str = "paged") -> torch.Tensor:
+    key_cache, value_cache, meta = case.paged[layout]
+    return impl(case.query, key_cache, value_cache, meta, case.scale)
 
 
 def run_contiguous(case: Case) -> torch.Tensor:
@@ -183,7 +182,7 @@ def implementations(case: Case) -> dict[str, object]:
     if "cpu_kernel" in impls:
         from pagedllm.attention import cpu_kernel
 
-        if not cpu_kernel.supports(case.query, case.key_cache):
+        if not cpu_kernel.supports(case.query, case.paged["paged"][0]):
             del impls["cpu_kernel"]
     return impls
 
@@ -199,15 +198,25 @@ def active_implementation(case: Case, impls: dict[str, object]) -> str:
 
 def time_call(fn, min_time_s: float, max_reps: int) -> tuple[float, int]:
     """Median seconds of fn() after one warm-up call; repeats until min_time_s or max_reps."""
-    fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < 3 or (spent < min_time_s and len(times) < max_reps):
-        t0 = time.perf_counter()
+    medians, reps = time_interleaved({"call": fn}, min_time_s, max_reps)
+    return medians["call"], reps
+
+
+def time_interleaved(fns: dict[str, object], min_time_s: float,
+                     max_reps: int) -> tuple[dict[str, float], int]:
+    """Median seconds of each fn, timed in rounds (one call of each per round, after one warm-up
+    call each) until every fn had min_time_s or max_reps rounds, and at least 3 rounds."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return statistics.median(times), len(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = 0
+    while rounds < 3 or (min(sum(t) for t in times.values()) < min_time_s and rounds < max_reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(t) for name, t in times.items()}, rounds
 
 
 def overhead_pct(paged_s: float, contiguous_s: float) -> float:
@@ -283,25 +292,33 @@ def grid(modes: list[str], contexts: list[int], batches: list[int], max_decode_t
             if batch * ctx <= cap[mode]]
 
 
+BASELINE_LAYOUTS = ("in_order", "unpaged")
+
+
 def measure_case(case: Case, min_time_s: float, max_reps: int) -> dict:
     impls = implementations(case)
     active = active_implementation(case, impls)
     if active not in impls:  # the public function runs something this bench does not know
         impls = {active: attention.paged_attention, **impls}
-    contiguous_s, reps = time_call(lambda: run_contiguous(case), min_time_s, max_reps)
+    fns = {"sdpa": lambda: run_contiguous(case)}
+    for name, impl in impls.items():
+        for layout in ("paged", *BASELINE_LAYOUTS):
+            fns[f"{name}/{layout}"] = lambda impl=impl, layout=layout: run_paged(case, impl, layout)
+    medians, rounds = time_interleaved(fns, min_time_s, max_reps)
     reference = contiguous_as_flat(run_contiguous(case)).float()
     row = {"mode": case.mode, "batch": case.batch, "context_len": case.context_len,
-           "active": active, "contiguous_ms": round(contiguous_s * 1e3, 4), "contiguous_reps": reps,
+           "active": active, "rounds": rounds, "contiguous_ms": round(medians["sdpa"] * 1e3, 4),
            "paged": {}}
     for name, impl in impls.items():
-        paged_s, reps = time_call(lambda impl=impl: run_paged(case, impl), min_time_s, max_reps)
-        unpaged_s, _ = time_call(lambda impl=impl: run_unpaged(case, impl), min_time_s, max_reps)
+        paged_s = medians[f"{name}/paged"]
         error = (run_paged(case, impl).float() - reference).abs().max().item()
-        row["paged"][name] = {"ms": round(paged_s * 1e3, 4), "reps": reps,
-                              "overhead_pct": overhead_pct(paged_s, contiguous_s),
-                              "unpaged_ms": round(unpaged_s * 1e3, 4),
-                              "overhead_vs_unpaged_pct": overhead_pct(paged_s, unpaged_s),
-                              "max_abs_diff": float(f"{error:.3g}")}
+        figures = {"ms": round(paged_s * 1e3, 4),
+                   "overhead_pct": overhead_pct(paged_s, medians["sdpa"])}
+        for layout in BASELINE_LAYOUTS:
+            base_s = medians[f"{name}/{layout}"]
+            figures[f"{layout}_ms"] = round(base_s * 1e3, 4)
+            figures[f"overhead_vs_{layout}_pct"] = overhead_pct(paged_s, base_s)
+        row["paged"][name] = {**figures, "max_abs_diff": float(f"{error:.3g}")}
     return row
 
 
@@ -346,13 +363,14 @@ def main(args: argparse.Namespace) -> int:
 def summarize(rows: list[dict]) -> dict:
     """Per implementation (and "active": whichever the public function ran in each case), mode
     and baseline: the geometric mean over the cases of paged time / baseline time, as an overhead
-    %, and its range. Baselines: "vs_contiguous_sdpa" (SDPA over [B, H, L, D]) and "vs_unpaged"
-    (the same implementation over one in-order block per request)."""
+    %, and its range. Baselines: "vs_contiguous_sdpa" (SDPA over [B, H, L, D]), "vs_in_order"
+    and "vs_unpaged" (the same implementation over in-order blocks, over one block per request)."""
     series: dict[tuple[str, str, str], list[float]] = {}
     for r in rows:
         for name, p in [*r["paged"].items(), ("active", r["paged"][r["active"]])]:
-            for baseline, base_ms in (("vs_contiguous_sdpa", r["contiguous_ms"]),
-                                      ("vs_unpaged", p.get("unpaged_ms", 0.0))):
+            bases = [("vs_contiguous_sdpa", r["contiguous_ms"])]
+            bases += [(f"vs_{layout}", p.get(f"{layout}_ms", 0.0)) for layout in BASELINE_LAYOUTS]
+            for baseline, base_ms in bases:
                 if base_ms > 0:
                     series.setdefault((name, r["mode"], baseline), []).append(p["ms"] / base_ms)
     summary: dict = {}
@@ -367,9 +385,10 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _print_row(row: dict) -> None:
-    paged = ", ".join(f"{name} {p['ms']} ms ({p['overhead_pct']:+}% vs SDPA, "
-                      f"{p['overhead_vs_unpaged_pct']:+}% vs unpaged)" for name, p in row["paged"].items())
-    print(f"{row['mode']:7} B={row['batch']:<3} L={row['context_len']:<6} contiguous SDPA "
+    paged = ", ".join(f"{name} {p['ms']} ms ({p['overhead_vs_in_order_pct']:+}% vs in order, "
+                      f"{p['overhead_vs_unpaged_pct']:+}% vs unpaged, {p['overhead_pct']:+}% vs SDPA)"
+                      for name, p in row["paged"].items())
+    print(f"{row['mode']:7} B={row['batch']:<3} L={row['context_len']:<6} SDPA "
           f"{row['contiguous_ms']} ms; paged {paged}; active {row['active']}; "
           f"_prepare {row['prepare_ms']} ms", flush=True)
 
@@ -377,15 +396,15 @@ def _print_row(row: dict) -> None:
 def _print(p: dict) -> None:
     header = ["mode", "batch", "context", "SDPA ms"]
     for name in p["implementations"]:
-        header += [f"{name} ms", "vs SDPA", "unpaged ms", "vs unpaged", "max |diff|"]
+        header += [f"{name} ms", "vs in order", "vs unpaged", "vs SDPA", "max |diff|"]
     header += ["active", "_prepare ms", "_prepare / step attn"]
     rows = []
     for r in p["cases"]:
         row = [r["mode"], r["batch"], r["context_len"], r["contiguous_ms"]]
         for name in p["implementations"]:
             q = r["paged"].get(name)
-            row += ([q["ms"], f"{q['overhead_pct']:+}%", q["unpaged_ms"],
-                     f"{q['overhead_vs_unpaged_pct']:+}%", q["max_abs_diff"]] if q else ["-"] * 5)
+            row += ([q["ms"], f"{q['overhead_vs_in_order_pct']:+}%", f"{q['overhead_vs_unpaged_pct']:+}%",
+                     f"{q['overhead_pct']:+}%", q["max_abs_diff"]] if q else ["-"] * 5)
         row += [r["active"], r["prepare_ms"], f"{r['prepare_pct_of_step_attention']}%"]
         rows.append(row)
     print_table(f"Attention over paged vs contiguous KV ({p['dtype']}, block {p['block_size']}, "

@@ -59,10 +59,16 @@ def test_paged_and_contiguous_compute_the_same_attention(mode):
     assert case.query.shape[0] == (3 if mode == "decode" else 3 * 45)
     contiguous = bench.contiguous_as_flat(bench.run_contiguous(case))
     for impl in bench.implementations(case).values():  # the compiled kernel too, where built
-        torch.testing.assert_close(bench.run_paged(case, impl), contiguous, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(bench.run_unpaged(case, impl), contiguous, atol=1e-4, rtol=1e-4)
-    assert case.meta_unpaged.block_tables.flatten().tolist() == [0, 1, 2]  # one block each, in order
-    assert case.key_unpaged.shape == (3, 45, SHAPE["num_kv_heads"], SHAPE["head_dim"])
+        for layout in ("paged", "in_order", "unpaged"):
+            torch.testing.assert_close(bench.run_paged(case, impl, layout), contiguous,
+                                       atol=1e-4, rtol=1e-4)
+    key_in_order, _, meta_in_order = case.paged["in_order"]
+    assert meta_in_order.block_tables.flatten().tolist() == list(range(18))  # 3 x 6 blocks of 8
+    assert torch.equal(key_in_order.view(3, 48, *key_in_order.shape[2:])[:, :45],
+                       case.paged["unpaged"][0])
+    key_unpaged, _, meta_unpaged = case.paged["unpaged"]
+    assert meta_unpaged.block_tables.flatten().tolist() == [0, 1, 2]  # one block each, in order
+    assert key_unpaged.shape == (3, 45, SHAPE["num_kv_heads"], SHAPE["head_dim"])
 
 
 def test_the_runner_prepare_builds_the_same_slots_and_tables():
@@ -86,23 +92,39 @@ def test_grid_skips_cases_over_the_token_caps():
 def test_overhead_and_its_geometric_mean():
     assert bench.overhead_pct(1.25, 1.0) == 25.0
     assert bench.overhead_pct(0.9, 1.0) == -10.0
+
+    def paged(ms, in_order_ms, unpaged_ms):
+        return {"ms": ms, "in_order_ms": in_order_ms, "unpaged_ms": unpaged_ms}
+
     rows = [{"mode": "decode", "contiguous_ms": 1.0, "active": "x",
-             "paged": {"x": {"ms": 2.0, "unpaged_ms": 1.6}, "y": {"ms": 1.0, "unpaged_ms": 1.0}}},
+             "paged": {"x": paged(2.0, 2.0, 1.6), "y": paged(1.0, 1.0, 1.0)}},
             {"mode": "decode", "contiguous_ms": 4.0, "active": "y",
-             "paged": {"x": {"ms": 2.0, "unpaged_ms": 1.6}, "y": {"ms": 8.0, "unpaged_ms": 4.0}}},
-            {"mode": "prefill", "contiguous_ms": 1.0, "active": "x",
-             "paged": {"x": {"ms": 1.2, "unpaged_ms": 1.2}}}]
+             "paged": {"x": paged(2.0, 1.0, 1.6), "y": paged(8.0, 8.0, 4.0)}},
+            {"mode": "prefill", "contiguous_ms": 1.0, "active": "x", "paged": {"x": paged(1.2, 1.2, 1.2)}}]
     summary = bench.summarize(rows)
     assert summary["x"]["decode"]["vs_contiguous_sdpa"] == {
         "geomean_overhead_pct": 0.0, "min_overhead_pct": -50.0, "max_overhead_pct": 100.0,
         "num_cases": 2}
     assert summary["x"]["decode"]["vs_unpaged"]["geomean_overhead_pct"] == 25.0
+    assert summary["x"]["decode"]["vs_in_order"]["geomean_overhead_pct"] == 41.4  # sqrt(1 * 2)
     assert math.isclose(summary["x"]["prefill"]["vs_contiguous_sdpa"]["geomean_overhead_pct"], 20.0)
     assert summary["x"]["prefill"]["vs_unpaged"]["geomean_overhead_pct"] == 0.0
     assert "prefill" not in summary["y"]
     # "active" follows whichever implementation each case ran: 2x then 2x; 1.25x then 2x
     assert summary["active"]["decode"]["vs_contiguous_sdpa"]["geomean_overhead_pct"] == 100.0
     assert summary["active"]["decode"]["vs_unpaged"]["geomean_overhead_pct"] == 58.1
+
+
+def test_interleaved_timing_runs_every_function_the_same_number_of_rounds():
+    calls = {"a": 0, "b": 0}
+
+    def bump(name):
+        calls[name] += 1
+
+    medians, rounds = bench.time_interleaved({"a": lambda: bump("a"), "b": lambda: bump("b")},
+                                             min_time_s=0.0, max_reps=10)
+    assert rounds == 3 and calls == {"a": 4, "b": 4}  # one warm-up call each, then 3 rounds
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
 
 
 def test_the_active_implementation_is_the_one_the_public_function_ran():
