@@ -44,7 +44,8 @@ class CacheConfig:
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")
         if self.contiguous_reserve not in ("max", "request"):
-            raise ValueError(f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
+            raise ValueError(
+                f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
 
 
 @dataclass

@@ -256,7 +256,8 @@ class LLMEngine:
             fan_out = group.params.n if group.params.n > 1 and not group.forked else 1
             group.forked = group.forked or fan_out > 1
             for k in range(fan_out):
-                rows.append(self._sampling_row(request, group.params, group.generators[k] if k else seq.generator))
+                generator = group.generators[k] if k else seq.generator
+                rows.append(self._sampling_row(request, group.params, generator))
                 logit_rows.append(j)
                 targets.append((group, seq, k))
         if not rows:

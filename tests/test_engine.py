@@ -186,10 +186,10 @@ def test_chat_goes_through_the_template(llm):
 
 
 def test_cli_generate_names_paris():
-    from pagedllm.cli import main
-
     import contextlib
     import io
+
+    from pagedllm.cli import main
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.model.errors import UnsupportedModelError
+from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -73,6 +73,9 @@ class ModelConfig:
         cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelConfig:
         """From config.json (and generation_config.json, whose eos ids extend the config's)."""
+        missing = [key for key in _REQUIRED_HF_KEYS if key not in config]
+        if missing:
+            raise ModelLoadError(f"config.json lacks required keys: {', '.join(missing)}")
         architecture = _hf_architecture(config)
         heads = config["num_attention_heads"]
         rope_theta, rope_scaling = _hf_rope(config)
@@ -156,6 +159,10 @@ def parse_dtype_name(name: str | torch.dtype) -> torch.dtype:
     except KeyError:
         raise UnsupportedModelError(
             f"unsupported dtype {name!r}; supported: {', '.join(_DTYPE_NAMES)}") from None
+
+
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads")
 
 
 def _hf_architecture(config: dict[str, Any]) -> str:

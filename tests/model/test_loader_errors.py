@@ -149,3 +149,14 @@ def test_resolve_dtype():
     for bad in ("int8", "float64", torch.int64):
         with pytest.raises(ValueError, match="dtype"):
             resolve_dtype(bad)
+
+
+def test_config_missing_a_required_key_names_it(tmp_path):
+    from pagedllm.model.errors import ModelLoadError
+    from pagedllm.model.loader import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+         "intermediate_size": 16, "num_hidden_layers": 1}))
+    with pytest.raises(ModelLoadError, match="num_attention_heads"):
+        load_model(tmp_path, dtype="float32")
