@@ -66,8 +66,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"at most max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.logprobs is None
-               or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        logprobs_ok = self.logprobs is None or (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS)
+        _check(logprobs_ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
                f"{len(self.stop)} strings")
         for s in self.stop:
