@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import pagedllm.attention as attention
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.bench.common import print_table, timed_functions, write_json
+from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, timed_functions, write_json
 
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
 DEFAULT_SHAPE = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30}
@@ -279,8 +279,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.3,
                         help="seconds to spend timing each call (median of the repeats)")
     parser.add_argument("--max-reps", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own choice)")
+    add_threads_arg(parser)
     parser.set_defaults(func=main)
 
 
@@ -326,8 +325,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm.model.loader import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         if mode not in ("decode", "prefill"):

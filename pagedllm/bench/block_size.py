@@ -23,6 +23,8 @@ from pagedllm.attention import paged_attention, write_kv
 from pagedllm.bench.attention import known_implementations, parse_int_list
 from pagedllm.bench.common import (
     RunResult,
+    add_threads_arg,
+    apply_threads,
     engine_config,
     print_table,
     run_workload,
@@ -44,8 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", default="16k",
                         help="KV budget in token slots, the same for every block size")
     parser.add_argument("--plot", default="bench-out/block_size.png", help="PNG path ('' for none)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own choice)")
+    add_threads_arg(parser)
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256",
                         max_model_len=1024, enable_prefix_caching=False)
 
@@ -83,8 +84,7 @@ def sweep_row(block_size: int, result: RunResult, attention_s: float, write_kv_s
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     block_sizes = parse_int_list(args.block_sizes)
     kv_tokens = parse_int_list(args.kv_tokens)[0]
     max_model_len = args.max_model_len or 1024
@@ -103,12 +103,12 @@ def main(args: argparse.Namespace) -> int:
                 result = run_workload(engine, workload, record_steps=True, tag=f"bs{block_size}")
             cpu_s = time.process_time() - cpu_started
             attn_timer, write_timer, *impl_timers = timers
-            rows.append(sweep_row(block_size, result, attn_timer.seconds, write_timer.seconds,
-                                  attn_timer.calls, cpu_s))
+            row = sweep_row(block_size, result, attn_timer.seconds, write_timer.seconds,
+                            attn_timer.calls, cpu_s)
             # which implementation(s) the public paged_attention ran, and how often
-            rows[-1]["implementation_calls"] = {name: t.calls for name, t in zip(impls, impl_timers)
-                                                if t.calls}
-            row = rows[-1]
+            row["implementation_calls"] = {name: t.calls for name, t in zip(impls, impl_timers)
+                                           if t.calls}
+            rows.append(row)
             print(f"block {block_size}: waste {row['waste_pct']}%, {row['output_tokens_per_s']} "
                   f"out tok/s, attention {row['attention_share_pct']}% of the time", flush=True)
             del engine

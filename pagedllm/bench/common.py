@@ -81,6 +81,19 @@ def serve_one(engine: LLMEngine) -> None:
         engine.step()
 
 
+def add_threads_arg(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own; 1 is steadiest on a "
+                             "shared machine)")
+
+
+def apply_threads(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def engine_config(args, **overrides) -> EngineConfig:
     from pagedllm.cli import engine_config_from_args
 

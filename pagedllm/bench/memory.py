@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from pagedllm.bench.common import (
     RunResult,
     StepRecord,
+    add_threads_arg,
+    apply_threads,
     engine_config,
     print_table,
     run_workload,
@@ -42,8 +42,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="scheduler and KV manager only, no model: the same memory figures in "
                              "seconds (tokens do not matter with ignore_eos), no timings")
     parser.add_argument("--plot", default="bench-out/memory.png", help="PNG path ('' for none)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own choice)")
+    add_threads_arg(parser)
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256",
                         max_model_len=1024)
 
@@ -115,8 +114,7 @@ def simulated_scheduler(args: argparse.Namespace, layout: str, max_model_len: in
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     max_model_len = args.max_model_len or 1024
     num_blocks = args.reservations * -(-max_model_len // args.block_size)
     results = {}
