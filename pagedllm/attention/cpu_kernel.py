@@ -29,7 +29,9 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
 _HEADERS = ("vec.h",)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
+# -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
+# thread. (The extension then shares torch's libgomp: same soname, already loaded.)
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
 # Compiled in where the CPU has it: bf16 dot products for bf16 attention scores.
 _OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -102,7 +104,8 @@ def _load() -> bool:
             name = _build_name()
             build_dir = cache_dir() / name
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES], extra_cflags=_cflags(),
+            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES],
+                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
             logger.debug("CPU kernels loaded from %s", build_dir)
             return True
