@@ -23,6 +23,7 @@ class BlockTable:
 
     def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
         self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32)
+        self._rows = self.table.numpy()  # the same memory, written without a torch call per row
         self._row_of: dict[str, int] = {}
         self._num_synced: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -46,7 +47,7 @@ class BlockTable:
             raise ValueError(f"request {request_id} needs {len(block_ids)} blocks; the table holds "
                              f"{self.table.shape[1]} per request (max_model_len too small)")
         if len(block_ids) > start:
-            self.table[row, start:len(block_ids)] = torch.tensor(block_ids[start:], dtype=torch.int32)
+            self._rows[row, start:len(block_ids)] = block_ids[start:]
         self._num_synced[request_id] = len(block_ids)
         return row
 
@@ -54,6 +55,7 @@ class BlockTable:
         if not self._free_rows:  # more live requests than rows (forks): grow by doubling
             old = self.table.shape[0]
             self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self._rows = self.table.numpy()
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 
@@ -72,8 +74,10 @@ class ModelRunner:
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, device)
         max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq)
-        # Step inputs live in preallocated host buffers; tensors are views of their prefixes.
-        self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        # Step inputs live in preallocated host buffers; tensors are views of their prefixes,
+        # valid until the next step.
+        self._input_ids = np.zeros(0, dtype=np.int64)
+        self._reserve(max_num_batched_tokens)
 
     def drop_requests(self, requests: list[Request]) -> None:
         for request in requests:
@@ -102,35 +106,51 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last_rows]), sample_idx
 
     def _prepare(self, scheduled: list) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        counts = [s.num_new_tokens for s in scheduled]
-        starts = [s.num_computed_tokens for s in scheduled]
-        query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        """The step's flat batch, built with numpy in buffers kept across steps: Python loops go
+        over requests only (decodes: one list lookup each), never over tokens."""
+        n = len(scheduled)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        rows = np.fromiter((self.block_table.sync(s.request.request_id, s.block_ids) for s in scheduled),
+                           np.int64, n)
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        if num_tokens > len(self._input_ids):
-            self._input_ids = np.zeros(num_tokens, dtype=np.int64)
-        for s, loc in zip(scheduled, query_start_loc[:-1].tolist()):
-            tokens = s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
-            self._input_ids[loc:loc + len(tokens)] = tokens
-        rows = [self.block_table.sync(s.request.request_id, s.block_ids) for s in scheduled]
+        self._reserve(num_tokens)
 
-        counts_t = torch.tensor(counts, dtype=torch.long)
+        input_ids = self._input_ids[:num_tokens]
+        if num_tokens == n:  # decodes only: each request's next token
+            input_ids[:] = np.fromiter(
+                (s.request.token_ids[s.num_computed_tokens] for s in scheduled), np.int64, n)
+        else:
+            for s, loc in zip(scheduled, query_start_loc[:-1].tolist()):
+                input_ids[loc:loc + s.num_new_tokens] = \
+                    s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
         # positions: for each request, start .. start + count - 1, laid end to end
-        offsets = torch.tensor(starts, dtype=torch.long) - torch.from_numpy(query_start_loc[:-1])
-        positions = torch.arange(num_tokens, dtype=torch.long) + offsets.repeat_interleave(counts_t)
-        row_of_token = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts_t)
-        block_of_token = self.block_table.table[row_of_token, positions // self.block_size].long()
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        positions = self._positions[:num_tokens]
+        np.add(self._arange[:num_tokens], np.repeat(starts - query_start_loc[:-1], counts), out=positions)
+        table = self.block_table.table.numpy()
+        slot_mapping = self._slot_mapping[:num_tokens]
+        np.multiply(table[np.repeat(rows, counts), positions // self.block_size], self.block_size,
+                    out=slot_mapping, casting="unsafe")
+        slot_mapping += positions % self.block_size
 
-        seq_lens = [c + n for c, n in zip(starts, counts)]
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        block_tables = self.block_table.table[torch.tensor(rows, dtype=torch.long), :max_blocks]
+        seq_lens = starts + counts
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=block_tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32).to(self.device),
-            seq_lens_cpu=seq_lens,
+            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            block_tables=torch.from_numpy(table[rows, :max_blocks]).to(self.device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(self.device),
+            seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=query_start_loc.tolist(),
         )
-        input_ids = torch.from_numpy(self._input_ids[:num_tokens]).to(self.device)
-        return input_ids, positions.to(self.device), meta
+        return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                meta)
+
+    def _reserve(self, num_tokens: int) -> None:
+        if num_tokens > len(self._input_ids):
+            self._input_ids = np.zeros(num_tokens, dtype=np.int64)
+            self._positions = np.zeros(num_tokens, dtype=np.int64)
+            self._slot_mapping = np.zeros(num_tokens, dtype=np.int64)
+            self._arange = np.arange(num_tokens, dtype=np.int64)
