@@ -41,7 +41,6 @@ class RequestGroup:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    cache_salt: str | None
     seqs: list[SequenceState] = field(default_factory=list)
     generators: list[torch.Generator | None] = field(default_factory=list)
     forked: bool = False
@@ -143,7 +142,7 @@ class LLMEngine:
                           arrival_time=arrival, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on length / capacity problems
         group = RequestGroup(request_id, text, token_ids, params, RequestMetrics(arrival),
-                             cache_salt, generators=self._generators(params))
+                             generators=self._generators(params))
         group.seqs.append(self._new_seq(request, 0, group))
         self._groups[request_id] = group
         self._seqs[request_id] = (group, group.seqs[0])
