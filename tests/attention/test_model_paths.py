@@ -1,0 +1,57 @@
+"""A whole model, prefill then batched decodes through the paged cache, with the CPU kernels (paged
+attention and the fused elementwise ops) and with the portable torch path: the same logits (fp32:
+to float rounding; bf16: to bf16 rounding) and, in fp32, the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention import cpu_kernel
+from pagedllm.model.loader import load_model
+
+pytest.importorskip("transformers")
+
+from tests.model.paged import PagedSequences  # noqa: E402
+from tests.model.tiny import make_hf_model, save_checkpoint  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
+                                  reason=f"CPU kernels unavailable: {cpu_kernel._state.get('why')}")
+
+PROMPTS = [[5, 9, 20, 33, 41, 7, 7, 100, 3, 18, 2], [77, 1, 250], [12] * 19]
+
+
+def generate(model, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and every step's logits: all prompts in one prefill step, then decodes."""
+    paged = PagedSequences(model, num_blocks=64, block_size=4)
+    logits = paged.step(dict(enumerate(PROMPTS)))
+    all_logits = [torch.cat(list(logits.values()))]
+    tokens = [[int(logits[i][-1].argmax())] for i in range(len(PROMPTS))]
+    for _ in range(steps):
+        logits = paged.step({i: out[-1:] for i, out in enumerate(tokens)})
+        all_logits.append(torch.cat(list(logits.values())))
+        for i, out in enumerate(tokens):
+            out.append(int(logits[i][-1].argmax()))
+    return tokens, all_logits
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "mistral_linear_rope_window"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_and_torch_path_agree(shape, dtype, tmp_path, monkeypatch):
+    folder = save_checkpoint(make_hf_model(shape), tmp_path / shape)
+    model = load_model(folder, dtype=dtype).model
+    assert model.config.head_dim in (16, 32, 64, 128, 256)  # a size the kernel takes
+    fast_tokens, fast_logits = generate(model, steps=8)
+
+    for name in ("supports", "write_kv_supports", "fused_ops_support"):
+        monkeypatch.setattr(cpu_kernel, name, lambda *args: False)
+    slow_tokens, slow_logits = generate(model, steps=8)
+
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
+    if dtype == "float32":
+        assert fast_tokens == slow_tokens
+        for fast, slow in zip(fast_logits, slow_logits):
+            torch.testing.assert_close(fast, slow, **tol)
+    else:  # bf16 roundings differ between the paths: compare the prefill only, loosely
+        torch.testing.assert_close(fast_logits[0], slow_logits[0], **tol)
