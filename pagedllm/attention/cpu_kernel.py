@@ -31,7 +31,7 @@ _HEADERS = ("vec.h",)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
-_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-std=c++17"]
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # Compiled in where the CPU has it: bf16 dot products for bf16 attention scores.
 _OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
