@@ -86,10 +86,13 @@ def _chunk_attention(
         mask, is_causal = None, True
     else:
         mask, is_causal = _chunk_mask(q_len, ctx_len, sliding_window, query.device), False
+    # A leading batch dimension of 1: SDPA takes its fast CPU (flash) path only for 4-D inputs
+    # (measured 7-12x faster on a 1024-token bf16 chunk than the same call with 3-D tensors).
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _chunk_mask(
