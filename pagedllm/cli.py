@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagedllm.config import EngineConfig
@@ -105,6 +106,10 @@ def _optional_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch is imported: OpenMP threads that spin forever between parallel regions
+    # collapse throughput when another process shares the cores; a bounded spin kept idle-machine
+    # speed and stayed fast under load (docs/benchmarks.md, CPU speed). The user's value wins.
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -261,7 +261,9 @@ class LLMEngine:
                 targets.append((group, seq, k))
         if not rows:
             return []
-        result = self.sampler(logits[torch.tensor(logit_rows)], rows)
+        if logit_rows != list(range(len(logits))):  # n > 1 repeats a row; otherwise keep the view
+            logits = logits.index_select(0, torch.tensor(logit_rows))
+        result = self.sampler(logits, rows)
         return [(g, s, k, tok, lp) for (g, s, k), tok, lp in zip(targets, result.token_ids, result.logprobs)]
 
     def _fork_child(self, group: RequestGroup, parent: Request, index: int,
