@@ -10,6 +10,7 @@ PAGEDLLM_ATTENTION=torch turns the kernel off (the portable torch path runs inst
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,6 +18,8 @@ import platform
 import shutil
 import sys
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -104,9 +107,12 @@ def _load() -> bool:
             name = _build_name()
             build_dir = cache_dir() / name
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES],
-                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+            with _build_lock(build_dir):
+                sources = _copy_sources(build_dir / "src")
+                cpp_extension.load(name=name, sources=sources,
+                                   extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                                   build_directory=str(build_dir), is_python_module=False,
+                                   verbose=False)
             logger.debug("CPU kernels loaded from %s", build_dir)
             return True
         except Exception as exc:  # a failed build must never stop the engine
@@ -114,6 +120,45 @@ def _load() -> bool:
     _state["why"] = why
     logger.warning("CPU kernels unavailable, using the portable torch path: %s", why)
     return False
+
+
+def _copy_sources(src_dir: Path) -> list[str]:
+    """The sources copied into the build folder, which is named by their hash: the build then
+    names only paths inside it, so every checkout with the same sources shares one build instead
+    of rebuilding it in turn."""
+    src_dir.mkdir(exist_ok=True)
+    for name in _SOURCES + _HEADERS:
+        target = src_dir / name
+        text = (_CSRC / name).read_bytes()
+        if not target.is_file() or target.read_bytes() != text:
+            target.write_bytes(text)
+    return [str(src_dir / name) for name in _SOURCES]
+
+
+@contextmanager
+def _build_lock(build_dir: Path):
+    """One build at a time per folder, under a lock the OS drops when its holder dies.
+
+    torch's own lock is a plain file that a process stopped mid-build (Ctrl-C during the first
+    answer) leaves behind, and every later load would wait on it forever. Holding ours, no other
+    pagedllm process is building here, so a torch lock file found now is stale: remove it."""
+    with open(build_dir / "pagedllm.lock", "w") as handle:
+        waited = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    logger.info("waiting for another process that is building the CPU kernels in %s",
+                                build_dir)
+                    waited = True
+                time.sleep(0.2)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
