@@ -1,22 +1,27 @@
 """Beam search over the paged cache: beams of one prompt share their common history's blocks.
 
-Every step each live beam yields its 2W best next tokens; of all candidates of a prompt the W
-best (by cumulative log-probability) live on. A beam chosen k times continues itself and forks
-k - 1 children that share all its blocks by reference count; the first write into a shared
-partial block is copied (copy-on-write). A beam not chosen is finished at once, so blocks only
-it held go straight back to the pool. A candidate ending in EOS becomes a finished hypothesis.
+It runs on the engine core's own step, choosing the tokens itself (EngineCore.step's `choose`
+hook) instead of the sampler. Every step each live beam yields its 2W best next tokens; of all
+candidates of a prompt the W best (by cumulative log-probability) live on. A beam chosen k times
+continues itself and forks k - 1 new sequences that share all its blocks by reference count;
+the first write into a shared partial block is copied (copy-on-write). A beam not chosen gets no
+token, which ends it, so blocks only it held go straight back to the pool. A candidate ending in
+EOS becomes a finished hypothesis; a beam reaching max_tokens is finished by the core.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.request import Request, RequestStatus
+from pagedllm.core_messages import EngineCoreRequest
+from pagedllm.engine_core import EngineCore
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -37,32 +42,34 @@ class BeamSearchOutput:
 
 @dataclass
 class _Beam:
-    request: Request
+    token_ids: list[int]  # generated so far
     cum_logprob: float = 0.0
-    candidates: list[tuple[float, int]] = field(default_factory=list)  # (cum logprob, token)
 
 
 @dataclass
 class _Prompt:
+    request_id: str
     token_ids: list[int]
-    beams: list[_Beam]
+    beams: dict[int, _Beam]  # by the core's sequence index
+    num_seqs: int = 1  # sequences the core has made for it: the next fork gets this index
     finished: list[BeamSequence] = field(default_factory=list)
 
 
 class BeamSearch:
-    def __init__(self, engine, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> None:
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, beam_width: int, max_tokens: int,
+                 length_penalty: float = 1.0) -> None:
         if not isinstance(beam_width, int) or beam_width < 1:
             raise ValueError(f"beam_width must be a positive integer; got {beam_width!r}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer; got {max_tokens!r}")
-        if engine.has_unfinished_requests():
+        if core.has_unfinished_requests():
             raise ValueError("beam search needs an idle engine: finish or abort other requests first")
-        self.engine = engine
-        self.scheduler = engine.scheduler
+        self.core = core
+        self.tokenizer = tokenizer
         self.width = beam_width
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
-        self.eos = engine.tokenizer.eos_token_id
+        self.eos = tokenizer.eos_token_id
         self._ids = itertools.count()
         self.peak_blocks_used = 0
 
@@ -75,15 +82,14 @@ class BeamSearch:
     # -- capacity: no preemption may split a prompt's beams ---------------------------------------
     def _waves(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         """Group prompts so each group's beams fit the cache and one step's budget together."""
-        cfg = self.scheduler.config
-        bs = self.engine.block_size
-        capacity_blocks = self.engine.num_blocks
+        cfg = self.core.scheduler_config
+        capacity_blocks = self.core.kv_plan.num_blocks
         waves, current, used = [], [], 0
         for ids in prompts:
             if len(ids) + self.max_tokens >= cfg.max_model_len:
                 raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {self.max_tokens} must stay "
                                  f"below max_model_len={cfg.max_model_len}")
-            need = self.width * -(-(len(ids) + self.max_tokens) // bs)
+            need = self.width * cdiv(len(ids) + self.max_tokens, self.core.kv_plan.block_size)
             if need > capacity_blocks:
                 raise ValueError(f"beam width {self.width} over {len(ids) + self.max_tokens} tokens needs "
                                  f"{need} blocks; the cache has {capacity_blocks}: raise kv_cache_memory")
@@ -99,102 +105,75 @@ class BeamSearch:
 
     # -- one wave ---------------------------------------------------------------------------------
     def _run_wave(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
-        # Beams stop themselves (EOS, max_tokens); the scheduler must never do it for them.
-        params = SamplingParams(temperature=0, max_tokens=self.max_tokens + 1, ignore_eos=True)
-        states = []
-        for ids in prompts:
-            root = Request(f"beam-{next(self._ids)}", list(ids), params, eos_token_id=self.eos)
-            self.scheduler.add_request(root)
-            states.append(_Prompt(list(ids), [_Beam(root)]))
+        # Beams end on EOS here, never in the core; the core ends them at max_tokens.
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        states: dict[str, _Prompt] = {}
         try:
-            while any(p.beams for p in states):
-                self._step(states)
+            for ids in prompts:
+                request_id = f"beam-{next(self._ids)}"
+                self.core.add_request(EngineCoreRequest(request_id, list(ids), params, self.eos,
+                                                        time.monotonic()))
+                states[request_id] = _Prompt(request_id, list(ids), {0: _Beam([])})
+            while any(p.beams for p in states.values()):
+                preemptions = self.core.stats().num_preemptions
+                stats = self.core.step(choose=lambda logits, rows: self._choose(states, logits, rows)).stats
+                if stats.num_preemptions != preemptions:
+                    raise RuntimeError("beam search preempted a beam despite the capacity check")
+                self.peak_blocks_used = max(self.peak_blocks_used, stats.step_num_used_blocks)
         finally:
-            for p in states:
-                self._drop([b.request for b in p.beams])
-        return [self._output(p) for p in states]
+            self.core.abort_requests(states)
+        return [self._output(p) for p in states.values()]
 
-    def _step(self, states: list[_Prompt]) -> None:
-        out = self.scheduler.schedule()
-        self.engine.runner.drop_requests(out.finished + out.preempted)
-        if out.preempted:
-            raise RuntimeError("beam search preempted a beam despite the capacity check")
-        stats = self.scheduler.kv_manager.stats()
-        self.peak_blocks_used = max(self.peak_blocks_used, stats.num_blocks - stats.num_free_blocks)
-        self.engine.runner.copy_blocks(out.block_copies)
-        logits, sample_idx = self.engine.runner.execute(out.scheduled)
-        sampled = [out.scheduled[i].request for i in sample_idx]
-        if not sampled:
-            return
+    def _choose(self, states: dict[str, _Prompt], logits: torch.Tensor,
+                rows: list[tuple[str, int]]) -> list[list[int]]:
+        """Each row's tokens: the W best candidates of each prompt, over all its beams."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_values, top_ids = logprobs.topk(min(2 * self.width, logprobs.shape[-1]), dim=-1)
-        by_request = {r.request_id: j for j, r in enumerate(sampled)}
-        # Provisional token (the beam's best) so the scheduler can account the step; the
-        # selection below may replace it: it is not computed into the cache until next step.
-        provisional = {r.request_id: int(top_ids[j, 0]) for j, r in enumerate(sampled)}
-        self.scheduler.update_from_output(out, provisional)
-        for p in states:
-            ready = [b for b in p.beams if b.request.request_id in by_request]
-            if not ready:
-                continue
-            if len(ready) != len(p.beams):
+        choices: list[list[int]] = [[] for _ in rows]
+        by_prompt: dict[str, list[int]] = {}
+        for j, (request_id, _) in enumerate(rows):
+            by_prompt.setdefault(request_id, []).append(j)
+        for request_id, row_ids in by_prompt.items():
+            p = states[request_id]
+            if len(row_ids) != len(p.beams):
                 raise RuntimeError("beams of one prompt fell out of step")
-            for b in ready:
-                j = by_request[b.request.request_id]
-                b.candidates = [(b.cum_logprob + v, t)
-                                for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
-            self._select(p)
+            candidates = [(p.beams[rows[j][1]].cum_logprob + v, t, j)
+                          for j in row_ids for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
+            self._select(p, sorted(candidates, key=lambda c: -c[0]), rows, choices)
+        return choices
 
-    def _select(self, p: _Prompt) -> None:
-        ranked = sorted(((cum, token, beam) for beam in p.beams for cum, token in beam.candidates),
-                        key=lambda c: -c[0])
-        chosen: dict[int, list[tuple[float, int]]] = {id(b): [] for b in p.beams}
-        alive = 0
-        for cum, token, beam in ranked:
-            if alive == self.width:
+    def _select(self, p: _Prompt, ranked: list[tuple[float, int, int]], rows: list[tuple[str, int]],
+                choices: list[list[int]]) -> None:
+        """Keep the W best candidates as beams (row j's choices: the first continues its beam,
+        the rest fork new ones); EOS candidates become finished hypotheses."""
+        new_beams: dict[int, _Beam] = {}
+        forks = []
+        for cum, token, j in ranked:
+            if len(new_beams) + len(forks) == self.width:
                 break
-            outputs = beam.request.output_token_ids[:-1]  # without the provisional token
+            beam = p.beams[rows[j][1]]
             if token == self.eos and self.eos is not None:
-                p.finished.append(self._sequence(outputs + [token], cum, "stop"))
+                p.finished.append(self._sequence(beam.token_ids + [token], cum, "stop"))
                 continue
-            chosen[id(beam)].append((cum, token))
-            alive += 1
-        new_beams = []
-        for beam in p.beams:
-            picks = chosen[id(beam)]
-            if not picks:
-                self._drop([beam.request])
-                continue
-            for cum, token in picks[1:]:
-                new_beams.append(self._fork(beam, cum, token))
-            beam.request.token_ids[-1] = picks[0][1]  # replace the provisional token
-            beam.cum_logprob = picks[0][0]
-            new_beams.append(beam)
-        p.beams = []
-        for beam in new_beams:
-            if beam.request.num_output_tokens >= self.max_tokens:
-                p.finished.append(self._sequence(beam.request.output_token_ids, beam.cum_logprob, "length"))
-                self._drop([beam.request])
+            if choices[j]:
+                forks.append((j, len(choices[j]), _Beam(beam.token_ids + [token], cum)))
             else:
-                p.beams.append(beam)
-
-    def _fork(self, parent: _Beam, cum: float, token: int) -> _Beam:
-        request = parent.request
-        child = Request(f"beam-{next(self._ids)}", request.prompt_token_ids,
-                        dataclasses.replace(request.sampling_params), eos_token_id=self.eos)
-        child.token_ids = request.token_ids[:-1] + [token]
-        self.scheduler.fork_request(request, child)
-        return _Beam(child, cum)
-
-    def _drop(self, requests: list[Request]) -> None:
-        live = [r.request_id for r in requests if not r.is_finished]
-        if live:
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+                new_beams[rows[j][1]] = _Beam(beam.token_ids + [token], cum)
+            choices[j].append(token)
+        for _, _, beam in sorted(forks, key=lambda f: f[:2]):  # the core's order: by row, then token
+            new_beams[p.num_seqs] = beam
+            p.num_seqs += 1
+        p.beams = {}
+        for index, beam in new_beams.items():
+            if len(beam.token_ids) >= self.max_tokens:  # the core ends it too (max_tokens)
+                p.finished.append(self._sequence(beam.token_ids, beam.cum_logprob, "length"))
+            else:
+                p.beams[index] = beam
 
     def _sequence(self, token_ids: list[int], cum: float, reason: str) -> BeamSequence:
         length = max(len(token_ids), 1)
         return BeamSequence(list(token_ids), cum, cum / length ** self.length_penalty,
-                            self.engine.tokenizer.decode(token_ids), reason)
+                            self.tokenizer.decode(token_ids), reason)
 
     def _output(self, p: _Prompt) -> BeamSearchOutput:
         best = sorted(p.finished, key=lambda s: -s.score)[:self.width]

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -> int:
     engine = LLMEngine(config)
-    tokenizer = engine.tokenizer
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     messages = [{"role": "system", "content": system}] if system else []
     print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
     for turn in range(1_000_000):
@@ -22,23 +23,23 @@ def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        prompt = engine.input_processor.chat_prompt(messages)
         reply = _stream_reply(engine, f"turn-{turn}", prompt, params)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
 
-def _stream_reply(engine: LLMEngine, request_id: str, prompt: list[int],
-                  params: SamplingParams) -> str:
-    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    shown = ""
+def _stream_reply(engine: LLMEngine, request_id: str, prompt: dict, params: SamplingParams) -> str:
+    """Print each new piece of text as it comes; the whole reply."""
+    engine.add_request(request_id, prompt, params)
+    pieces = []
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():
-                text = output.outputs[0].text
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+                piece = output.outputs[0].text if output.outputs else ""
+                print(piece, end="", flush=True)
+                pieces.append(piece)
     except KeyboardInterrupt:
         engine.abort_request(request_id)
     print()
-    return shown
+    return "".join(pieces)

@@ -7,22 +7,25 @@ import logging
 import os
 import sys
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import KV_LAYOUTS, EngineConfig, engine_defaults
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's."""
-    parser.add_argument("--model", default=None,
+    """Engine flags, named like vLLM's; their defaults are EngineConfig's."""
+    default = engine_defaults()
+    parser.add_argument("--model", default=default["model"],
                         help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. 512MiB, 2GiB")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default=default["dtype"], help="auto, float32 or bfloat16")
+    parser.add_argument("--block-size", type=int, default=default["block_size"])
+    parser.add_argument("--kv-cache-memory", default=default["kv_cache_memory"],
+                        help="bytes or e.g. 512MiB, 2GiB (default: a share of free RAM)")
+    parser.add_argument("--max-model-len", type=int, default=default["max_model_len"])
+    parser.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"])
+    parser.add_argument("--kv-layout", choices=list(KV_LAYOUTS), default=default["kv_layout"])
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=default["enable_prefix_caching"])
+    parser.add_argument("--seed", type=int, default=default["seed"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -27,32 +27,17 @@ def parse_size(value: int | float | str) -> int:
 
 
 VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 16
-    num_blocks: int = 0  # filled in from the memory budget by the engine
-    kv_layout: str = "paged"  # or "contiguous"
-    # contiguous layout only: reserve max_model_len ("max") or prompt + max_tokens ("request")
-    contiguous_reserve: str = "max"
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(f"block_size must be a power of two from 1 to 128; got {self.block_size}")
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")
-        if self.contiguous_reserve not in ("max", "request"):
-            raise ValueError(
-                f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
+KV_LAYOUTS = ("paged", "contiguous")
+CONTIGUOUS_RESERVES = ("max", "request")
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    """The scheduler's limits, filled in from EngineConfig (which declares the defaults)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -63,24 +48,32 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` and `pagedllm serve` accept, named like vLLM's options."""
+    """Everything `LLM(...)` and `pagedllm serve` accept, named like vLLM's options. The one
+    place their defaults are declared: the CLI and the offline API read them from here."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
     num_kv_blocks: int | None = None  # the budget in blocks instead of bytes (overrides memory)
-    max_model_len: int | None = None  # None: the model's own limit, capped by the KV budget
+    max_model_len: int | None = None  # None: the model's own limit (max_position_embeddings)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    kv_layout: str = "paged"
+    kv_layout: str = "paged"  # or "contiguous"
+    # contiguous layout only: reserve max_model_len ("max") or prompt + max_tokens ("request")
     contiguous_reserve: str = "max"
     enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # Reuse the part configs' checks so every entry point rejects the same values.
-        CacheConfig(self.block_size, 0, self.kv_layout, self.contiguous_reserve)
+        if self.block_size not in VALID_BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two from 1 to 128; got {self.block_size}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")
+        if self.contiguous_reserve not in CONTIGUOUS_RESERVES:
+            raise ValueError(
+                f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
+        # The scheduler's own checks, so every entry point rejects the same values.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
@@ -89,3 +82,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer; got {self.num_kv_blocks!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+
+
+def engine_defaults() -> dict:
+    """EngineConfig's default for each option, by name (for the CLI's flags)."""
+    return {f.name: f.default for f in fields(EngineConfig)}

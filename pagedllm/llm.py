@@ -2,31 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine, PromptInput
+from pagedllm.engine import LLMEngine
+from pagedllm.input_processor import Conversation, PromptInput, prompt_list
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
-
-Conversation = list[dict]
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                 kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 kv_layout: str = "paged", seed: int = 0, enable_prefix_caching: bool = True,
-                 **kwargs) -> None:
-        config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
-                              kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              kv_layout=kv_layout, seed=seed,
-                              enable_prefix_caching=enable_prefix_caching, **kwargs)
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        """model: a Hugging Face folder or a .gguf file (None: the embedded SmolLM2-135M-Instruct);
+        kwargs: any EngineConfig option (dtype, block_size, kv_cache_memory, max_model_len,
+        max_num_seqs, max_num_batched_tokens, kv_layout, enable_prefix_caching, seed, ...)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -35,7 +29,7 @@ class LLM:
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        prompts = _as_list(prompts)
+        prompts = prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         request_ids = self._add_all(prompts, params)
         return self._run(request_ids, use_tqdm)
@@ -44,11 +38,8 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tokenizer.encode(
-                        tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                        add_special_tokens=False)}
-                   for c in conversations]
+        processor = self.engine.input_processor
+        prompts = [processor.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], beam_width: int,
@@ -56,8 +47,10 @@ class LLM:
         """Beam search; returns one BeamSearchOutput (sequences best first) per prompt."""
         from pagedllm.beam_search import BeamSearch
 
-        token_lists = [self.engine.prompt_token_ids(p) for p in _as_list(prompts)]
-        return BeamSearch(self.engine, beam_width, max_tokens, length_penalty).run(token_lists)
+        token_lists = [self.engine.input_processor.tokenize(p)[1] for p in prompt_list(prompts)]
+        search = BeamSearch(self.engine.engine_core, self.engine.tokenizer, beam_width, max_tokens,
+                            length_penalty)
+        return search.run(token_lists)
 
     def memory_stats(self) -> dict:
         return self.engine.memory_stats()
@@ -81,17 +74,18 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        started, generated = time.monotonic(), 0
+        started = time.monotonic()
+        tokens_before = self.engine.stats().num_generation_tokens
         try:
             while pending:
                 for output in self.engine.step():
-                    generated += 1
                     if output.finished and output.request_id in pending:
                         finished[output.request_id] = output
                         pending.discard(output.request_id)
                         bar.update(1)
                 if use_tqdm:
                     elapsed = max(time.monotonic() - started, 1e-9)
+                    generated = self.engine.stats().num_generation_tokens - tokens_before
                     bar.set_postfix_str(f"~{generated / elapsed:.0f} tok/s")
         except BaseException:
             for request_id in pending:
@@ -102,19 +96,17 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
-def _as_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
-
-
 def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each asking for its final output only (all generate
+    returns); the caller's objects are left as they are."""
     if params is None:
-        return [SamplingParams()] * count
+        params = SamplingParams()
     if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
+        params = [params] * count
+    elif len(params) != count:
         raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
-    return list(params)
+    final: dict[int, SamplingParams] = {}  # one copy per distinct object
+    for p in params:
+        if id(p) not in final:
+            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [final[id(p)] for p in params]

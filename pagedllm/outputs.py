@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -38,6 +38,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_output_tokens: int = 0  # set when finished: the tokens of its longest output
 
     @property
     def time_to_first_token_s(self) -> float | None:
@@ -54,6 +55,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    error: str | None = None  # set when the engine failed this request
-    extra: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

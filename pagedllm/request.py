@@ -37,6 +37,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens the prefix cache served when the request was first admitted (-1 before),
+    # and when that was.
+    num_cached_tokens: int = field(default=-1, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
     # prompt + generated ids, one list that only grows (appending is O(1)).
     token_ids: list[int] = field(init=False)
     # The stop token id that finished the request (None for EOS, length or a stop string).
@@ -67,3 +71,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def fork(self, request_id: str, last_token: int) -> Request:
+        """A new request with this one's tokens but the last, then last_token: another sample
+        from the same logits (n > 1) or another continuation of a beam."""
+        if not self.num_output_tokens:
+            raise ValueError(f"cannot fork {self.request_id}: it has no output token to replace")
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params,
+                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
+                        cache_salt=self.cache_salt)
+        child.token_ids.extend(self.token_ids[self.num_prompt_tokens:-1])
+        child.append_token(last_token)
+        return child

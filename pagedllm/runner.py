@@ -13,7 +13,9 @@ import torch
 
 from pagedllm.attention import allocate_kv_cache
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.slots import slot_mapping
 from pagedllm.request import Request
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, device)
-        max_blocks_per_seq = -(-max_model_len // block_size)
+        max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq)
         # Step inputs live in preallocated host buffers; tensors are views of their prefixes,
         # valid until the next step.
@@ -97,7 +99,7 @@ class ModelRunner:
     def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:
         """Run one step over `scheduled` (ScheduledRequest items). Returns the logits of each
         request that reached the end of its known tokens, and those requests' batch indices."""
-        input_ids, positions, meta = self._prepare(scheduled)
+        input_ids, positions, meta = self.prepare_inputs(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sample_idx = [i for i, s in enumerate(scheduled) if s.samples]
         if not sample_idx:
@@ -105,7 +107,7 @@ class ModelRunner:
         last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_idx])
         return self.model.compute_logits(hidden[last_rows]), sample_idx
 
-    def _prepare(self, scheduled: list) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, scheduled: list) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's flat batch, built with numpy in buffers kept across steps: Python loops go
         over requests only (decodes: one list lookup each), never over tokens."""
         n = len(scheduled)
@@ -130,15 +132,13 @@ class ModelRunner:
         positions = self._positions[:num_tokens]
         np.add(self._arange[:num_tokens], np.repeat(starts - query_start_loc[:-1], counts), out=positions)
         table = self.block_table.table.numpy()
-        slot_mapping = self._slot_mapping[:num_tokens]
-        np.multiply(table[np.repeat(rows, counts), positions // self.block_size], self.block_size,
-                    out=slot_mapping, casting="unsafe")
-        slot_mapping += positions % self.block_size
+        slots = slot_mapping(table, np.repeat(rows, counts), positions, self.block_size,
+                             out=self._slot_mapping[:num_tokens])
 
         seq_lens = starts + counts
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
             block_tables=torch.from_numpy(table[rows, :max_blocks]).to(self.device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(self.device),

@@ -10,28 +10,29 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.core_messages import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs for one row of logits."""
+    """What the sampler needs for one row of logits. Made once per sequence and kept: token_ids
+    is the sequence's own growing list (prompt, then output), read here and never copied unless
+    a penalty needs the output apart."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
     generator: torch.Generator | None  # a seeded request's own generator; None uses the shared one
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
-@dataclass
-class TokenLogprobs:
-    """Log-probability of the chosen token and the top-N alternatives (from the raw logits)."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely token
-    top: list[tuple[int, float]]
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -64,12 +65,11 @@ class Sampler:
             row = logits[i]
             if p.repetition_penalty != 1.0:
                 # HF/vLLM convention: every token seen in prompt or output is pushed away.
-                seen = torch.tensor(sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)),
-                                    dtype=torch.long)
+                seen = torch.tensor(sorted(set(rows[i].token_ids)), dtype=torch.long)
                 seen = seen[seen < vocab]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
+            if (p.presence_penalty or p.frequency_penalty) and rows[i].num_output_tokens:
                 # OpenAI convention: only generated tokens count.
                 out = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
                 counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
@@ -78,7 +78,7 @@ class Sampler:
 
     def _ban_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         banned = [(i, r.stop_ids_before_min_tokens) for i, r in enumerate(rows)
-                  if r.stop_ids_before_min_tokens and len(r.output_token_ids) < r.params.min_tokens]
+                  if r.stop_ids_before_min_tokens and r.num_output_tokens < r.params.min_tokens]
         if not banned:
             return logits
         logits = logits.clone()

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a running request carries (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step
+    DELTA = "delta"  # only what is new since the last output: text, token ids, logprobs
+    FINAL_ONLY = "final_only"  # nothing until the request finishes, then everything
 
 
 @dataclass
@@ -29,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +86,8 @@ class SamplingParams:
                    f"non-empty strings of at most {MAX_STOP_STRING_LEN} characters", repr(s)[:40])
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative integers", t)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               "a RequestOutputKind", self.output_kind)
 
 
 def _is_num(value: object) -> bool:

@@ -16,6 +16,7 @@ empty cache, so every request finishes.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,9 +38,9 @@ class KVManager(Protocol):
     def max_tokens_per_request(self) -> int: ...
     def find_cached_prefix(self, request: Request) -> PrefixHit: ...
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       prefix_hit: PrefixHit | None = None) -> bool: ...
+                       prefix_hit: PrefixHit | None = None) -> bool: ...  # sets no request state
     def free(self, request: Request) -> None: ...
-    def fork(self, parent: Request, child: Request) -> bool: ...
+    def fork(self, parent: Request, child: Request) -> bool: ...  # False: no room to copy into
     def block_ids(self, request: Request) -> list[int]: ...
     def take_block_copies(self) -> list[tuple[int, int]]: ...
     def stats(self) -> KVStats: ...
@@ -64,12 +65,6 @@ class ScheduledRequest:
     def num_context_tokens(self) -> int:
         """Tokens in context after this step (the attention seq_len)."""
         return self.num_computed_tokens + self.num_new_tokens
-
-    def slot_ids(self) -> list[int]:
-        """Physical slot (block * block_size + offset) of each new token."""
-        bs, table = self.block_size, self.block_ids
-        return [table[pos // bs] * bs + pos % bs
-                for pos in range(self.num_computed_tokens, self.num_context_tokens)]
 
 
 @dataclass
@@ -122,14 +117,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def _check_admissible(self, request: Request) -> None:
+        """What only the scheduler knows: its request ids and the cache's capacity. Prompts
+        reach it checked (pagedllm.input_processor); one outside [1, max_model_len] tokens is a
+        caller's bug, refused before it can break a step."""
         max_model_len = self.config.max_model_len
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty; at least one token is needed")
-        if request.num_prompt_tokens > max_model_len:
-            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than the "
-                             f"maximum context length of {max_model_len} tokens")
+        if not 0 < request.num_prompt_tokens <= max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_prompt_tokens} prompt "
+                             f"tokens; the scheduler takes 1 to max_model_len={max_model_len}")
         # Anything that could not run alone in an empty cache would wait (or preempt) forever.
         max_tokens = request.sampling_params.max_tokens or max_model_len
         needed = min(request.num_prompt_tokens + max_tokens, max_model_len)
@@ -203,6 +199,10 @@ class Scheduler:
             if not self.kv_manager.allocate_slots(request, num_new, hit):
                 break  # first come first served: no one overtakes the head of the queue
             self.waiting.popleft()
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:  # its first admission, not a resume
+                request.num_cached_tokens = hit.num_tokens
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
@@ -297,6 +297,9 @@ class Scheduler:
             raise ValueError("a forked child must start with the parent's computed tokens "
                              "and have at least one more")
         self._requests[child.request_id] = child
+        if not child.block_hashes:  # the shared computed blocks hash alike
+            child.block_hashes = parent.block_hashes[:computed // self.kv_manager.block_size]
+        child.num_cached_tokens = parent.num_cached_tokens
         if self.kv_manager.fork(parent, child):
             child.num_computed_tokens = computed
             child.status = RequestStatus.RUNNING
@@ -305,7 +308,3 @@ class Scheduler:
             child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
-
-    def memory_stats(self) -> dict:
-        return {**self.kv_manager.stats().to_dict(), "num_preemptions": self._num_preemptions,
-                "num_running": self.num_running, "num_waiting": self.num_waiting}

@@ -1,6 +1,6 @@
 import pytest
 
-from pagedllm.config import CacheConfig, EngineConfig, parse_size
+from pagedllm.config import EngineConfig, engine_defaults, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -20,7 +20,7 @@ def test_parse_size_rejects_nonsense(bad):
 @pytest.mark.parametrize("block_size", [0, 3, 24, 256])
 def test_block_size_must_be_a_power_of_two_up_to_128(block_size):
     with pytest.raises(ValueError, match="block_size"):
-        CacheConfig(block_size=block_size)
+        EngineConfig(block_size=block_size)
 
 
 def test_engine_config_checks_every_part():
@@ -30,3 +30,13 @@ def test_engine_config_checks_every_part():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="memory size"):
         EngineConfig(kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="contiguous_reserve"):
+        EngineConfig(contiguous_reserve="some")
+
+
+def test_the_cli_and_the_offline_api_take_the_config_defaults():
+    from pagedllm.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "hi"])
+    assert engine_config_from_args(args) == EngineConfig()
+    assert engine_defaults()["block_size"] == EngineConfig().block_size == 16

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.utils import cdiv
 from tests.conftest import requires_default_model
 
 pytestmark = requires_default_model
@@ -137,7 +138,7 @@ def _dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
     from tests.conftest import build_attn_metadata
 
     cfg = model.config
-    num_blocks = -(-len(ids) // 16)
+    num_blocks = cdiv(len(ids), 16)
     caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, 16, cfg.num_key_value_heads,
                                cfg.head_dim, torch.float32)
     meta, positions = build_attn_metadata([(0, len(ids), list(range(num_blocks)))], 16)

@@ -9,7 +9,7 @@ from pagedllm.sampling_params import SamplingParams
 
 def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None) -> SamplingRow:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(params, list(prompt), list(output), tuple(stops), generator)
+    return SamplingRow(params, [*prompt, *output], len(prompt), tuple(stops), generator)
 
 
 def test_greedy_takes_argmax():

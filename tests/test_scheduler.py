@@ -4,6 +4,7 @@ import pytest
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv import ContiguousKVManager, KVCacheManager
+from pagedllm.kv.slots import request_slots
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
@@ -109,9 +110,9 @@ def test_a_request_is_never_scheduled_for_zero_tokens():
 
 def test_refusals_say_what_is_wrong():
     scheduler = make(num_blocks=4, block_size=4, max_model_len=32)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="'e' has 0 prompt tokens; .* 1 to max_model_len=32"):
         scheduler.add_request(Request("e", []))
-    with pytest.raises(ValueError, match="33 tokens, more than .* 32"):
+    with pytest.raises(ValueError, match="'long' has 33 prompt tokens; .* 1 to max_model_len=32"):
         scheduler.add_request(req("long", 33))
     with pytest.raises(ValueError, match="needs up to 20 tokens .* holds 16"):
         scheduler.add_request(req("big", 10, max_tokens=10))
@@ -193,7 +194,6 @@ def test_preemption_takes_the_newest_and_resumes_it_with_all_its_tokens():
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [b] and b.output_token_ids == [7, 7]
-    assert scheduler.memory_stats()["num_preemptions"] == 1
     while not a.is_finished:
         step(scheduler, runner=runner)
     out = step(scheduler, runner=runner)
@@ -255,9 +255,10 @@ def test_a_prefix_hit_is_scheduled_as_computed_tokens():
     out = step(scheduler, runner=runner)
     (b_step,) = [s for s in out.scheduled if s.request.request_id == "b"]
     assert (b_step.num_computed_tokens, b_step.num_new_tokens) == (8, 3)
-    assert b_step.slot_ids() == [b_step.block_ids[2] * 4 + i for i in range(3)]
-    stats = scheduler.memory_stats()
-    assert stats["prefix_cache_hits"] == 8 and stats["prefix_cache_queries"] == 21
+    assert b_step.request.num_cached_tokens == 8  # the hit, as the scheduler counted it
+    assert request_slots(b_step.block_ids, 8, 11, 4) == [b_step.block_ids[2] * 4 + i for i in range(3)]
+    stats = scheduler.kv_manager.stats()
+    assert stats.prefix_cache_hits == 8 and stats.prefix_cache_queries == 21
 
 
 # -- from outside: abort, finish, fork ------------------------------------------------------
@@ -313,6 +314,7 @@ def test_fork_shares_blocks_and_runs_right_after_the_parent():
     scheduler.fork_request(parent, child)
     assert scheduler.running == [parent, child, other]
     assert scheduler.kv_manager.block_ids(child) == scheduler.kv_manager.block_ids(parent)
+    assert child.num_computed_tokens == 6 and child.block_hashes == parent.block_hashes[:1]
     out = step(scheduler, runner=runner)
     assert plan(out) == [("p", 1), ("p#1", 1), ("o", 1)]
     assert len(out.block_copies) == 1  # the parent copied the shared partial block
@@ -350,12 +352,12 @@ def test_scheduled_request_views():
     scheduler.add_request(req("a", 6))
     out = scheduler.schedule()
     (item,) = out.scheduled
-    assert item.slot_ids() == [0, 1, 2, 3, 4, 5] and item.samples
+    assert request_slots(item.block_ids, item.num_computed_tokens, item.num_context_tokens, 4) == \
+        [0, 1, 2, 3, 4, 5] and item.samples
     assert item.block_ids is scheduler.kv_manager.block_ids(item.request)
+    assert item.request.num_cached_tokens == 0 and item.request.first_scheduled_time is not None
     scheduler.update_from_output(out, {"a": 1})
     assert item.samples  # fixed when scheduled, not changed by the appended token
-    stats = scheduler.memory_stats()
-    assert {"num_running", "num_waiting", "num_preemptions", "usage", "waste_pct"} <= set(stats)
 
 
 def test_a_missing_sample_is_an_error_not_a_stuck_request():

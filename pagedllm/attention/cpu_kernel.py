@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once a load was tried; "why": the reason it failed
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags")
-            for flag in line.split(":", 1)[1].split()}
-
-
 def _cflags() -> list[str]:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return _CFLAGS + [opt for flag, opt in _OPTIONAL_CFLAGS.items() if flag in flags]
 
 
@@ -77,7 +69,7 @@ def _why_unavailable() -> str | None:
         return "PAGEDLLM_ATTENTION=torch"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the kernel is written for x86-64 with AVX-512; this is {platform.machine()}"
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     missing = [name for name in _SOURCES + _HEADERS if not (_CSRC / name).is_file()]

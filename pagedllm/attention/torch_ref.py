@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.utils import cdiv
 
 
 def write_kv(
@@ -60,7 +61,7 @@ def paged_attention(
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """The first ctx_len tokens of one request from its blocks: [ctx_len, Hkv, D]."""
     block_size = cache.shape[1]
-    num_blocks = -(-ctx_len // block_size)
+    num_blocks = cdiv(ctx_len, block_size)
     blocks = cache.index_select(0, block_ids[:num_blocks].long())
     return blocks.flatten(0, 1)[:ctx_len]
 
@@ -120,7 +121,7 @@ def _batched_decode_attention(
     block_size = key_cache.shape[1]
     ctx_lens = [attn_metadata.seq_lens_cpu[b] for b in decodes]
     max_len = max(ctx_lens)
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     rows = torch.tensor(decodes, device=query.device)
     # Unused table entries may hold any filler; clamp so the gather stays in bounds (masked out).
     block_ids = attn_metadata.block_tables[rows, :num_blocks].long().clamp_(min=0).flatten()

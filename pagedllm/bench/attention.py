@@ -18,7 +18,7 @@ and each case records which of them the public `pagedllm.attention.paged_attenti
 function the model calls, dispatched to ("active").
 
 It also times what paging costs outside the kernel: the runner's per-step building of the
-block-table and slot-mapping tensors (`ModelRunner._prepare`, with its persistent BlockTable).
+block-table and slot-mapping tensors (`ModelRunner.prepare_inputs`, with its persistent BlockTable).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,8 @@ import pagedllm.attention as attention
 from pagedllm.attention import torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, timed_functions, write_json
+from pagedllm.kv.slots import slot_mapping
+from pagedllm.utils import cdiv
 
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
 DEFAULT_SHAPE = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30}
@@ -101,12 +104,12 @@ def paged_metadata(block_tables: torch.Tensor, context_len: int, query_len: int,
                    block_size: int) -> AttentionMetadata:
     """Each request has context_len tokens of which the last query_len are new this step."""
     batch = block_tables.shape[0]
-    positions = torch.arange(context_len - query_len, context_len)
-    blocks = block_tables[:, positions // block_size].long()  # [B, query_len]
-    slot_mapping = (blocks * block_size + positions % block_size).flatten()
+    positions = np.tile(np.arange(context_len - query_len, context_len), batch)
+    rows = np.repeat(np.arange(batch), query_len)
+    slots = slot_mapping(block_tables.numpy(), rows, positions, block_size)
     query_start_loc = [b * query_len for b in range(batch + 1)]
     return AttentionMetadata(
-        slot_mapping=slot_mapping, block_tables=block_tables,
+        slot_mapping=torch.from_numpy(slots), block_tables=block_tables,
         seq_lens=torch.full((batch,), context_len, dtype=torch.int32),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
         seq_lens_cpu=[context_len] * batch, query_start_loc_cpu=query_start_loc)
@@ -125,7 +128,7 @@ def make_case(mode: str, batch: int, context_len: int, *, num_heads: int, num_kv
     key, value = randn(batch, context_len, num_kv_heads, head_dim), randn(batch, context_len,
                                                                           num_kv_heads, head_dim)
     query = randn(batch * query_len, num_heads, head_dim)
-    blocks_per_seq = -(-context_len // block_size)
+    blocks_per_seq = cdiv(context_len, block_size)
     shuffled = shuffled_block_tables(batch, blocks_per_seq, seed)
     in_order = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
     one_block = torch.arange(batch, dtype=torch.int32)[:, None]
@@ -226,8 +229,8 @@ def overhead_pct(paged_s: float, contiguous_s: float) -> float:
 # -- the runner's per-step metadata ---------------------------------------------------------
 
 def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
-    """A ModelRunner whose _prepare builds the step tensors for batch requests at context_len,
-    plus the scheduled items for one step. _prepare touches no KV memory, so the runner gets a
+    """A ModelRunner whose prepare_inputs builds the step tensors for batch requests at context_len,
+    plus the scheduled items for one step. prepare_inputs touches no KV memory, so the runner gets a
     stub model with one single-block layer."""
     from pagedllm.runner import ModelRunner
     from pagedllm.scheduler import ScheduledRequest
@@ -237,7 +240,7 @@ def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len
     runner = ModelRunner(stub, num_blocks=1, block_size=block_size, max_num_seqs=batch,
                          max_num_batched_tokens=batch * query_len, max_model_len=context_len,
                          kv_dtype=torch.float32)
-    tables = shuffled_block_tables(batch, -(-context_len // block_size), seed=1).tolist()
+    tables = shuffled_block_tables(batch, cdiv(context_len, block_size), seed=1).tolist()
     scheduled = []
     for b in range(batch):
         request = SimpleNamespace(request_id=f"r{b}", token_ids=[1] * context_len,
@@ -254,9 +257,9 @@ def time_prepare(batch: int, context_len: int, block_size: int, query_len: int,
     newest block of each row is rewritten."""
     runner, scheduled = make_prepare_runner(batch, context_len, block_size, query_len)
     t0 = time.perf_counter()
-    runner._prepare(scheduled)
+    runner.prepare_inputs(scheduled)
     first_s = time.perf_counter() - t0
-    steady_s, _ = time_call(lambda: runner._prepare(scheduled), min_time_s, max_reps)
+    steady_s, _ = time_call(lambda: runner.prepare_inputs(scheduled), min_time_s, max_reps)
     return {"prepare_first_ms": round(first_s * 1e3, 4), "prepare_ms": round(steady_s * 1e3, 4)}
 
 
@@ -275,7 +278,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=DEFAULT_SHAPE["num_kv_heads"])
     parser.add_argument("--head-dim", type=int, default=DEFAULT_SHAPE["head_dim"])
     parser.add_argument("--num-layers", type=int, default=DEFAULT_SHAPE["num_layers"],
-                        help="layers per step, to put _prepare's per-step cost next to attention's")
+                        help="layers per step, to put prepare_inputs' per-step cost next to attention's")
     parser.add_argument("--min-time", type=float, default=0.3,
                         help="seconds to spend timing each call (median of the repeats)")
     parser.add_argument("--max-reps", type=int, default=50)
@@ -388,14 +391,14 @@ def _print_row(row: dict) -> None:
                       for name, p in row["paged"].items())
     print(f"{row['mode']:7} B={row['batch']:<3} L={row['context_len']:<6} SDPA "
           f"{row['contiguous_ms']} ms; paged {paged}; active {row['active']}; "
-          f"_prepare {row['prepare_ms']} ms", flush=True)
+          f"prepare_inputs {row['prepare_ms']} ms", flush=True)
 
 
 def _print(p: dict) -> None:
     header = ["mode", "batch", "context", "SDPA ms"]
     for name in p["implementations"]:
         header += [f"{name} ms", "vs in order", "vs unpaged", "vs SDPA", "max |diff|"]
-    header += ["active", "_prepare ms", "_prepare / step attn"]
+    header += ["active", "prepare_inputs ms", "prepare_inputs / step attn"]
     rows = []
     for r in p["cases"]:
         row = [r["mode"], r["batch"], r["context_len"], r["contiguous_ms"]]

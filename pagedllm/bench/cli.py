@@ -13,7 +13,7 @@ BENCHES = {
     "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
     "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
     "attention": ("pagedllm.bench.attention",
-                  "the price of paging: attention over paged blocks vs contiguous KV, and _prepare"),
+                  "the price of paging: attention over paged blocks vs contiguous KV, and prepare_inputs"),
     "block-size": ("pagedllm.bench.block_size",
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
     "prefix": ("pagedllm.bench.prefix",

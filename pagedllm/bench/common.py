@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +55,23 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
                  tag: str = "bench") -> RunResult:
     """Add every request at once (ignore_eos, greedy) and step until all finish."""
     for i, r in enumerate(requests):
-        params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
     steps: list[StepRecord] = []
     output_tokens = 0
-    preemptions_before = engine.scheduler.num_preemptions
+    preemptions_before = engine.stats().num_preemptions
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
         if record_steps:
-            s = engine.scheduler.memory_stats()
-            steps.append(StepRecord(time.perf_counter() - started, s["allocated_slots"],
-                                    s["used_slots"], s["num_running"], s["num_waiting"]))
+            s = engine.stats()
+            steps.append(StepRecord(time.perf_counter() - started, s.kv.allocated_slots,
+                                    s.kv.used_slots, s.num_running, s.num_waiting))
         output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
     elapsed = time.perf_counter() - started
     return RunResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests),
-                     output_tokens, engine.scheduler.num_preemptions - preemptions_before, steps)
+                     output_tokens, engine.stats().num_preemptions - preemptions_before, steps)
 
 
 def serve_one(engine: LLMEngine) -> None:

@@ -30,6 +30,7 @@ from pagedllm.model.loader import load_tokenizer
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.utils import cdiv
 
 SEED_CLAIMS = {"paged_waste_pct": "under 4%", "contiguous_waste_pct": "60-80% (vLLM paper)",
                "concurrency": "2-4x more requests at once"}
@@ -95,9 +96,9 @@ def simulate_workload(scheduler: Scheduler, requests: list[BenchRequest]) -> Run
         sampled = {s.request.request_id: 0 for s in out.scheduled if s.samples}
         output_tokens += len(sampled)
         scheduler.update_from_output(out, sampled)
-        stats = scheduler.memory_stats()
-        steps.append(StepRecord(len(steps), stats["allocated_slots"], stats["used_slots"],
-                                stats["num_running"], stats["num_waiting"]))
+        kv = scheduler.kv_manager.stats()
+        steps.append(StepRecord(len(steps), kv.allocated_slots, kv.used_slots,
+                                scheduler.num_running, scheduler.num_waiting))
     return RunResult(0.0, len(requests), sum(len(r.prompt_token_ids) for r in requests),
                      output_tokens, scheduler.num_preemptions, steps)
 
@@ -116,7 +117,7 @@ def simulated_scheduler(args: argparse.Namespace, layout: str, max_model_len: in
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     max_model_len = args.max_model_len or 1024
-    num_blocks = args.reservations * -(-max_model_len // args.block_size)
+    num_blocks = args.reservations * cdiv(max_model_len, args.block_size)
     results = {}
     workload = None
     if args.simulate:

@@ -20,6 +20,7 @@ from importlib import resources
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -54,7 +55,7 @@ def perplexity(model, kv_caches, block_size: int, token_ids: list[int], *, conte
 
 def _window_nll(model, kv_caches, block_size: int, window: list[int], chunk_len: int) -> float:
     """Summed NLL of window[1:], one request prefilled chunk by chunk into blocks 0, 1, 2, ..."""
-    num_blocks = -(-len(window) // block_size)
+    num_blocks = cdiv(len(window), block_size)
     if num_blocks > kv_caches[0][0].shape[0]:
         raise ValueError(f"a window of {len(window)} tokens needs {num_blocks} blocks; the cache "
                          f"has {kv_caches[0][0].shape[0]}")

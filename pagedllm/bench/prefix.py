@@ -79,23 +79,24 @@ def shared_system(engine: LLMEngine, args) -> dict:
     system = _text_chunks(tokenizer, args.system_tokens, 1)[0]
     questions = _text_chunks(tokenizer, 24, args.shared_requests, offset=args.system_tokens)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    computed_before = engine.num_computed_tokens_total
+    computed_before = engine.stats().num_computed_tokens
     started = time.perf_counter()
     for i, q in enumerate(questions):
         engine.add_request(f"shared-{i}-{time.monotonic_ns()}", system + "\n\n" + q, params)
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = time.perf_counter() - started
-    return {"requests": len(questions), "tokens_computed": engine.num_computed_tokens_total - computed_before,
+    return {"requests": len(questions), "tokens_computed": engine.stats().num_computed_tokens - computed_before,
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(questions) / elapsed, 3)}
 
 
 def _peak_blocks(engine: LLMEngine, run) -> int:
+    """The most KV blocks in use during any step while run's requests went through."""
     peak = 0
     run()
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.memory_stats()["num_used_blocks"])
+        peak = max(peak, engine.stats().step_num_used_blocks)
     return peak
 
 
@@ -113,7 +114,7 @@ def sharing_peaks(engine: LLMEngine) -> dict:
             engine.add_request(f"sep-{i}", {"prompt_token_ids": prompt}, sample)
 
     separate = _peak_blocks(engine, four_separate)
-    beam = BeamSearch(engine, beam_width=4, max_tokens=64)
+    beam = BeamSearch(engine.engine_core, tokenizer, beam_width=4, max_tokens=64)
     beam.run([prompt])
     return {"prompt_tokens": len(prompt), "output_tokens": 64, "block_size": engine.block_size,
             "n4_peak_blocks": n4, "four_separate_peak_blocks": separate,

@@ -28,16 +28,13 @@ from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedllm.utils import cdiv
 
 
 def _setup(num_requests: int, context_len: int, block_size: int, steps: int,
            prefix_caching: bool) -> Scheduler:
     max_model_len = context_len + steps + 5
-    num_blocks = num_requests * _cdiv(max_model_len, block_size)
+    num_blocks = num_requests * cdiv(max_model_len, block_size)
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     config = SchedulerConfig(max_num_seqs=num_requests,
                              max_num_batched_tokens=num_requests * context_len,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from pagedllm.config import CONTIGUOUS_RESERVES
 from pagedllm.kv.block_pool import PendingCopies
 from pagedllm.kv.manager import NO_HIT, PrefixHit
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
-
-RESERVE_MODES = ("max", "request")
+from pagedllm.utils import cdiv
 
 
 @dataclass(eq=False)
@@ -29,15 +29,11 @@ class _Reservation:
         self.ids = list(range(self.start, self.start + self.num_blocks))
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class ContiguousKVManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  reserve: str = "max", bytes_per_block: int = 0) -> None:
-        if reserve not in RESERVE_MODES:
-            raise ValueError(f"reserve must be one of {RESERVE_MODES}; got {reserve!r}")
+        if reserve not in CONTIGUOUS_RESERVES:
+            raise ValueError(f"reserve must be one of {CONTIGUOUS_RESERVES}; got {reserve!r}")
         if num_blocks < 1 or block_size < 1 or max_model_len < 1:
             raise ValueError("num_blocks, block_size and max_model_len must be positive; got "
                              f"{num_blocks}, {block_size}, {max_model_len}")
@@ -55,7 +51,7 @@ class ContiguousKVManager:
         self._pending_copies = PendingCopies()
 
     def max_tokens_per_request(self) -> int:
-        if self.reserve == "max" and _cdiv(self.max_model_len, self.block_size) > self.num_blocks:
+        if self.reserve == "max" and cdiv(self.max_model_len, self.block_size) > self.num_blocks:
             return 0  # every request reserves max_model_len, which never fits
         return self.num_blocks * self.block_size
 
@@ -69,9 +65,6 @@ class ContiguousKVManager:
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         return NO_HIT
-
-    def get_computed_tokens(self, request: Request) -> int:
-        return 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool:
@@ -111,7 +104,7 @@ class ContiguousKVManager:
         target = self._reserve(child.request_id, tokens)
         if target is None:
             return False
-        num_used_blocks = _cdiv(source.num_used_tokens, self.block_size)
+        num_used_blocks = cdiv(source.num_used_tokens, self.block_size)
         for src, dst in zip(source.ids[:num_used_blocks], target.ids):
             self._pending_copies.add(src, dst)
         self._use(target, source.num_used_tokens)
@@ -145,7 +138,7 @@ class ContiguousKVManager:
             reservation.num_used_tokens = end
 
     def _reserve(self, request_id: str, num_tokens: int) -> _Reservation | None:
-        num_blocks = max(1, _cdiv(num_tokens, self.block_size))
+        num_blocks = max(1, cdiv(num_tokens, self.block_size))
         for i, run in enumerate(self._free_runs):  # first fit
             start, length = run
             if length < num_blocks:

@@ -1,12 +1,16 @@
 """Paged KV cache manager: per-request block tables over the block pool, copy-on-write for
 forked requests, and prefix caching.
 
+The manager owns block state only; request state (computed tokens, hashes a fork inherits)
+belongs to the scheduler, which reads what the manager returns and sets it.
+
 How a prefix-cache hit reaches the runner: the scheduler calls find_cached_prefix() for a
 request it is about to admit and passes the result to allocate_slots(), which puts the hit
-blocks at the start of the request's table and sets request.num_computed_tokens to the hit
-length. The runner sees nothing special: the request's ScheduledRequest starts at
-num_computed_tokens > 0 on its first step, its block table already holds the cached K/V
-for positions [0, num_computed_tokens), and only the remaining tokens are fed to the model.
+blocks at the start of the request's table; the scheduler then sets
+request.num_computed_tokens to the hit length. The runner sees nothing special: the
+request's ScheduledRequest starts at num_computed_tokens > 0 on its first step, its block
+table already holds the cached K/V for positions [0, num_computed_tokens), and only the
+remaining tokens are fed to the model.
 
 A block enters the prefix cache when the request owning it has *computed* it (its
 num_computed_tokens covers the whole block, i.e. from the step after it was written), so
@@ -21,6 +25,7 @@ from pagedllm.kv.block_pool import BlockPool, KVBlock, PendingCopies
 from pagedllm.kv.prefix_hash import extend_block_hashes
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
+from pagedllm.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,6 @@ class _BlockTable:
         self.ids[index] = block.block_id
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  bytes_per_block: int = 0) -> None:
@@ -97,9 +98,6 @@ class KVCacheManager:
         return PrefixHit(len(path) * self.block_size, tuple(path),
                          tuple(b.cache_epoch for b in path))
 
-    def get_computed_tokens(self, request: Request) -> int:
-        return self.find_cached_prefix(request).num_tokens
-
     def _longest_cached_path(self, request: Request, hashes: list[bytes]) -> list[KVBlock]:
         # Level by level, every cached block that holds exactly this request's tokens and
         # continues a block matched at the level before: comparing contents (not just
@@ -134,8 +132,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool:
         """Make room for request.num_computed_tokens + num_new_tokens tokens (for a new
-        request with a prefix_hit: hit tokens + num_new_tokens, and num_computed_tokens
-        becomes the hit length). All or nothing: False leaves everything unchanged."""
+        request with a prefix_hit: hit tokens + num_new_tokens; the caller then counts the
+        hit tokens as computed). All or nothing: False leaves everything unchanged."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
         table = self._tables.get(request.request_id)
@@ -154,7 +152,7 @@ class KVCacheManager:
                 self.pool.fill(blocks[-1], end - tail_start)
             return True
         shared = self._shared_blocks_written(table, start, end)
-        num_new_blocks = max(0, _cdiv(end, bs) - len(table.blocks))
+        num_new_blocks = max(0, cdiv(end, bs) - len(table.blocks))
         if num_new_blocks + len(shared) > self.pool.num_free_blocks:
             return False
         for index in shared:
@@ -170,7 +168,7 @@ class KVCacheManager:
             raise ValueError(f"stale prefix hit for request {request.request_id}")
         start = hit.num_tokens
         end = start + num_new_tokens
-        num_new_blocks = max(0, _cdiv(end, self.block_size) - len(hit.blocks))
+        num_new_blocks = max(0, cdiv(end, self.block_size) - len(hit.blocks))
         # Reviving a free hit block uses up a free block as surely as taking a new one.
         num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
@@ -180,7 +178,6 @@ class KVCacheManager:
         table = _BlockTable(list(hit.blocks), num_cached=len(hit.blocks))
         table.extend(self.pool.take(num_new_blocks))
         self._tables[request.request_id] = table
-        request.num_computed_tokens = start
         self._fill(table, start, end)
         if self.enable_prefix_caching:
             self._prefix_queries += request.num_tokens
@@ -188,7 +185,7 @@ class KVCacheManager:
         return True
 
     def _shared_blocks_written(self, table: _BlockTable, start: int, end: int) -> list[int]:
-        last = min(len(table.blocks), _cdiv(end, self.block_size))
+        last = min(len(table.blocks), cdiv(end, self.block_size))
         return [i for i in range(start // self.block_size, last) if table.blocks[i].ref_cnt > 1]
 
     def _copy_on_write(self, table: _BlockTable, index: int) -> None:
@@ -201,7 +198,7 @@ class KVCacheManager:
 
     def _fill(self, table: _BlockTable, start: int, end: int) -> None:
         bs = self.block_size
-        for i in range(start // bs, _cdiv(end, bs)):
+        for i in range(start // bs, cdiv(end, bs)):
             block = table.blocks[i]
             filled = min(bs, end - i * bs)
             if filled > block.num_filled:
@@ -240,7 +237,8 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> bool:
         """The child shares every block of the parent; the first write to a shared block
-        copies it. Call between steps (after update, before the next schedule)."""
+        copies it. Call between steps (after update, before the next schedule). The caller
+        gives the child the parent's block hashes for the tokens they share."""
         table = self._tables.get(parent.request_id)
         if table is None:
             raise ValueError(f"cannot fork {parent.request_id}: it holds no blocks")
@@ -249,8 +247,6 @@ class KVCacheManager:
         self.pool.touch(table.blocks)
         child_table = _BlockTable(list(table.blocks), num_cached=table.num_cached)
         self._tables[child.request_id] = child_table
-        if not child.block_hashes:
-            child.block_hashes = parent.block_hashes[:table.num_cached]
         return True
 
     def block_ids(self, request: Request) -> list[int]:

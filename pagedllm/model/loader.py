@@ -29,6 +29,7 @@ from pagedllm.model.errors import (
 from pagedllm.model.gguf_file import GGUFCheckpoint
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.tokenizer import Tokenizer
+from pagedllm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +62,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags")
-             for flag in line.split(":", 1)[1].split()}
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto") -> LoadedModel:

@@ -21,13 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
+from pagedllm.core_messages import EngineCoreRequest
+from pagedllm.input_processor import InvalidInput, PromptInput, prompt_list
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     MAX_PROMPTS_PER_REQUEST,
-    MAX_STOP_TOKEN_IDS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,8 +38,6 @@ from pagedllm.server.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 # What /openapi.json documents, so that clients (and the fuzz test) know every answer there is.
 _ERROR = {"model": ErrorResponse}
@@ -57,7 +57,7 @@ _GENERATE_RESPONSES = {
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    metrics = ServerMetrics(lambda: engine.snapshot)
+    metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
     api = _Api(engine, model_name)
 
@@ -259,17 +259,14 @@ def _first_param(exc: RequestValidationError) -> str | None:
 
 
 class _Api:
-    """The endpoint logic: turn OpenAI bodies into engine requests and outputs into responses."""
+    """The endpoint logic: turn OpenAI bodies into engine requests and outputs into responses.
+    Prompts are checked and tokenized by the engine's input processor, as everywhere else."""
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
-        # Tokenizing holds the GIL (and so the event loop): a 4 MiB prompt takes seconds. No
-        # text longer than this can fit in max_model_len tokens, so it is refused untokenized.
-        self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
+        self.processor = engine.input_processor
+        self.max_model_len = self.processor.max_model_len
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
@@ -278,33 +275,23 @@ class _Api:
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request):
         self._check_common(body)
-        prompts = self._completion_prompts(body.prompt)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(f"logprobs must be an integer in [0, 20]; got {body.logprobs}", param="logprobs")
-        params = [self._sampling_params(body, ids, body.max_tokens, body.logprobs) for _, ids in prompts]
+        prompts = _completion_prompts(body.prompt)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs)
         return await self._respond(body, raw, "cmpl", prompts, params, _CompletionFormat(self, body))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self._check_common(body)
-        if not body.messages:
-            raise APIError("messages is empty: send at least one message", param="messages")
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(f"top_logprobs must be an integer in [0, 20]; got {body.top_logprobs}",
-                           param="top_logprobs")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
-        except ValueError as exc:
+            prompt = self.processor.chat_prompt(messages, body.add_generation_prompt)
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        except ValueError as exc:  # a content part that is not text
             raise APIError(str(exc), param="messages") from exc
-        except Exception as exc:  # the template itself raised (e.g. roles out of order)
-            raise APIError(f"the chat template could not render these messages: {exc}",
-                           param="messages") from exc
-        ids = self._encode(text, "messages", add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [self._sampling_params(body, ids, max_tokens, logprobs)]
-        return await self._respond(body, raw, "chatcmpl", [(text, ids)], params, _ChatFormat(self, body))
+        params = self._sampling_params(body, max_tokens, logprobs)
+        return await self._respond(body, raw, "chatcmpl", [prompt], params, _ChatFormat(self, body))
 
     # -- checks --------------------------------------------------------------------------------
     def _check_common(self, body) -> None:
@@ -315,95 +302,55 @@ class _Api:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if body.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
-        if isinstance(body.stop, list) and len(body.stop) > 16:
-            raise APIError("stop may list at most 16 strings", param="stop")
-        if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise APIError(f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids; got "
-                           f"{len(body.stop_token_ids)}", param="stop_token_ids")
 
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError("prompt is empty: send a string, a list of strings or token ids", param="prompt")
-        if isinstance(prompt[0], int):
-            prompt = [prompt]
-        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
-            raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "
-                           f"{len(prompt)}", param="prompt")
-        result = []
-        for p in prompt:
-            if isinstance(p, str):
-                if not p:
-                    raise APIError("prompt is empty: send at least one character", param="prompt")
-                result.append((p, self._encode(p, "prompt")))
-            else:
-                self._check_token_ids(p)
-                result.append((None, list(p)))
-        return result
-
-    def _encode(self, text: str, param: str, **kwargs) -> list[int]:
-        if len(text) > self.max_prompt_chars:
-            raise APIError(f"the prompt is {len(text)} characters, more than this model's maximum "
-                           f"context length of {self.max_model_len} tokens can hold (at most "
-                           f"{self.max_prompt_chars} characters): shorten it", param=param)
-        return self.tokenizer.encode(text, **kwargs)
-
-    def _check_token_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise APIError("prompt is empty: send at least one token id", param="prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(f"prompt token ids out of vocabulary (0 to {self.vocab_size - 1}): "
-                           f"{bad[:5]}", param="prompt")
-
-    def _sampling_params(self, body, prompt_ids: list[int], max_tokens: int | None,
-                         logprobs: int | None) -> SamplingParams:
-        room = self.max_model_len - len(prompt_ids)
-        if room <= 0:
-            raise APIError(f"this model's maximum context length is {self.max_model_len} tokens and "
-                           f"your prompt has {len(prompt_ids)}: shorten it", param="prompt")
-        if max_tokens is not None and max_tokens > room:
-            raise APIError(f"'max_tokens' is too large: {max_tokens}. This model's maximum context "
-                           f"length is {self.max_model_len} tokens and your request has "
-                           f"{len(prompt_ids)} input tokens ({max_tokens} + {len(prompt_ids)} > "
-                           f"{self.max_model_len})", param="max_tokens")
-        bad_stop_ids = [t for t in body.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad_stop_ids:
-            raise APIError(f"stop_token_ids out of vocabulary: {bad_stop_ids[:5]}", param="stop_token_ids")
+    def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         fields = dict(
             n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k, min_p=body.min_p or 0.0,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed, max_tokens=room if max_tokens is None else max_tokens,
-            min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
             raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
+    def _process(self, response_id: str, body, prompts, params: SamplingParams,
+                 prompt_param: str) -> list[tuple[str | None, EngineCoreRequest]]:
+        """Each prompt through the input processor: checked, tokenized, max_tokens fitted."""
+        try:
+            return [self.processor.process(f"{response_id}-{i}", prompt, params,
+                                           cache_salt=body.cache_salt, max_tokens_must_fit=True)
+                    for i, prompt in enumerate(prompts)]
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
+        except ValueError as exc:  # max_tokens fitted into the room left broke a sampling rule
+            raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
     # -- running -------------------------------------------------------------------------------
     async def _respond(self, body, raw: Request, prefix: str, prompts, params, fmt):
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        streams = await self._start(response_id, body, prompts, params)
+        requests = self._process(response_id, body, prompts, params,
+                                 "messages" if prefix == "chatcmpl" else "prompt")
+        streams = await self._start(requests)
+        prompts = [(text, request.prompt_token_ids) for text, request in requests]
         if body.stream:
             return StreamingResponse(fmt.stream(response_id, streams, prompts),
                                      media_type="text/event-stream")
         finals = await _collect_or_abort(streams, raw)
         return fmt.full(response_id, finals, prompts)
 
-    async def _start(self, response_id: str, body, prompts, params) -> list[AsyncIterator]:
+    async def _start(self, requests: list[tuple[str | None, EngineCoreRequest]]) -> list[AsyncIterator]:
         streams = []
         try:
-            self.engine.check_room(len(prompts))  # all or none of a request's prompts
-            for i, ((text, ids), p) in enumerate(zip(prompts, params)):
-                prompt = {"prompt_token_ids": ids, "prompt": text}
-                streams.append(await self.engine.generate(f"{response_id}-{i}", prompt, p, body.cache_salt))
+            self.engine.check_room(len(requests))  # all or none of a request's prompts
+            for text, request in requests:
+                streams.append(await self.engine.generate(request, text))
         except ValueError as exc:
             await _close_all(streams)
             raise APIError(str(exc), param="prompt") from exc
@@ -416,15 +363,15 @@ class _Api:
         return streams
 
 
-def _longest_token_chars(tokenizer) -> int:
-    """An upper bound on the characters one token stands for: the longest vocabulary entry (in
-    byte-level and metaspace vocabularies an entry is at least as long as the text it decodes
-    to). Without a vocabulary to look at, no bound."""
-    try:
-        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-        return max(len(token) for token in vocab)
-    except Exception:  # another kind of tokenizer: always tokenize
-        return 2**40
+def _completion_prompts(prompt) -> list[PromptInput]:
+    """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts."""
+    if not prompt:
+        raise APIError("prompt is empty: send a string, a list of strings or token ids", param="prompt")
+    prompts = prompt_list(prompt)
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "
+                       f"{len(prompts)}", param="prompt")
+    return prompts
 
 
 async def _close_all(streams) -> None:
@@ -531,10 +478,9 @@ class _Format:
                 "usage": self.usage(prompts, generated)}
 
     async def stream(self, response_id: str, streams, prompts) -> AsyncIterator[str]:
+        """Server-sent events from DELTA outputs: each holds only what is new."""
         created = int(time.time())
-        sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        generated: dict[int, int] = {}
+        generated: dict[int, int] = {}  # tokens sent per choice
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
 
         def chunk(choices: list[dict]) -> str:
@@ -548,14 +494,10 @@ class _Format:
                 choices = []
                 for out in output.outputs:
                     index = i * self.n + out.index
-                    start_c, start_t = sent_chars.get(index, 0), sent_tokens.get(index, 0)
-                    delta = out.text[start_c:]
-                    if not delta and out.finish_reason is None:
-                        continue
-                    sent_chars[index], sent_tokens[index] = len(out.text), len(out.token_ids)
-                    generated[index] = len(out.token_ids)
-                    prefix = prompts[i][0] or "" if start_c == 0 and getattr(self.body, "echo", False) else ""
-                    choices.append(self.delta_choice(index, prefix + delta, out, start_t))
+                    echo = index not in generated and getattr(self.body, "echo", False)
+                    generated[index] = generated.get(index, 0) + len(out.token_ids)
+                    choices.append(self.delta_choice(index, (prompts[i][0] or "" if echo else "") + out.text,
+                                                     out))
                 if choices:
                     yield chunk(choices)
             if include_usage:
@@ -575,7 +517,7 @@ class _Format:
     def full_choice(self, index: int, out: CompletionOutput, prompt) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, delta: str, out: CompletionOutput, first_token: int) -> dict:
+    def delta_choice(self, index: int, delta: str, out: CompletionOutput) -> dict:
         raise NotImplementedError
 
 
@@ -585,18 +527,18 @@ class _CompletionFormat(_Format):
 
     def full_choice(self, index, out, prompt) -> dict:
         text = (prompt[0] or "") + out.text if self.body.echo else out.text
-        return {"index": index, "text": text, "logprobs": self._logprobs(out, 0),
+        return {"index": index, "text": text, "logprobs": self._logprobs(out),
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def delta_choice(self, index, delta, out, first_token) -> dict:
-        return {"index": index, "text": delta, "logprobs": self._logprobs(out, first_token),
+    def delta_choice(self, index, delta, out) -> dict:
+        return {"index": index, "text": delta, "logprobs": self._logprobs(out),
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def _logprobs(self, out: CompletionOutput, start: int) -> dict | None:
+    def _logprobs(self, out: CompletionOutput) -> dict | None:
         if out.logprobs is None:
             return None
         tokens, token_logprobs, tops = [], [], []
-        for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        for token_id, entry in zip(out.token_ids, out.logprobs):
             chosen = entry[token_id]
             tokens.append(chosen.decoded_token)
             token_logprobs.append(chosen.logprob)
@@ -616,19 +558,19 @@ class _ChatFormat(_Format):
 
     def full_choice(self, index, out, prompt) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out, 0), "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason}
 
-    def delta_choice(self, index, delta, out, first_token) -> dict:
+    def delta_choice(self, index, delta, out) -> dict:
         return {"index": index, "delta": {"content": delta} if delta else {},
-                "logprobs": self._logprobs(out, first_token), "finish_reason": out.finish_reason}
+                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
 
-    def _logprobs(self, out: CompletionOutput, start: int) -> dict | None:
+    def _logprobs(self, out: CompletionOutput) -> dict | None:
         if out.logprobs is None:
             return None
         top_n = self.body.top_logprobs or 0
         content = []
-        for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        for token_id, entry in zip(out.token_ids, out.logprobs):
             chosen = entry[token_id]
             top = sorted((lp for tid, lp in entry.items() if tid != token_id or lp.rank <= top_n),
                          key=lambda lp: lp.rank)[:top_n]

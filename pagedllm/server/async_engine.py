@@ -1,14 +1,20 @@
-"""Runs the engine in one background thread and connects it to asyncio request handlers.
+"""The engine's three parts under asyncio: the core steps in a background thread; the input and
+output processors run in the event loop.
 
-The thread steps while there is work and sleeps on an event when there is none, so an idle
-server uses no CPU. Handlers never touch the engine directly: adds and aborts are commands the
-thread applies between steps, and outputs come back through per-request asyncio queues.
+The event loop checks and tokenizes requests (input processor), hands the core its
+EngineCoreRequests and aborts as commands, and turns each step's EngineCoreOutputs into
+RequestOutputs (output processor: text, stop strings, deltas) for per-request asyncio queues.
+The thread only applies commands and steps the core, and sends back each step's outputs and
+figures; it steps while there is work and sleeps on an event when there is none, so an idle
+server uses no CPU. Nothing in the event loop touches the core: the core could as well be in
+another process, behind a channel carrying the same messages.
 
-Faults: a step that raises fails only the requests that step scheduled (their clients get the
-error, their blocks go back) and the thread goes on with the rest. Several failed steps in a row
-mean the engine itself is broken: it is marked dead, every request fails, /health says 503.
-Overload: at most max_waiting_requests requests wait for the engine; past that, new ones are
-refused at once (QueueFullError, a 503 with Retry-After) instead of queueing without bound.
+Faults: a step that fails (engine_core.StepError) fails only the requests it ran: the core has
+aborted them (their blocks are back) and their clients get the error; the thread goes on with
+the rest. Several failed steps in a row mean the engine itself is broken: it is marked dead,
+every request fails, /health says 503. Overload: at most max_waiting_requests requests wait for
+the engine; past that, new ones are refused at once (QueueFullError, a 503 with Retry-After)
+instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagedllm.core_messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine import LLMEngine
+from pagedllm.engine_core import StepError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -44,24 +51,28 @@ class RequestFailed(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: dict
-    params: SamplingParams
-    cache_salt: str | None
-    stream: asyncio.Queue
+    request: EngineCoreRequest
     done: asyncio.Future
 
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_ids: list[str]
+
+
+@dataclass
+class _AbortSequences:
+    sequences: list[tuple[str, int]]
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finished=None,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> None:
         self.check_args(max_waiting_requests)
-        self.engine = engine
+        self.engine = engine  # for what it was built with (model, max_model_len); never stepped
+        self.input_processor = engine.input_processor  # event loop
+        self.output_processor = engine.output_processor  # event loop
+        self._core = engine.engine_core  # the engine thread only
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,11 +84,11 @@ class AsyncEngine:
         self._adds_applied = 0  # written only by the engine thread
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, asyncio.Queue] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
-        self.snapshot: dict = self._stats()
+        self.stats: EngineCoreStats = self._core.stats()  # the core's figures, as last published
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_failed_requests = 0
@@ -109,8 +120,8 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: sent but not yet added, plus the scheduler's waiting queue
-        (which also holds preempted requests). Read from the event loop; close enough."""
-        return self._adds_sent - self._adds_applied + self.engine.scheduler.num_waiting
+        (which also holds preempted requests), as the core last published it."""
+        return self._adds_sent - self._adds_applied + self.stats.num_waiting
 
     def check_room(self, num_requests: int = 1) -> None:
         """QueueFullError if num_requests more would pass max_waiting_requests."""
@@ -120,21 +131,32 @@ class AsyncEngine:
             raise QueueFullError(f"the server is overloaded: {self.num_waiting} requests are "
                                  f"waiting (the limit is {limit}); retry later")
 
+    def has_unfinished_requests(self) -> bool:
+        """Requests whose final output has not gone out yet (event loop's view)."""
+        return self.output_processor.has_unfinished_requests()
+
     # -- requests ------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: dict, params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request (ValueError if it is refused, QueueFullError if too many wait,
-        EngineDeadError if the engine is gone) and return its stream of outputs. The request is
-        aborted if the consumer stops early (for instance a client disconnects)."""
+    async def generate(self, request: EngineCoreRequest, prompt: str | None) -> AsyncIterator[RequestOutput]:
+        """Add a request made by the input processor (ValueError if the core refuses it,
+        QueueFullError if too many wait, EngineDeadError if the engine is gone) and return its
+        stream of outputs. The request is aborted if the consumer stops early (for instance a
+        client disconnects)."""
         self._check_alive()
         self.check_room()
+        request_id = request.request_id
+        self.output_processor.add_request(request, prompt)  # ValueError if the id is in use
         stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
         done = self._loop.create_future()
-        with self._lock:
-            self._check_alive()
-            self._adds_sent += 1
-            self._send(_Add(request_id, prompt, params, cache_salt, stream, done))
-        await done  # re-raises the engine's ValueError for a refused request
+        try:
+            with self._lock:
+                self._check_alive()
+                self._adds_sent += 1
+                self._send(_Add(request, done))
+            await done  # re-raises the core's ValueError for a refused request
+        except BaseException:
+            self._forget(request_id)
+            raise
         return self._iterate(request_id, stream)
 
     def _check_alive(self) -> None:
@@ -158,11 +180,45 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+        if self._forget(request_id):
+            self._send(_Abort([request_id]))
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a request's stream and output state; True if it was still unfinished."""
+        self._streams.pop(request_id, None)
+        return self.output_processor.abort_request(request_id)
 
     def _send(self, command) -> None:
         self._commands.put(command)
         self._wake.set()
+
+    # -- the event loop's side of each step -------------------------------------------------
+    def _on_step(self, outputs: list[EngineCoreOutput]) -> None:
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.sequences_to_abort:
+            self._send(_AbortSequences(processed.sequences_to_abort))
+        for output in processed.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                if self.on_finished is not None:
+                    self.on_finished(output)
+            stream.put_nowait(output)
+
+    def _fail_requests(self, request_ids: list[str] | None, error: Exception) -> None:
+        """Tell the clients of these requests (None: of all) why they failed. The core has
+        aborted them already (all: those it had; aborting again covers any added since)."""
+        if request_ids is None:
+            request_ids = list(self._streams)
+            self._send(_Abort(request_ids))
+        for request_id in request_ids:
+            self.num_failed_requests += 1
+            self.output_processor.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_nowait(error)
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -177,100 +233,82 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(self.dead_reason or "the server is shutting down"))
             self._refuse_pending_adds()
             try:
-                self.snapshot = self._stats()
-            except Exception:  # a broken engine may not even report; keep the last snapshot
+                self.stats = self._core.stats()
+            except Exception:  # a broken engine may not even report; keep the last figures
                 logger.exception("could not read the engine's final figures")
 
     def _loop_until_stopped(self) -> None:
         failures = 0
         while not self._stopping.is_set():
-            self._apply_commands()
-            if not self.engine.has_unfinished_requests():
-                self.snapshot = self._stats()
+            if self._apply_commands():
+                self.stats = self._core.stats()
+            if not self._core.has_unfinished_requests():
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                step = self._core.step()
             except Exception as exc:  # a failed step must not take the server down
                 failures += 1
                 self.num_failed_steps += 1
-                logger.exception("engine step failed (%d in a row)", failures)
+                if isinstance(exc, StepError):  # the core logged the cause with its traceback
+                    logger.error("engine step failed (%d in a row): %r", failures, _cause(exc))
+                else:
+                    logger.exception("engine step failed (%d in a row)", failures)
                 self._fail_step(exc)
                 if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                    self.dead_reason = f"the engine failed {failures} steps in a row: {exc!r}"
+                    self.dead_reason = f"the engine failed {failures} steps in a row: {_cause(exc)!r}"
                     logger.error("engine marked dead: %s", self.dead_reason)
                     return
-                self.snapshot = self._stats()
+                self.stats = self._core.stats()
                 continue
             failures = 0
             self.num_steps += 1
-            self.max_batch_requests = max(self.max_batch_requests, self.engine.last_step_num_requests)
-            self._deliver(outputs)
-            self.snapshot = self._stats()
+            self.max_batch_requests = max(self.max_batch_requests, step.stats.step_num_requests)
+            self.stats = step.stats
+            if step.outputs:
+                self._call(self._on_step, step.outputs)
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        """Apply every queued command; True if there was any."""
+        applied = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return applied
+            applied = True
             if isinstance(command, _Abort):
-                if self._streams.pop(command.request_id, None) is not None:
-                    self.engine.abort_request(command.request_id)
-                continue
-            try:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        cache_salt=command.cache_salt)
-            except Exception as exc:
-                self._call(_resolve, command.done, exc)
-                continue
-            finally:
-                self._adds_applied += 1
-            self._streams[command.request_id] = command.stream
-            self._call(_resolve, command.done, None)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-                if self.on_finished is not None:
-                    self._call(self.on_finished, output)
-            self._call(stream.put_nowait, output)
+                self._core.abort_requests(command.request_ids)
+            elif isinstance(command, _AbortSequences):
+                self._core.abort_sequences(command.sequences)
+            else:
+                try:
+                    self._core.add_request(command.request)
+                except Exception as exc:
+                    self._call(_resolve, command.done, exc)
+                    continue
+                finally:
+                    self._adds_applied += 1
+                self._call(_resolve, command.done, None)
 
     def _fail_step(self, exc: Exception) -> None:
-        """Fail the requests the failed step scheduled (all requests if that is unknown):
-        abort them, which frees their blocks, and tell their clients why."""
-        request_ids = self.engine.step_request_ids
-        if request_ids is None:
+        """Fail the requests the failed step ran (all requests if that is unknown)."""
+        if not isinstance(exc, StepError):  # the core's state is unknown: end everything
             self._fail_all(exc)
             return
-        error = RequestFailed(f"the engine failed while running this request: {exc!r}")
-        for request_id in request_ids:
-            self._abort_quietly(request_id)
-            self.num_failed_requests += 1
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                self._call(stream.put_nowait, error)
+        error = RequestFailed(f"the engine failed while running this request: {_cause(exc)!r}")
+        self._call(self._fail_requests, exc.request_ids, error)
 
     def _fail_all(self, exc: Exception) -> None:
-        """Abort every request in flight (freeing its blocks) and tell its client why."""
+        """Abort every request in the core (freeing its blocks) and tell every client why."""
         error = exc if isinstance(exc, EngineDeadError) else RequestFailed(
-            f"the engine failed while running this request: {exc!r}")
-        for request_id, stream in list(self._streams.items()):
-            self._abort_quietly(request_id)
-            self.num_failed_requests += 1
-            self._call(stream.put_nowait, error)
-        self._streams.clear()
-
-    def _abort_quietly(self, request_id: str) -> None:
+            f"the engine failed while running this request: {_cause(exc)!r}")
         try:
-            self.engine.abort_request(request_id)
-        except Exception:  # the engine is broken already; the client still hears why
-            logger.exception("could not abort %s", request_id)
+            self._core.abort_requests(self._core.unfinished_request_ids())
+        except Exception:  # the engine is broken already; the clients still hear why
+            logger.exception("could not abort the engine's requests")
+        self._call(self._fail_requests, None, error)
 
     def _refuse_pending_adds(self) -> None:
         """Answer adds the thread will never apply, so nobody waits for them."""
@@ -290,13 +328,10 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def _stats(self) -> dict:
-        stats = self.engine.memory_stats()
-        stats["num_requests_running"] = self.engine.scheduler.num_running
-        stats["num_requests_waiting"] = self.engine.scheduler.num_waiting
-        stats["prompt_tokens_total"] = self.engine.num_prompt_tokens_total
-        stats["generation_tokens_total"] = self.engine.num_generation_tokens_total
-        return stats
+
+def _cause(exc: BaseException) -> BaseException:
+    """What really failed: a StepError's cause, else the exception itself."""
+    return exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ is not None else exc
 
 
 def _resolve(future: asyncio.Future, exc: Exception | None) -> None:

@@ -6,7 +6,8 @@ import argparse
 import logging
 
 from pagedllm.cli import add_engine_args, engine_config_from_args
-from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
+from pagedllm.default_model import DEFAULT_MODEL_NAME
+from pagedllm.server.protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +20,8 @@ def register(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
-                       help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20} MiB)")
     serve.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                        help="requests past this many waiting for the engine get a fast 503 with "
                             f"Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})")
@@ -39,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine_args = dict(max_waiting_requests=args.max_waiting_requests)
     AsyncEngine.check_args(**async_engine_args)  # before the minutes a model load may take
     engine = LLMEngine(engine_config_from_args(args))
-    name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+    name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     app = build_app(AsyncEngine(engine, **async_engine_args), name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish

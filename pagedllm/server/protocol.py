@@ -9,12 +9,12 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
-MAX_STOP_ITEMS = MAX_STOP_STRINGS
 # Limits on one request, past what SamplingParams checks (n, logprobs, stop strings).
 MAX_PROMPTS_PER_REQUEST = 64  # a completion's list of prompts
 MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
 
 
 class _Body(BaseModel):

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import attention
 from pagedllm.attention import allocate_kv_cache, cpu_kernel, torch_ref, write_kv
+from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
@@ -24,7 +25,7 @@ def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype,
     """A filled paged cache and the metadata of one step. requests: [(num_computed, num_new)]."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    blocks_needed = sum(-(-(c + n) // block_size) for c, n in requests)
+    blocks_needed = sum(cdiv(c + n, block_size) for c, n in requests)
     num_blocks = blocks_needed + 3
     physical = list(range(num_blocks))
     rng.shuffle(physical)  # block tables in random physical order
@@ -32,7 +33,7 @@ def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype,
     # Garbage in the unused blocks, so reading past a request's own blocks would show.
     key_cache.normal_(generator=gen)
     value_cache.normal_(generator=gen)
-    batch = [(c, n, [physical.pop() for _ in range(-(-(c + n) // block_size))]) for c, n in requests]
+    batch = [(c, n, [physical.pop() for _ in range(cdiv(c + n, block_size))]) for c, n in requests]
     full, _ = build_attn_metadata([(0, c + n, b) for c, n, b in batch], block_size)
     total = full.slot_mapping.numel()
     write_kv(torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),

@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.attention import torch_ref
 from pagedllm.bench import attention as bench
+from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata
 
 SHAPE = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
@@ -41,7 +42,7 @@ def test_to_paged_puts_each_tokens_kv_where_the_block_table_says():
 
 @pytest.mark.parametrize("mode,context_len", [("decode", 37), ("prefill", 19)])
 def test_metadata_is_what_the_runner_layout_gives(mode, context_len):
-    tables = bench.shuffled_block_tables(2, -(-context_len // 8), seed=1)
+    tables = bench.shuffled_block_tables(2, cdiv(context_len, 8), seed=1)
     query_len = 1 if mode == "decode" else context_len
     meta = bench.paged_metadata(tables, context_len, query_len, block_size=8)
     expected, _ = build_attn_metadata(
@@ -74,7 +75,7 @@ def test_paged_and_contiguous_compute_the_same_attention(mode):
 def test_the_runner_prepare_builds_the_same_slots_and_tables():
     block_size, batch, context_len = 8, 3, 30
     runner, scheduled = bench.make_prepare_runner(batch, context_len, block_size, query_len=1)
-    _, positions, meta = runner._prepare(scheduled)
+    _, positions, meta = runner.prepare_inputs(scheduled)
     assert positions.tolist() == [context_len - 1] * batch
     tables = torch.tensor([s.block_ids for s in scheduled], dtype=torch.int32)
     expected = bench.paged_metadata(tables, context_len, 1, block_size)

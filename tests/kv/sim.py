@@ -14,12 +14,19 @@ from collections import Counter
 
 from pagedllm.kv.contiguous import ContiguousKVManager
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.slots import request_slots
 from pagedllm.request import Request, RequestStatus
-from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 
 def kv_content(request: Request, position: int) -> tuple:
     return (request.cache_salt, tuple(request.token_ids[:position + 1]))
+
+
+def new_token_slots(item: ScheduledRequest) -> list[int]:
+    """The physical slots a scheduled request writes this step."""
+    return request_slots(item.block_ids, item.num_computed_tokens, item.num_context_tokens,
+                         item.block_size)
 
 
 class SimRunner:
@@ -36,12 +43,12 @@ class SimRunner:
         # Like a model layer: write every new token's K/V, then attend over the contexts.
         for item in output.scheduled:
             for pos, slot in zip(range(item.num_computed_tokens, item.num_context_tokens),
-                                 item.slot_ids(), strict=True):
+                                 new_token_slots(item), strict=True):
                 self.slots[slot] = kv_content(item.request, pos)
         for item in output.scheduled:
-            table = item.block_ids
-            for pos in range(item.num_context_tokens):
-                got = self.slots[table[pos // bs] * bs + pos % bs]
+            context = request_slots(item.block_ids, 0, item.num_context_tokens, bs)
+            for pos, slot in enumerate(context):
+                got = self.slots[slot]
                 want = kv_content(item.request, pos)
                 assert got == want, (f"{item.request.request_id} position {pos}: "
                                      f"read {got}, expected {want}")
@@ -119,7 +126,7 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert item.num_new_tokens >= 1
         assert item.num_context_tokens <= item.request.num_tokens
         assert item.block_ids is manager.block_ids(item.request)  # the live list
-        slots = item.slot_ids()
+        slots = new_token_slots(item)
         assert written.isdisjoint(slots), "two requests write the same slot"
         written.update(slots)
         if isinstance(manager, KVCacheManager):

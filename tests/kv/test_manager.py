@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.config import CacheConfig
-from pagedllm.kv import ContiguousKVManager, KVCacheManager, create_kv_manager
+from pagedllm.kv import KVCacheManager
 from pagedllm.request import Request
+from pagedllm.utils import cdiv
 from tests.kv.sim import check_paged_manager
 
 
@@ -152,7 +152,7 @@ def test_waste_is_under_one_block_per_request():
             compute(req(f"r{i}", n), manager, n)
         stats = manager.stats()
         assert stats.used_slots == sum(lengths)
-        assert stats.allocated_slots == sum(-(-n // block_size) * block_size for n in lengths)
+        assert stats.allocated_slots == sum(cdiv(n, block_size) * block_size for n in lengths)
         assert stats.waste_slots <= len(lengths) * (block_size - 1)
         assert stats.waste_bytes == stats.waste_slots * 1024 // block_size
 
@@ -167,13 +167,3 @@ def test_stats_figures():
     assert stats["allocated_bytes"] == 800 and stats["used_bytes"] == 600
     assert manager.max_tokens_per_request() == 40
 
-
-def test_create_kv_manager_follows_the_cache_config():
-    paged = create_kv_manager(CacheConfig(block_size=8, num_blocks=4), max_model_len=32)
-    assert isinstance(paged, KVCacheManager) and paged.enable_prefix_caching
-    contiguous = create_kv_manager(
-        CacheConfig(block_size=8, num_blocks=4, kv_layout="contiguous",
-                    contiguous_reserve="request"), max_model_len=32)
-    assert isinstance(contiguous, ContiguousKVManager) and contiguous.reserve == "request"
-    with pytest.raises(ValueError, match="num_blocks"):
-        create_kv_manager(CacheConfig(num_blocks=0), max_model_len=32)

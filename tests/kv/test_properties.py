@@ -15,6 +15,7 @@ from pagedllm.kv import ContiguousKVManager, KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.utils import cdiv
 from tests.kv.sim import SimRunner, check_output, check_scheduler
 
 EOS = 0
@@ -35,7 +36,7 @@ class Harness:
         block_size = self.draw(st.sampled_from([1, 2, 2, 4, 4, 4, 8, 16, 32, 64]), "block_size")
         max_model_len = self.draw(st.integers(4, 48), "max_model_len")
         # Tiny caches: from half a max-length request to about two of them.
-        per_request = -(-max_model_len // block_size)
+        per_request = cdiv(max_model_len, block_size)
         num_blocks = self.draw(st.integers(max(1, per_request // 2), 2 * per_request + 1),
                                "num_blocks")
         self.config = SchedulerConfig(

@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.attention import allocate_kv_cache
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata
 
 
@@ -52,7 +53,7 @@ def greedy_generate(
 ) -> list[list[int]]:
     """Greedy continuations of all prompts, batched: one prefill step, then batched decodes."""
     longest = max(len(p) for p in prompts) + max_new_tokens
-    blocks_per_seq = -(-longest // block_size)
+    blocks_per_seq = cdiv(longest, block_size)
     paged = PagedSequences(model, blocks_per_seq * len(prompts), block_size)
     logits = paged.step(dict(enumerate(prompts)))
     outputs = [[int(logits[i][-1].argmax())] for i in range(len(prompts))]

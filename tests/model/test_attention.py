@@ -15,6 +15,7 @@ from pagedllm.attention import (
     paged_attention,
     write_kv,
 )
+from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -48,7 +49,7 @@ def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None)
     batch, keys, values, queries = [], [], [], []
     for num_computed, num_new in requests:
         ctx_len = num_computed + num_new
-        blocks = [physical.pop() for _ in range(-(-ctx_len // block_size))]
+        blocks = [physical.pop() for _ in range(cdiv(ctx_len, block_size))]
         batch.append((num_computed, num_new, blocks))
         keys.append(torch.randn(ctx_len, NUM_KV_HEADS, HEAD_DIM, generator=gen))
         values.append(torch.randn(ctx_len, NUM_KV_HEADS, HEAD_DIM, generator=gen))
@@ -105,7 +106,7 @@ def test_sliding_window(window):
     seed=st.integers(0, 2**16),
 )
 def test_matches_dense_reference_on_random_batches(requests, block_size, seed):
-    needed = sum(-(-(c + n) // block_size) for c, n in requests)
+    needed = sum(cdiv(c + n, block_size) for c, n in requests)
     run_paged_batch(requests, block_size, num_blocks=needed + 3, seed=seed)
 
 

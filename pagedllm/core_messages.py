@@ -1,0 +1,83 @@
+"""What goes into the engine core and what comes out of it: plain data only.
+
+The core (pagedllm.engine_core) takes EngineCoreRequests and answers each step with
+EngineCoreOutputs: for every sequence with news, its NEW token ids (never the whole list), their
+log-probabilities as plain numbers and, once it ends, why; plus the core's figures. Ids, numbers,
+short strings and the SamplingParams dataclass: nothing here would stop at a process boundary,
+so the front end (input and output processors, the server) can talk to a core in another
+process the way it talks to one in its own. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pagedllm.kv.stats import KVStats
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A checked, tokenized request, as pagedllm.input_processor hands it to the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and the top-N alternatives (from the raw logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step did for one sequence (output `index` of request `request_id`)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked for
+    finish_reason: str | None = None  # "stop", "length" or "abort" once the sequence ended
+    stop_reason: int | None = None  # the stop token id that ended it, if one did
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    first_scheduled_time: float | None = None  # time.monotonic() when the request first ran
+    num_preemptions: int = 0  # times this sequence was preempted; set once it finished
+
+
+@dataclass(frozen=True)
+class EngineCoreStats:
+    """The core's figures after a step (or now, between steps)."""
+
+    kv: KVStats
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since start, like the counters below
+    num_prompt_tokens: int  # of every request added
+    num_generation_tokens: int  # tokens sampled (or chosen), every sequence counted
+    num_computed_tokens: int  # tokens run through the model: prefill chunks and decodes
+    step_num_requests: int = 0  # requests the last step ran
+    step_num_used_blocks: int = 0  # blocks in use while it ran (before finished ones went back)
+
+    def to_dict(self) -> dict:
+        """Flat figures, as LLM.memory_stats() gives them to users."""
+        figures = {name: value for name, value in asdict(self).items() if name != "kv"}
+        figures.update(self.kv.to_dict())
+        figures["kv_cache_bytes"] = self.kv.num_blocks * self.kv.bytes_per_block
+        return figures
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's answer: every sequence with news, and the figures after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineCoreStats

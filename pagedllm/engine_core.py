@@ -1,0 +1,251 @@
+"""The engine core: owns the scheduler, the KV manager, the model runner and the sampler, and
+steps them: schedule -> execute -> sample -> update. Nothing else.
+
+Requests come in as EngineCoreRequests (checked and tokenized by the input processor); each
+step answers with EngineCoreOutputs: for every sequence with news, its new token ids and their
+log-probabilities, finish reasons, and the core's figures (pagedllm.core_messages). Text, stop
+strings and what a user sees are the output processor's. The core knows nothing about
+tokenizers or HTTP, so it can run in its own process behind a channel carrying those messages.
+
+Parallel sampling (n > 1) stays here, because its outputs share the prompt's KV blocks: the
+first sample draws n tokens and forks the sequence (pagedllm.request_group). `step(choose=...)`
+lets a caller pick the tokens from the logits instead of the sampler, forking a sequence by
+picking several; beam search runs on that hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+
+from pagedllm.attention import kv_cache_bytes_per_block
+from pagedllm.config import EngineConfig, SchedulerConfig
+from pagedllm.core_messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreStats,
+    TokenLogprobs,
+)
+from pagedllm.kv.plan import KVPlan, make_kv_manager, plan_kv_cache
+from pagedllm.model.config import ModelConfig
+from pagedllm.request import Request, RequestStatus
+from pagedllm.request_group import CoreSequence, RequestGroup
+from pagedllm.runner import ModelRunner
+from pagedllm.sampler import Sampler
+from pagedllm.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# (logits [rows, vocab], (request id, sequence index) of each row) -> the tokens of each row: the
+# first continues the sequence, each further one forks a new sequence off it (numbered after
+# the request's last), and none ends the sequence (finished as aborted, with no output).
+Chooser = Callable[[torch.Tensor, list[tuple[str, int]]], list[list[int]]]
+
+
+class StepError(RuntimeError):
+    """A step failed. The requests it ran are finished (aborted, their blocks freed) already;
+    request_ids names them. The cause is chained (raise ... from)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the engine step failed: {cause!r}")
+        self.request_ids = request_ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+                 dtype: torch.dtype) -> None:
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        bytes_per_block = kv_cache_bytes_per_block(
+            model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
+            model_config.head_dim, dtype)
+        self.kv_plan: KVPlan = plan_kv_cache(config, bytes_per_block, max_model_len)
+        self.kv_manager = make_kv_manager(config, self.kv_plan)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+            self.kv_manager)
+        self.runner = ModelRunner(
+            model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len, kv_dtype=dtype)
+        self.sampler = Sampler(config.seed)
+        self._groups: dict[str, RequestGroup] = {}
+        self._seqs: dict[str, CoreSequence] = {}  # by the scheduler's request id
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_computed_tokens = 0
+        self._step_num_requests = 0
+        self._step_num_used_blocks = 0
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (nothing kept) if its id is in use or it cannot fit."""
+        if request.request_id in self._groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        group = RequestGroup.start(request)
+        (first,) = group.seqs
+        self.scheduler.add_request(first.request)
+        self._groups[request.request_id] = group
+        self._seqs[first.request.request_id] = first
+        self._num_prompt_tokens += len(request.prompt_token_ids)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests (all their sequences) in any state; their blocks go back at once.
+        Unknown or finished ids are skipped."""
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            live = [s.request.request_id for s in group.seqs if not s.request.is_finished]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            for seq in group.seqs:
+                self._seqs.pop(seq.request.request_id, None)
+
+    def abort_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
+        """End single sequences, given as (request id, index): one output of an n > 1 request
+        that a stop string finished, say. Unknown or finished ones are skipped."""
+        for request_id, index in sequences:
+            group = self._groups.get(request_id)
+            if group is None or not 0 <= index < len(group.seqs):
+                continue
+            seq = group.seqs[index]
+            if self.scheduler.finish_requests(seq.request.request_id, RequestStatus.FINISHED_ABORTED):
+                self._retire(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, choose: Chooser | None = None) -> EngineCoreOutputs:
+        """One batch: schedule, run the model, sample (or let `choose` pick), update.
+
+        Raises StepError if running the batch failed: its requests are aborted by then and the
+        core goes on. Anything else raised leaves the core in an unknown state."""
+        out = self.scheduler.schedule()
+        self.runner.drop_requests(out.finished + out.preempted)
+        self._step_num_requests = len(out.scheduled)
+        self._step_num_used_blocks = self.kv_manager.stats().num_used_blocks
+        self._num_computed_tokens += out.num_batched_tokens
+        outputs: list[EngineCoreOutput] = []
+        if out.scheduled:
+            try:
+                outputs = self._run(out, choose)
+            except Exception as exc:
+                raise StepError(self._fail(out), exc) from exc
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
+        self.runner.copy_blocks(out.block_copies)
+        logits, sample_idx = self.runner.execute(out.scheduled)
+        seqs = [self._seqs[out.scheduled[i].request.request_id] for i in sample_idx]
+        if not seqs:  # prompt chunks only: nothing to sample, but the update counts them
+            choices, logprobs = [], []
+        elif choose is None:
+            choices, logprobs = self._sample(logits, seqs)
+        else:
+            choices = choose(logits, [(s.group.request_id, s.index) for s in seqs])
+            if len(choices) != len(seqs):
+                raise ValueError(f"the chooser gave {len(choices)} choices for {len(seqs)} rows")
+            logprobs = [[None] * len(tokens) for tokens in choices]
+        return self._update(out, seqs, choices, logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[CoreSequence]):
+        """One token per sequence; n from a prompt's first logits (its fan-out)."""
+        rows, row_of = [], []  # row_of[r]: the sequence row r samples for
+        for j, seq in enumerate(seqs):
+            for row in seq.group.rows_to_sample(seq):
+                rows.append(row)
+                row_of.append(j)
+        if len(rows) != len(seqs):  # a fan-out repeats its row; otherwise keep the view
+            logits = logits.index_select(0, torch.tensor(row_of))
+        result = self.sampler(logits, rows)
+        choices: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in seqs]
+        for j, token, lp in zip(row_of, result.token_ids, result.logprobs):
+            choices[j].append(token)
+            logprobs[j].append(lp)
+        return choices, logprobs
+
+    def _update(self, out: SchedulerOutput, seqs: list[CoreSequence], choices: list[list[int]],
+                logprobs: list[list[TokenLogprobs | None]]) -> list[EngineCoreOutput]:
+        dropped = [s.request.request_id for s, tokens in zip(seqs, choices) if not tokens]
+        finished = self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
+        finished += self.scheduler.update_from_output(
+            out, {s.request.request_id: tokens[0] for s, tokens in zip(seqs, choices) if tokens})
+        outputs: dict[str, EngineCoreOutput] = {}
+        for seq, tokens, lps in zip(seqs, choices, logprobs):
+            if not tokens:
+                continue
+            self._num_generation_tokens += len(tokens)
+            outputs[seq.request.request_id] = _output(seq, tokens[0], lps[0])
+            for token, lp in zip(tokens[1:], lps[1:]):
+                child, child_finished = self._fork(seq, token)
+                outputs[child.request.request_id] = _output(child, token, lp)
+                finished += child_finished
+        for request in finished:
+            output = outputs.get(request.request_id)
+            if output is not None:
+                output.finish_reason = request.status.value
+                output.stop_reason = request.stop_reason
+                output.num_preemptions = request.num_preemptions
+            self._retire(self._seqs[request.request_id])
+        return list(outputs.values())
+
+    def _fork(self, parent: CoreSequence, token: int) -> tuple[CoreSequence, list[Request]]:
+        """A new sequence off parent, ending in token instead of parent's last token."""
+        child = parent.group.fork(parent, token)
+        request = child.request
+        if parent.request.status is RequestStatus.RUNNING:
+            self.scheduler.fork_request(parent.request, request)
+        else:  # the parent finished and gave its blocks back: the child recomputes the prompt
+            self.scheduler.add_request(request)
+        self._seqs[request.request_id] = child
+        status = self.scheduler.stop_status(request, token)
+        return child, self.scheduler.finish_requests(request.request_id, status) if status else []
+
+    def _retire(self, seq: CoreSequence) -> None:
+        """Forget a finished sequence; its group too once every sequence of it has finished."""
+        self._seqs.pop(seq.request.request_id, None)
+        group = seq.group
+        group.num_finished += 1
+        if group.finished:
+            self._groups.pop(group.request_id, None)
+
+    def _fail(self, out: SchedulerOutput) -> list[str]:
+        """Abort every request the failed step ran; their ids."""
+        request_ids = list(dict.fromkeys(
+            self._seqs[s.request.request_id].group.request_id for s in out.scheduled
+            if s.request.request_id in self._seqs))
+        logger.exception("engine step failed; aborting its %d requests", len(request_ids))
+        self.abort_requests(request_ids)
+        return request_ids
+
+    # -- figures ------------------------------------------------------------------------------
+    def stats(self) -> EngineCoreStats:
+        scheduler = self.scheduler
+        return EngineCoreStats(
+            kv=self.kv_manager.stats(), num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting, num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_computed_tokens=self._num_computed_tokens,
+            step_num_requests=self._step_num_requests,
+            step_num_used_blocks=self._step_num_used_blocks)
+
+
+def _output(seq: CoreSequence, token: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
+    # The prompt's prefix-cache hit and first run, as its first sequence had them.
+    first = seq.group.seqs[0].request
+    return EngineCoreOutput(seq.group.request_id, seq.index, [token],
+                            None if logprobs is None else [logprobs],
+                            num_cached_tokens=max(first.num_cached_tokens, 0),
+                            first_scheduled_time=first.first_scheduled_time)

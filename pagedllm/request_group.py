@@ -1,0 +1,85 @@
+"""One user request inside the engine core: its sequences, and how they multiply.
+
+A request asking for n outputs starts as one sequence (index 0), which prefills the prompt. When
+the prompt's logits come, its first sample draws n tokens from them, each output with its own
+seeded generator: sequence 0 keeps the first and n - 1 children fork off it, sharing its blocks
+by reference count (the first write into a shared partial block copies it). Beam search forks
+the same way, choosing the tokens itself. The group ends when every sequence it has ended.
+
+Everything a sequence's sampling needs that does not change from step to step (its sampling
+row, the stop ids banned before min_tokens) is made here once, not rebuilt every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pagedllm.core_messages import EngineCoreRequest
+from pagedllm.request import Request
+from pagedllm.sampler import SamplingRow
+
+
+@dataclass(eq=False)
+class CoreSequence:
+    group: RequestGroup
+    index: int  # among its request's outputs
+    request: Request  # what the scheduler and the KV manager see
+    row: SamplingRow  # over request.token_ids, the live list
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    request_id: str
+    request: EngineCoreRequest
+    # Banned while fewer than min_tokens are out: the stop token ids and EOS (unless ignored).
+    early_stop_ids: tuple[int, ...]
+    # One seeded generator per output index, so output i is reproducible on its own.
+    generators: list[torch.Generator | None]
+    seqs: list[CoreSequence] = field(default_factory=list)
+    fan_out: int = 1  # tokens the next sample of sequence 0 draws: n until the prompt's first
+    num_finished: int = 0
+
+    @classmethod
+    def start(cls, request: EngineCoreRequest) -> RequestGroup:
+        """The group with its first sequence, the one that prefills the prompt."""
+        params = request.sampling_params
+        eos = (request.eos_token_id,) if request.eos_token_id is not None and not params.ignore_eos else ()
+        generators: list[torch.Generator | None] = [None] * params.n
+        if params.seed is not None:
+            generators = [torch.Generator().manual_seed((params.seed + i) % 2**63) for i in range(params.n)]
+        group = cls(request.request_id, request, tuple(params.stop_token_ids) + eos, generators,
+                    fan_out=params.n)
+        first = Request(request.request_id, request.prompt_token_ids, params,
+                        eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
+                        cache_salt=request.cache_salt)
+        group._add(first)
+        return group
+
+    @property
+    def finished(self) -> bool:
+        return self.fan_out == 1 and self.num_finished == len(self.seqs)
+
+    def rows_to_sample(self, seq: CoreSequence) -> list[SamplingRow]:
+        """The rows to draw from this sequence's logits now: n at the prompt's first sample,
+        one for each output, else its own."""
+        if self.fan_out == 1:
+            return [seq.row]
+        rows = [seq.row] + [replace(seq.row, generator=g) for g in self.generators[1:self.fan_out]]
+        self.fan_out = 1
+        return rows
+
+    def fork(self, parent: CoreSequence, token: int) -> CoreSequence:
+        """A new sequence continuing parent's tokens but the last, then token (the next index)."""
+        index = len(self.seqs)
+        return self._add(parent.request.fork(f"{self.request_id}#{index}", token))
+
+    def _add(self, request: Request) -> CoreSequence:
+        index = len(self.seqs)
+        generator = self.generators[index] if index < len(self.generators) else None
+        row = SamplingRow(request.sampling_params, request.token_ids, request.num_prompt_tokens,
+                          self.early_stop_ids, generator)
+        seq = CoreSequence(self, index, request, row)
+        self.seqs.append(seq)
+        return seq
