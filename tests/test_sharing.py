@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.utils import cdiv
 from tests.conftest import requires_default_model
 
 pytestmark = requires_default_model
@@ -72,10 +73,11 @@ def test_cache_salt_keeps_tenants_apart(cached):
     assert engine.memory_stats()["prefix_cache_hits"] == before
 
 
-def test_memory_pressure_evicts_cached_blocks_without_leaks():
+def test_memory_pressure_evicts_cached_blocks_without_leaks(uncached):
     small = make_llm(enable_prefix_caching=True, num_kv_blocks=40, max_model_len=256)
     prompts = [f"Story number {i}: " + SYSTEM for i in range(8)]  # ~70 tokens each, all distinct
     out = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == texts(uncached, prompts)
     assert all(len(o.outputs[0].token_ids) == 16 for o in out)
     stats = small.memory_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"] == 40
@@ -83,23 +85,49 @@ def test_memory_pressure_evicts_cached_blocks_without_leaks():
     assert stats["num_cached_free_blocks"] <= 40
 
 
+def test_eviction_takes_the_least_recently_used_blocks_tail_first():
+    """A's blocks stay cached when it finishes; B then needs exactly two more blocks than are
+    free without a hash: A's last two cached blocks go, and A's prompt hits only the rest."""
+    llm = make_llm(enable_prefix_caching=True, num_kv_blocks=16, max_model_len=256)
+    a = llm.get_tokenizer().encode("Story number 0: " + SYSTEM)
+    texts(llm, [{"prompt_token_ids": a}])
+    cached_a = (len(a) + 15) // 16  # full blocks of its prompt and 15 computed outputs
+    assert llm.memory_stats()["num_cached_free_blocks"] == cached_a
+    evicted = 2
+    b = [(7 * i) % 1000 + 10 for i in range(16 * (16 - cached_a + evicted) - 15)]  # distinct from a
+    texts(llm, [{"prompt_token_ids": b}])  # takes (len(b) + 15) / 16 blocks
+    before = llm.memory_stats()["prefix_cache_hits"]
+    texts(llm, [{"prompt_token_ids": a}])
+    kept = min(cached_a - evicted, (len(a) - 1) // 16)
+    assert llm.memory_stats()["prefix_cache_hits"] - before == kept * 16
+    assert 0 < kept * 16 < (len(a) - 1) // 16 * 16  # a partial hit: without eviction, all of it
+    stats = llm.memory_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_used_blocks"] == 0
+
+
 def test_parallel_sampling_shares_the_prompt_blocks():
     llm = make_llm(enable_prefix_caching=False)
     engine = llm.engine
     prompt = SYSTEM + QUESTIONS[2]
+    num_prompt = len(llm.get_tokenizer().encode(prompt))
     params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
     engine.add_request("fan", prompt, params)
     peak_shared = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak_shared = max(peak_shared, engine.memory_stats()["num_used_blocks"])
+        peak_shared = max(peak_shared, engine.stats().step_num_used_blocks)
     for i in range(4):
         engine.add_request(f"solo-{i}", prompt, SamplingParams(temperature=1.0, max_tokens=8,
                                                                seed=i, ignore_eos=True))
     peak_separate = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak_separate = max(peak_separate, engine.memory_stats()["num_used_blocks"])
+        peak_separate = max(peak_separate, engine.stats().step_num_used_blocks)
+    # Each sequence computes the prompt and 7 of its 8 tokens. Shared: the prompt's full blocks
+    # once, and each output's own blocks from the one it first writes into (copied on write).
+    own_blocks = cdiv(num_prompt + 7, 16) - num_prompt // 16
+    assert peak_shared == num_prompt // 16 + 4 * own_blocks
+    assert peak_separate == 4 * cdiv(num_prompt + 7, 16)
     assert peak_shared < peak_separate
     assert engine.memory_stats()["num_used_blocks"] == 0
 

@@ -86,7 +86,8 @@ def shared_system(engine: LLMEngine, args) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = time.perf_counter() - started
-    return {"requests": len(questions), "tokens_computed": engine.stats().num_computed_tokens - computed_before,
+    computed = engine.stats().num_computed_tokens - computed_before
+    return {"requests": len(questions), "tokens_computed": computed,
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(questions) / elapsed, 3)}
 
 

@@ -120,7 +120,10 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: sent but not yet added, plus the scheduler's waiting queue
-        (which also holds preempted requests), as the core last published it."""
+        (which also holds preempted requests) as the core last published it. Adds the thread
+        applied during a step show up in the figures when that step ends: until then this
+        undercounts (admitting a little past the limit), rather than counting requests the
+        step is running as waiting (refusing clients for nothing)."""
         return self._adds_sent - self._adds_applied + self.stats.num_waiting
 
     def check_room(self, num_requests: int = 1) -> None:
@@ -240,9 +243,9 @@ class AsyncEngine:
     def _loop_until_stopped(self) -> None:
         failures = 0
         while not self._stopping.is_set():
-            if self._apply_commands():
-                self.stats = self._core.stats()
+            self._apply_commands()
             if not self._core.has_unfinished_requests():
+                self.stats = self._core.stats()
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -269,15 +272,12 @@ class AsyncEngine:
             if step.outputs:
                 self._call(self._on_step, step.outputs)
 
-    def _apply_commands(self) -> bool:
-        """Apply every queued command; True if there was any."""
-        applied = False
+    def _apply_commands(self) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return applied
-            applied = True
+                return
             if isinstance(command, _Abort):
                 self._core.abort_requests(command.request_ids)
             elif isinstance(command, _AbortSequences):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import uvicorn
 
+from pagedllm.core_messages import EngineCoreStats
 from pagedllm.engine import LLMEngine
 from pagedllm.server.app import build_app
 from pagedllm.server.async_engine import AsyncEngine
@@ -56,17 +57,16 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
-    def wait_idle(self, timeout_s: float = 30) -> dict:
-        """Wait until the engine has nothing running or waiting; return its last snapshot."""
+    def wait_idle(self, timeout_s: float = 30) -> EngineCoreStats:
+        """Wait until the engine has nothing running or waiting; return its last figures."""
         deadline = time.monotonic() + timeout_s
-        engine = self.async_engine.engine
         while time.monotonic() < deadline:
-            snap = self.async_engine.snapshot
-            if not engine.has_unfinished_requests() and snap["num_requests_running"] == 0 \
-                    and snap["num_requests_waiting"] == 0:
-                return snap
+            stats = self.async_engine.stats
+            if not self.async_engine.has_unfinished_requests() and stats.num_running == 0 \
+                    and stats.num_waiting == 0:
+                return stats
             time.sleep(0.05)
-        raise AssertionError(f"server still busy: {self.async_engine.snapshot}")
+        raise AssertionError(f"server still busy: {self.async_engine.stats}")
 
 
 @pytest.fixture(scope="session")
@@ -81,15 +81,6 @@ def server_engine():
 def server(server_engine):
     with RunningServer(server_engine) as running:
         yield running
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama checkpoint (safetensors, byte-level tokenizer with a chat template)."""
-    pytest.importorskip("transformers")
-    from tests.model.tiny import make_hf_model, save_checkpoint
-
-    return save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path_factory.mktemp("tiny-llama"))
 
 
 def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:

@@ -41,7 +41,7 @@ def failing_steps(engine, *, when=None):
     """Make the model step raise InjectedFault when `when(scheduled)` is true (default: a
     request whose prompt starts with POISON is in the batch)."""
     when = when or (lambda scheduled: has_poison(engine, scheduled))
-    real_execute = engine.runner.execute
+    real_execute = engine.engine_core.runner.execute
     calls = {"failed": 0}
 
     def execute(scheduled):
@@ -50,11 +50,11 @@ def failing_steps(engine, *, when=None):
             raise InjectedFault("injected fault in the model step")
         return real_execute(scheduled)
 
-    engine.runner.execute = execute
+    engine.engine_core.runner.execute = execute
     try:
         yield calls
     finally:
-        engine.runner.execute = real_execute
+        engine.engine_core.runner.execute = real_execute
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def complete(server, prompt: str, **fields) -> httpx.Response:
 
 def assert_all_blocks_free(server) -> None:
     snap = server.wait_idle()
-    assert snap["num_used_blocks"] == 0 and snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap.kv.num_used_blocks == 0 and snap.kv.num_free_blocks == snap.kv.num_blocks
     assert not server.async_engine._streams
 
 
@@ -126,7 +126,7 @@ def test_only_the_failing_steps_requests_fail(tiny_model_dir):
         def poisoned_while_another_waits(scheduled) -> bool:
             if not has_poison(engine, scheduled):
                 return False
-            if engine.scheduler.num_waiting == 0:
+            if engine.stats().num_waiting == 0:
                 time.sleep(0.02)  # keep the poisoned request going until the other is queued
                 return False
             return True
@@ -135,7 +135,7 @@ def test_only_the_failing_steps_requests_fail(tiny_model_dir):
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
                 poisoned = asyncio.ensure_future(client.post("/v1/completions", json={
                     "prompt": POISON, "max_tokens": 50, "ignore_eos": True, "temperature": 0}))
-                while engine.scheduler.num_running < 1:
+                while server.async_engine.stats.num_running < 1:
                     await asyncio.sleep(0.01)
                 normal = await client.post(
                     "/v1/completions", json={"prompt": NORMAL, "max_tokens": 12, "temperature": 0})
@@ -170,8 +170,8 @@ def test_engine_that_keeps_failing_is_dead_and_health_says_503(tiny_model_dir):
             assert "failed 3 steps in a row" in health.json()["error"]["message"]
             refused = complete(server, NORMAL)
             assert refused.status_code == 503 and refused.headers["retry-after"]
-            snap = engine.memory_stats()
-            assert snap["num_used_blocks"] == 0 and not engine.has_unfinished_requests()
+            snap = engine.stats()
+            assert snap.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 # -- a damaged model file stops `pagedllm serve` at start -----------------------------------------

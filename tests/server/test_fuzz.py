@@ -145,7 +145,7 @@ def test_fuzz_bodies_past_the_schema(fuzz_server, path):
 def test_healthy_and_idle_after_fuzzing(fuzz_server):
     assert httpx.get(f"{fuzz_server.base_url}/health").status_code == 200
     snap = fuzz_server.wait_idle(timeout_s=60)
-    assert snap["num_used_blocks"] == 0 and snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap.kv.num_used_blocks == 0 and snap.kv.num_free_blocks == snap.kv.num_blocks
     assert not fuzz_server.async_engine._streams
     ok = httpx.post(f"{fuzz_server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200

@@ -140,19 +140,19 @@ def stalled_engine(engine):
     """Hold the engine thread inside its next model step until the context ends, so requests
     pile up in front of it."""
     release, stalled = threading.Event(), threading.Event()
-    real_execute = engine.runner.execute
+    real_execute = engine.engine_core.runner.execute
 
     def execute(scheduled):
         stalled.set()
         release.wait(60)
         return real_execute(scheduled)
 
-    engine.runner.execute = execute
+    engine.engine_core.runner.execute = execute
     try:
         yield stalled
     finally:
         release.set()
-        engine.runner.execute = real_execute
+        engine.engine_core.runner.execute = real_execute
 
 
 def test_full_waiting_queue_gives_a_fast_503_with_retry_after(tiny_model_dir):
@@ -184,6 +184,6 @@ def test_full_waiting_queue_gives_a_fast_503_with_retry_after(tiny_model_dir):
             assert response.headers["retry-after"] == "1"
         assert running.status_code == 200 and all(w.status_code == 200 for w in waiting)
         assert server.async_engine.num_rejected_requests == 3
-        assert server.wait_idle()["num_used_blocks"] == 0
+        assert server.wait_idle().kv.num_used_blocks == 0
         assert server.async_engine.num_waiting == 0
         assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200

@@ -117,8 +117,8 @@ def test_client_disconnect_frees_its_blocks(server):
             if i >= 6:
                 break  # hang up mid-stream
     snap = server.wait_idle()
-    assert snap["usage"] == 0
-    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap.kv.usage == 0
+    assert snap.kv.num_free_blocks == snap.kv.num_blocks
     metrics = httpx.get(f"{server.base_url}/metrics").text
     assert "pagedllm:kv_cache_usage_perc 0.0" in metrics
 

@@ -113,7 +113,7 @@ def plans(rng: random.Random) -> list[tuple[str, float]]:
 def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     prompts = [prompt_of(i) for i in range(NUM_REQUESTS)]
     solo = solo_texts(storm_engine, sorted(set(prompts)))
-    preemptions_before = storm_engine.scheduler.num_preemptions
+    preemptions_before = storm_engine.stats().num_preemptions
     rng = random.Random(SEED)
     order = plans(rng)
 
@@ -152,12 +152,12 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     assert sum(r["status"] == "hung up" for r in hangups) >= len(hangups) // 3
 
     # Preempted and counted, then nothing in use and nothing queued anywhere.
-    assert storm_engine.scheduler.num_preemptions > preemptions_before
+    assert storm_engine.stats().num_preemptions > preemptions_before
     counted = float(re.search(r"^pagedllm:num_preemptions_total (\S+)$", metrics, re.M).group(1))
-    assert counted == storm_engine.scheduler.num_preemptions
-    assert snap["num_used_blocks"] == 0 and snap["usage"] == 0
-    assert snap["num_free_blocks"] == snap["num_blocks"]
-    assert storm_engine.scheduler.num_running == 0 and storm_engine.scheduler.num_waiting == 0
+    assert counted == storm_engine.stats().num_preemptions
+    assert snap.kv.num_used_blocks == 0 and snap.kv.usage == 0
+    assert snap.kv.num_free_blocks == snap.kv.num_blocks
+    assert storm_engine.stats().num_running == 0 and storm_engine.stats().num_waiting == 0
     assert not storm_engine.has_unfinished_requests()
     assert not leftover_streams
     assert healthy == 200
@@ -167,15 +167,15 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
 def test_non_streamed_clients_that_time_out_are_aborted(storm_engine):
     """A client that gives up on a non-streamed request (a timeout, a closed socket) stops the
     work for it: the server notices the disconnect, aborts the request and frees its blocks."""
-    real_execute = storm_engine.runner.execute
+    real_execute = storm_engine.engine_core.runner.execute
 
     def slow_execute(scheduled):  # ~50 ms a step: 30 tokens take seconds
         time.sleep(0.05)
         return real_execute(scheduled)
 
     with RunningServer(storm_engine) as server:
-        tokens_before = storm_engine.num_generation_tokens_total
-        storm_engine.runner.execute = slow_execute
+        tokens_before = storm_engine.stats().num_generation_tokens
+        storm_engine.engine_core.runner.execute = slow_execute
         try:
             async def give_up_early():
                 async with httpx.AsyncClient(base_url=server.base_url) as client:
@@ -187,9 +187,9 @@ def test_non_streamed_clients_that_time_out_are_aborted(storm_engine):
             assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
             snap = server.wait_idle(timeout_s=30)
         finally:
-            storm_engine.runner.execute = real_execute
-        assert storm_engine.num_generation_tokens_total - tokens_before < 4 * 30
-        assert snap["num_used_blocks"] == 0 and not server.async_engine._streams
+            storm_engine.engine_core.runner.execute = real_execute
+        assert storm_engine.stats().num_generation_tokens - tokens_before < 4 * 30
+        assert snap.kv.num_used_blocks == 0 and not server.async_engine._streams
         after = httpx.post(f"{server.base_url}/v1/completions",
                            json={"prompt": prompt_of(0), "max_tokens": 4}, timeout=30)
         assert after.status_code == 200

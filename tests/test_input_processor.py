@@ -1,0 +1,137 @@
+"""The input processor: every prompt form, and one message for each kind of problem, on the
+tiny byte-level tokenizer (one token a byte)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedllm.input_processor import InputProcessor, InvalidInput, prompt_list
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+from tests.model.tiny import BOS, CHAT_TEMPLATE, EOS, tokenizer_backend
+
+VOCAB = 300
+MAX_MODEL_LEN = 16
+
+
+def tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> Tokenizer:
+    return Tokenizer(tokenizer_backend(), {"bos_token": BOS, "eos_token": EOS}, chat_template)
+
+
+@pytest.fixture
+def processor() -> InputProcessor:
+    return InputProcessor(tokenizer(), VOCAB, MAX_MODEL_LEN)
+
+
+def test_every_prompt_form_becomes_the_same_core_request(processor):
+    params = SamplingParams(max_tokens=3, seed=1)
+    forms = ["hi", [104, 105], {"prompt": "hi"}, {"prompt_token_ids": [104, 105], "prompt": "hi"}]
+    for prompt in forms:
+        text, request = processor.process("r", prompt, params, arrival_time=5.0, cache_salt="s")
+        assert request.prompt_token_ids == [104, 105] and request.sampling_params is params
+        assert (request.request_id, request.arrival_time, request.cache_salt) == ("r", 5.0, "s")
+        assert request.eos_token_id == 257
+        assert text == (None if isinstance(prompt, list) else "hi")
+    assert processor.process("r", "hi")[1].sampling_params == SamplingParams()
+
+
+def test_prompt_list_tells_one_prompt_from_many():
+    assert prompt_list("a") == ["a"] and prompt_list({"prompt": "a"}) == [{"prompt": "a"}]
+    assert prompt_list([1, 2]) == [[1, 2]] and prompt_list([[1], [2]]) == [[1], [2]]
+    assert prompt_list(["a", "b"]) == ["a", "b"] and prompt_list([]) == []
+
+
+EMPTY = "the prompt is empty: give at least one character or token id"
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("", EMPTY),
+    ([], EMPTY),
+    ({"prompt": ""}, EMPTY),
+    ({"prompt_token_ids": []}, EMPTY),
+    ({"text": "hi"}, "a prompt dict needs 'prompt' or 'prompt_token_ids'"),
+    (3.5, "a prompt must be a string, a list of token ids or a dict; got float"),
+    ([1, 300], "prompt token ids must be integers in [0, 300) (the vocabulary); out of vocabulary: [300]"),
+    ([1, -1, True, "a"], "prompt token ids must be integers in [0, 300) (the vocabulary); out of "
+                         "vocabulary: [-1, True, 'a']"),
+    ([1] * 17, "this model's maximum context length is 16 tokens (max_model_len) and the prompt has "
+               "17: shorten it"),
+    ("x" * 17, "this model's maximum context length is 16 tokens (max_model_len) and the prompt has "
+               "17: shorten it"),
+])
+def test_each_problem_has_one_message_naming_the_prompt(processor, prompt, message):
+    with pytest.raises(InvalidInput) as caught:
+        processor.process("r", prompt)
+    assert str(caught.value) == message and caught.value.param == "prompt"
+
+
+def test_text_too_long_to_fit_is_refused_before_tokenizing(processor):
+    # The longest vocabulary entry is "<|bos|>" (7 characters): 16 tokens hold at most 112.
+    with pytest.raises(InvalidInput, match=r"^the prompt is 113 characters, more than this model's "
+                       r"maximum context length of 16 tokens can hold \(at most 112 characters\)"):
+        processor.process("r", "x" * 113)
+
+
+def test_stop_token_ids_out_of_vocabulary(processor):
+    with pytest.raises(InvalidInput) as caught:
+        processor.process("r", "hi", SamplingParams(stop_token_ids=[5, 300]))
+    assert caught.value.param == "stop_token_ids"
+    assert str(caught.value) == ("stop_token_ids must be in [0, 300) (the vocabulary); out of "
+                                 "vocabulary: [300]")
+
+
+def test_offline_requests_may_fill_the_context_and_stop_at_its_end(processor):
+    _, request = processor.process("r", [1] * 16, SamplingParams(max_tokens=100))
+    assert request.sampling_params.max_tokens == 100  # the scheduler ends it at max_model_len
+
+
+def test_when_max_tokens_must_fit_it_defaults_to_the_room_left_and_may_not_exceed_it(processor):
+    params = SamplingParams(max_tokens=None, min_tokens=2)
+    _, request = processor.process("r", [1] * 10, params, max_tokens_must_fit=True)
+    assert request.sampling_params == dataclasses.replace(params, max_tokens=6)
+    assert params.max_tokens is None  # the caller's object is left alone
+    with pytest.raises(InvalidInput) as caught:
+        processor.process("r", [1] * 10, SamplingParams(max_tokens=7), max_tokens_must_fit=True)
+    assert caught.value.param == "max_tokens"
+    assert str(caught.value) == ("'max_tokens' is too large: 7. This model's maximum context length is "
+                                 "16 tokens and your request has 10 input tokens (7 + 10 > 16)")
+    with pytest.raises(InvalidInput, match=r"the prompt has 16, which leaves no room for a completion"):
+        processor.process("r", [1] * 16, SamplingParams(max_tokens=None), max_tokens_must_fit=True)
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens \\(1\\)"):
+        processor.process("r", [1] * 15, params, max_tokens_must_fit=True)
+
+
+def test_chat_prompts_go_through_the_template(processor):
+    prompt = processor.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt["prompt"] == "<|bos|><user>hi<|eos|><assistant>"
+    assert prompt["prompt_token_ids"] == [256, *b"<user>hi", 257, *b"<assistant>"]
+    no_generation = processor.chat_prompt([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert no_generation["prompt"] == "<|bos|><user>hi<|eos|>"
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([], "messages is empty: send at least one message"),
+    ([{"role": "user", "content": "y" * 200}], "the prompt is 231 characters, more than this model's "
+                                                "maximum context length of 16 tokens can hold (at most "
+                                                "112 characters): shorten it"),
+])
+def test_chat_problems_name_the_messages(processor, messages, message):
+    with pytest.raises(InvalidInput) as caught:
+        processor.chat_prompt(messages)
+    assert str(caught.value) == message and caught.value.param == "messages"
+
+
+def test_a_model_without_a_chat_template_says_so():
+    processor = InputProcessor(tokenizer(chat_template=None), VOCAB, MAX_MODEL_LEN)
+    with pytest.raises(InvalidInput, match="no chat template") as caught:
+        processor.chat_prompt([{"role": "user", "content": "hi"}])
+    assert caught.value.param == "messages"
+
+
+def test_a_template_that_fails_is_a_bad_request():
+    processor = InputProcessor(tokenizer("{{ messages[5]['content'] }}"), VOCAB, MAX_MODEL_LEN)
+    with pytest.raises(InvalidInput, match="the chat template") as caught:
+        processor.chat_prompt([{"role": "user", "content": "hi"}])
+    assert caught.value.param == "messages"
