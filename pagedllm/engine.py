@@ -19,7 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core_messages import EngineCoreStats
 from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.input_processor import InputProcessor, PromptInput
-from pagedllm.kv.plan import describe_plan
+from pagedllm.kv.plan import KVPlan, describe_plan
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
@@ -45,22 +45,10 @@ class LLMEngine:
         logger.info("%s; start-up %.2fs", describe_plan(plan, str(self.dtype).removeprefix("torch."),
                                                          self.config.kv_layout), self.startup_s)
 
-    # -- what the engine was planned with ------------------------------------------------------
     @property
-    def max_model_len(self) -> int:
-        return self.engine_core.kv_plan.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.engine_core.kv_plan.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.engine_core.kv_plan.num_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.engine_core.kv_plan.bytes_per_block
+    def kv_plan(self) -> KVPlan:
+        """What the KV cache was planned with: blocks, block size, bytes, max_model_len."""
+        return self.engine_core.kv_plan
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput,

@@ -26,7 +26,7 @@ class CoreSequence:
     group: RequestGroup
     index: int  # among its request's outputs
     request: Request  # what the scheduler and the KV manager see
-    row: SamplingRow  # over request.token_ids, the live list
+    row: SamplingRow  # reads request's tokens as they grow
 
 
 @dataclass(eq=False)
@@ -78,8 +78,7 @@ class RequestGroup:
     def _add(self, request: Request) -> CoreSequence:
         index = len(self.seqs)
         generator = self.generators[index] if index < len(self.generators) else None
-        row = SamplingRow(request.sampling_params, request.token_ids, request.num_prompt_tokens,
-                          self.early_stop_ids, generator)
+        row = SamplingRow(request.sampling_params, request, self.early_stop_ids, generator)
         seq = CoreSequence(self, index, request, row)
         self.seqs.append(seq)
         return seq

@@ -7,6 +7,7 @@ seeded) its own generator, so the result never changes with what else is in the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -14,25 +15,27 @@ from pagedllm.core_messages import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
+class TokenHistory(Protocol):
+    """A sequence's tokens as penalties and min_tokens read them (a Request is one)."""
+
+    token_ids: list[int]  # prompt, then output
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
 @dataclass
 class SamplingRow:
-    """What the sampler needs for one row of logits. Made once per sequence and kept: token_ids
-    is the sequence's own growing list (prompt, then output), read here and never copied unless
-    a penalty needs the output apart."""
+    """What the sampler needs for one row of logits. Made once per sequence and kept: history is
+    the sequence itself, read when sampling, its tokens never copied unless a penalty needs them."""
 
     params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
+    history: TokenHistory
     stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
     generator: torch.Generator | None  # a seeded request's own generator; None uses the shared one
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -65,20 +68,20 @@ class Sampler:
             row = logits[i]
             if p.repetition_penalty != 1.0:
                 # HF/vLLM convention: every token seen in prompt or output is pushed away.
-                seen = torch.tensor(sorted(set(rows[i].token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(rows[i].history.token_ids)), dtype=torch.long)
                 seen = seen[seen < vocab]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and rows[i].num_output_tokens:
+            if (p.presence_penalty or p.frequency_penalty) and rows[i].history.num_output_tokens:
                 # OpenAI convention: only generated tokens count.
-                out = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+                out = torch.tensor(rows[i].history.output_token_ids, dtype=torch.long)
                 counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
     def _ban_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         banned = [(i, r.stop_ids_before_min_tokens) for i, r in enumerate(rows)
-                  if r.stop_ids_before_min_tokens and r.num_output_tokens < r.params.min_tokens]
+                  if r.stop_ids_before_min_tokens and r.history.num_output_tokens < r.params.min_tokens]
         if not banned:
             return logits
         logits = logits.clone()

@@ -74,7 +74,8 @@ def test_greedy_is_the_same_when_preemption_recomputes(llm):
 
 
 def bytes_per_block(llm: LLM, block_size: int) -> int:
-    return llm.engine.bytes_per_block * block_size // llm.engine.block_size
+    plan = llm.engine.kv_plan
+    return plan.bytes_per_block * block_size // plan.block_size
 
 
 def test_greedy_matches_transformers_on_the_default_model(llm, hf_default_model):

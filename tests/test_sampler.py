@@ -3,13 +3,17 @@ import math
 import pytest
 import torch
 
+from pagedllm.request import Request
 from pagedllm.sampler import Sampler, SamplingRow
 from pagedllm.sampling_params import SamplingParams
 
 
 def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None) -> SamplingRow:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(params, [*prompt, *output], len(prompt), tuple(stops), generator)
+    history = Request("r", list(prompt), params)
+    for token in output:
+        history.append_token(token)
+    return SamplingRow(params, history, tuple(stops), generator)
 
 
 def test_greedy_takes_argmax():

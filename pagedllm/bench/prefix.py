@@ -117,7 +117,7 @@ def sharing_peaks(engine: LLMEngine) -> dict:
     separate = _peak_blocks(engine, four_separate)
     beam = BeamSearch(engine.engine_core, tokenizer, beam_width=4, max_tokens=64)
     beam.run([prompt])
-    return {"prompt_tokens": len(prompt), "output_tokens": 64, "block_size": engine.block_size,
+    return {"prompt_tokens": len(prompt), "output_tokens": 64, "block_size": engine.kv_plan.block_size,
             "n4_peak_blocks": n4, "four_separate_peak_blocks": separate,
             "beam4_peak_blocks": beam.peak_blocks_used, "four_independent_peak_blocks": separate,
             "n4_saving_pct": round(100 * (1 - n4 / separate), 1),

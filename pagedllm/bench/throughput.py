@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     ours = {"system": "pagedllm", "dtype": str(engine.dtype).removeprefix("torch."),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
             "peak_rss_mib": round(peak_rss_bytes() / 2**20, 1), "num_preemptions": result.num_preemptions,
-            "kv_cache_mib": round(engine.num_blocks * engine.bytes_per_block / 2**20, 1),
+            "kv_cache_mib": round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
             **result.rates()}
     payload = {"workload": summarize(workload), "pagedllm": ours}
     rows = [_row(ours)]
