@@ -162,9 +162,9 @@ class EngineCore:
         """One token per sequence; n from a prompt's first logits (its fan-out)."""
         rows, row_of = [], []  # row_of[r]: the sequence row r samples for
         for j, seq in enumerate(seqs):
-            for row in seq.group.rows_to_sample(seq):
-                rows.append(row)
-                row_of.append(j)
+            fan_out = seq.group.take_fan_out_rows(seq) if seq.group.fan_out > 1 else (seq.row,)
+            rows.extend(fan_out)
+            row_of.extend([j] * len(fan_out))
         if len(rows) != len(seqs):  # a fan-out repeats its row; otherwise keep the view
             logits = logits.index_select(0, torch.tensor(row_of))
         result = self.sampler(logits, rows)

@@ -152,9 +152,6 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
-
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Take one core step's outputs; return the RequestOutputs due now, and the sequences
         stop strings finished (for the core to abort)."""

@@ -61,11 +61,9 @@ class RequestGroup:
     def finished(self) -> bool:
         return self.fan_out == 1 and self.num_finished == len(self.seqs)
 
-    def rows_to_sample(self, seq: CoreSequence) -> list[SamplingRow]:
-        """The rows to draw from this sequence's logits now: n at the prompt's first sample,
-        one for each output, else its own."""
-        if self.fan_out == 1:
-            return [seq.row]
+    def take_fan_out_rows(self, seq: CoreSequence) -> list[SamplingRow]:
+        """The n rows the prompt's first sample draws from sequence 0's logits, one for each
+        output (with its own generator); later samples draw one row each."""
         rows = [seq.row] + [replace(seq.row, generator=g) for g in self.generators[1:self.fan_out]]
         self.fan_out = 1
         return rows

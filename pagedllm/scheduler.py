@@ -75,10 +75,6 @@ class SchedulerOutput:
     finished: list[Request]  # finished or aborted since the previous schedule()
     num_batched_tokens: int
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:

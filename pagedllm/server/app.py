@@ -364,10 +364,9 @@ class _Api:
 
 
 def _completion_prompts(prompt) -> list[PromptInput]:
-    """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts."""
-    if not prompt:
-        raise APIError("prompt is empty: send a string, a list of strings or token ids", param="prompt")
-    prompts = prompt_list(prompt)
+    """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts;
+    [] is one empty prompt, for the input processor to refuse."""
+    prompts = prompt_list(prompt) or [prompt]
     if len(prompts) > MAX_PROMPTS_PER_REQUEST:
         raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "
                        f"{len(prompts)}", param="prompt")
