@@ -304,17 +304,19 @@ class _Api:
             raise APIError("logit_bias is not supported", param="logit_bias")
 
     def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        fields = dict(
-            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k is None else body.top_k, min_p=body.min_p or 0.0,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+        """The body's sampling fields; one it leaves out (null) takes SamplingParams' default.
+        max_tokens=None stays: the input processor makes it the room left in the context."""
+        given = dict(
+            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            seed=body.seed, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+            include_stop_str_in_output=body.include_stop_str_in_output)
+        fields = {name: value for name, value in given.items() if value is not None}
+        fields["max_tokens"] = max_tokens
+        fields["output_kind"] = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
