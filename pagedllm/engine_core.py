@@ -178,7 +178,7 @@ class EngineCore:
     def _update(self, out: SchedulerOutput, seqs: list[CoreSequence], choices: list[list[int]],
                 logprobs: list[list[TokenLogprobs | None]]) -> list[EngineCoreOutput]:
         dropped = [s.request.request_id for s, tokens in zip(seqs, choices) if not tokens]
-        finished = self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
+        finished = self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED) if dropped else []
         finished += self.scheduler.update_from_output(
             out, {s.request.request_id: tokens[0] for s, tokens in zip(seqs, choices) if tokens})
         outputs: dict[str, EngineCoreOutput] = {}
@@ -247,5 +247,5 @@ def _output(seq: CoreSequence, token: int, logprobs: TokenLogprobs | None) -> En
     first = seq.group.seqs[0].request
     return EngineCoreOutput(seq.group.request_id, seq.index, [token],
                             None if logprobs is None else [logprobs],
-                            num_cached_tokens=max(first.num_cached_tokens, 0),
+                            num_cached_tokens=first.num_cached_tokens,
                             first_scheduled_time=first.first_scheduled_time)

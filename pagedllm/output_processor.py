@@ -4,8 +4,9 @@ It owns the text: incremental detokenization, stop strings, log-probability dict
 tokens, and the RequestOutputs, in the kind each request asked for (SamplingParams.output_kind):
 CUMULATIVE (everything so far), DELTA (only what is new since the last output) or FINAL_ONLY.
 Per token it appends (token ids, text pieces); it never copies a whole output to make a step's
-answer, so its cost does not grow with the output's length (CUMULATIVE outputs, which hand out
-everything each step, join the text when they are built).
+answer, so its cost does not grow with the output's length: CUMULATIVE outputs hand out the
+sequence's own token and logprob lists (they keep growing while the request runs) and join the
+text when they are built.
 
 A stop string finishes its sequence here, the moment its text appears; process_outputs then
 names the sequences the core must abort, since the core never sees text. Text that could still
@@ -87,25 +88,18 @@ class _SequenceText:
         return len(self.pieces) > self.num_pieces_sent or (self.finished and not self.finish_sent)
 
     def output(self, delta: bool) -> CompletionOutput:
+        """What is new since the last delta; or everything, its lists the sequence's own."""
         if delta:
             tokens = self.token_ids[self.num_tokens_sent:]
             logprobs = None if self.logprobs is None else self.logprobs[self.num_tokens_sent:]
             text = "".join(self.pieces[self.num_pieces_sent:])
             self.num_tokens_sent, self.num_pieces_sent = len(self.token_ids), len(self.pieces)
             self.finish_sent = self.finished
-        else:  # a snapshot: the caller may keep it while this sequence grows
-            tokens, text = list(self.token_ids), "".join(self.pieces)
-            logprobs = None if self.logprobs is None else list(self.logprobs)
+        else:
+            tokens, logprobs, text = self.token_ids, self.logprobs, "".join(self.pieces)
         return CompletionOutput(
             index=self.index, text=text, token_ids=tokens, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=logprobs,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None)
-
-    def final_output(self) -> CompletionOutput:
-        """The whole sequence, handed over without copies: nothing changes it any more."""
-        return CompletionOutput(
-            index=self.index, text="".join(self.pieces), token_ids=self.token_ids,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None)
 
 
@@ -163,16 +157,17 @@ class OutputProcessor:
             if state is None:  # aborted, or finished by a stop string a step ago
                 continue
             seq = state.seqs[output.index] or self._start_sequence(state, output)
-            if seq.finished:
+            if seq.finish_reason is not None:
                 continue
             metrics = state.metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or output.first_scheduled_time
-            metrics.first_token_time = metrics.first_token_time or now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.first_scheduled_time = output.first_scheduled_time
             if self._add_tokens(seq, output) and output.finish_reason is None:
                 result.sequences_to_abort.append((state.request_id, seq.index))
             elif output.finish_reason is not None:
                 seq.finish(output.finish_reason, output.stop_reason)
-            if seq.finished:
+            if seq.finish_reason is not None:
                 state.num_finished += 1
                 metrics.num_preemptions += output.num_preemptions
             changed[state.request_id] = state
@@ -224,16 +219,14 @@ class OutputProcessor:
             state.metrics.num_output_tokens = max(len(s.token_ids) for s in state.seqs)
         kind = state.params.output_kind
         seqs = [s for s in state.seqs if s is not None]
-        if finished and kind is not RequestOutputKind.DELTA:
-            outputs = [s.final_output() for s in seqs]
-        elif kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        elif kind is RequestOutputKind.DELTA:
+        if kind is RequestOutputKind.DELTA:
             outputs = [s.output(delta=True) for s in seqs if s.has_news]
             if not outputs:
                 return None
-        else:
+        elif finished or kind is RequestOutputKind.CUMULATIVE:
             outputs = [s.output(delta=False) for s in seqs]
+        else:  # FINAL_ONLY, still running
+            return None
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=finished, metrics=state.metrics,

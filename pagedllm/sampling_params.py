@@ -14,7 +14,9 @@ MAX_STOP_STRING_LEN = 256
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a running request carries (vLLM's names)."""
 
-    CUMULATIVE = "cumulative"  # everything so far, every step
+    # Everything so far, every step; token_ids and logprobs are the request's own lists, which
+    # keep growing while it runs (copy them to keep a snapshot), as in vLLM.
+    CUMULATIVE = "cumulative"
     DELTA = "delta"  # only what is new since the last output: text, token ids, logprobs
     FINAL_ONLY = "final_only"  # nothing until the request finishes, then everything
 

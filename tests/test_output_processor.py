@@ -25,13 +25,13 @@ def add(processor: OutputProcessor, request_id: str, params: SamplingParams) -> 
 
 
 def feed(processor: OutputProcessor, request_id: str, tokens: list[int], index: int = 0,
-         finish_reason: str = "length", **last) -> list:
+         finish_reason: str = "length", first_scheduled_time: float | None = None, **last) -> list:
     """One core output per token, the last one finishing; every RequestOutput handed out."""
     outputs = []
     for i, token in enumerate(tokens):
         end = i == len(tokens) - 1
         core = EngineCoreOutput(request_id, index, [token], finish_reason=finish_reason if end else None,
-                                **(last if end else {}))
+                                first_scheduled_time=first_scheduled_time, **(last if end else {}))
         outputs += processor.process_outputs([core]).request_outputs
     return outputs
 
@@ -54,8 +54,10 @@ def test_deltas_add_up_to_the_cumulative_text_and_the_final_output(text, stop):
     assert cumulative[-1].outputs[0] == whole
     assert "".join(d.outputs[0].text for d in deltas) == whole.text
     assert [t for d in deltas for t in d.outputs[0].token_ids] == whole.token_ids
-    # Every cumulative step is a prefix of the final text: nothing shown is taken back.
+    # Every cumulative step is a prefix of the final text: nothing shown is taken back. Its token
+    # list is the sequence's own, handed out each step without a copy.
     assert all(whole.text.startswith(c.outputs[0].text) for c in cumulative)
+    assert all(c.outputs[0].token_ids is cumulative[-1].outputs[0].token_ids for c in cumulative)
     assert all(d.outputs[0].text or d.finished for d in deltas)  # no empty deltas
     if not any(s in text for s in stop):
         assert whole.text == text and whole.finish_reason == "length"
