@@ -163,8 +163,9 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.first_scheduled_time = output.first_scheduled_time
-            if self._add_tokens(seq, output) and output.finish_reason is None:
-                result.sequences_to_abort.append((state.request_id, seq.index))
+            if self._add_tokens(seq, output):  # a stop string ended it, whatever the core says
+                if output.finish_reason is None:
+                    result.sequences_to_abort.append((state.request_id, seq.index))
             elif output.finish_reason is not None:
                 seq.finish(output.finish_reason, output.stop_reason)
             if seq.finish_reason is not None:

@@ -81,6 +81,14 @@ def test_a_stop_string_cuts_the_text_exactly_and_asks_the_core_to_abort():
         assert processor.process_outputs([EngineCoreOutput("r", 0, [32])]).request_outputs == []
 
 
+def test_a_stop_string_on_the_token_the_core_ends_on_still_cuts_there():
+    processor = OutputProcessor(TOKENIZER)
+    add(processor, "r", SamplingParams(stop=["b"], output_kind=RequestOutputKind.FINAL_ONLY))
+    (out,) = feed(processor, "r", [97, 98], finish_reason="length")
+    choice = out.outputs[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == ("a", "stop", "b")
+
+
 def test_text_that_may_start_a_stop_string_is_held_back():
     shown = [o.outputs[0].text for o in run("abcabd", RequestOutputKind.CUMULATIVE, stop=["abd!"])]
     # Three characters could begin "abd!": they are shown only once they cannot.
