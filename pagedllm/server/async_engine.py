@@ -23,7 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from pagedllm.core_messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
@@ -272,12 +272,16 @@ class AsyncEngine:
             if step.outputs:
                 self._call(self._on_step, step.outputs)
 
-    def _apply_commands(self) -> None:
+    def _queued_commands(self) -> Iterator:
+        """Each command sent so far, taken off the queue."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for command in self._queued_commands():
             if isinstance(command, _Abort):
                 self._core.abort_requests(command.request_ids)
             elif isinstance(command, _AbortSequences):
@@ -313,11 +317,7 @@ class AsyncEngine:
     def _refuse_pending_adds(self) -> None:
         """Answer adds the thread will never apply, so nobody waits for them."""
         error = EngineDeadError(self.dead_reason or "the server is shutting down")
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             if isinstance(command, _Add):
                 self._adds_applied += 1
                 self._call(_resolve, command.done, error)
