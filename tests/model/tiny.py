@@ -36,6 +36,27 @@ SHAPES: dict[str, tuple[str, dict]] = {
         sliding_window=6, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_dynamic_rope": ("LlamaConfig", dict(
         max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    # head_dim apart from hidden_size / heads, as in the real Qwen3 models.
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # Windowed and global layers alternating; both soft-caps small enough to bend the values.
+    "gemma2_softcap_window": ("Gemma2Config", dict(
+        head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=5,
+        attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0)),
+    # Layer 5 of 7 global (the default pattern of 6), with its scaled rope; the others windowed,
+    # with their own rope base.
+    "gemma3_local_rope": ("Gemma3TextConfig", dict(
+        head_dim=16, num_hidden_layers=7, query_pre_attn_scalar=24, sliding_window=5,
+        pad_token_id=0, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # The test sequences run past original_max_position_embeddings: long factors from there on.
+    "phi3_longrope_window": ("Phi3Config", dict(
+        sliding_window=10, original_max_position_embeddings=16, pad_token_id=0,
+        rope_scaling={"type": "longrope", "short_factor": [1 + 0.1 * i for i in range(8)],
+                      "long_factor": [2 + 0.3 * i for i in range(8)]})),
+    # Phi-4-mini's shape: rotary over part of each head, tied embeddings.
+    "phi4_partial_rotary": ("Phi3Config", dict(
+        partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0)),
 }
 
 
