@@ -98,15 +98,23 @@ def test_sharded_checkpoint(tmp_path):
     assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
 
 
-def test_gguf_written_like_llama_cpp(tmp_path):
-    # llama.cpp permutes q/k rows for its rotary layout; the loader must undo it.
-    hf_model = make_hf_model("llama_gqa_untied", seed=13)
+@pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "qwen3_qk_norm",
+                                   "gemma2_softcap_window", "gemma3_local_rope",
+                                   "phi3_longrope_window", "phi4_partial_rotary"])
+def test_gguf_written_like_llama_cpp(shape, tmp_path):
+    # What llama.cpp's converter changes (Llama's q/k row order, Gemma's norms stored as 1 + w,
+    # Phi-3's fused names and rope factor tensors, keys it leaves out) the loader must undo.
+    # GGUF has no key for Gemma's query_pre_attn_scalar: llama.cpp takes head_dim, as every Gemma
+    # but the 27B ones has it.
+    overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else {}
+    hf_model = make_hf_model(shape, seed=13, **overrides)
     loaded = load_model(write_gguf(hf_model, tmp_path / "tiny.gguf"), dtype="float32")
-    assert loaded.config.architecture == "LlamaForCausalLM"
-    assert not loaded.config.tie_word_embeddings
-    ids = token_ids(14, seed=14)
-    ours = PagedSequences(loaded.model, num_blocks=4, block_size=BLOCK_SIZE).step({0: ids})[0]
-    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
+    assert loaded.config.architecture == type(hf_model).__name__
+    assert loaded.config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    ids = token_ids(22, seed=14)
+    paged = PagedSequences(loaded.model, num_blocks=12, block_size=BLOCK_SIZE)
+    ours = torch.cat([paged.step({0: ids[:12]})[0], paged.step({0: ids[12:]})[0]])
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [12, 10]))
 
 
 def test_bfloat16_runs_close_to_float32(tiny_checkpoint):
