@@ -132,15 +132,24 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The prompt text for a conversation. It already holds any BOS the template writes,
-        so encode it with add_special_tokens=False."""
+        so encode it with add_special_tokens=False.
+
+        A template that refuses a system message (Gemma 1 and 2: "System role not supported")
+        gets it folded into the first user message instead, as Gemma 3's own template does."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         # Unset special tokens stay undefined (render as ""), not the text "None".
         context = {name: text for name, text in self.special_tokens.items() if text is not None}
-        context.update(extra, messages=messages, add_generation_prompt=add_generation_prompt)
+        context.update(extra, add_generation_prompt=add_generation_prompt)
         try:
-            return self._compiled_template.render(**context)
+            return self._compiled_template.render(messages=messages, **context)
         except jinja2.TemplateError as exc:
+            folded = _system_folded_into_first_user(messages)
+            if folded is not None:
+                try:
+                    return self._compiled_template.render(messages=folded, **context)
+                except jinja2.TemplateError:
+                    pass  # the template's complaint is about something else: report the first
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
 
     @cached_property
@@ -151,6 +160,17 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def _system_folded_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with a leading system message put before the first user message's text,
+    a blank line between (Gemma 3's way); None if it does not start system, user with text."""
+    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+        return None
+    system, user = messages[0].get("content"), messages[1].get("content")
+    if not (isinstance(system, str) and isinstance(user, str)):
+        return None
+    return [{**messages[1], "content": f"{system}\n\n{user}"}, *messages[2:]]
 
 
 class IncrementalDetokenizer:
