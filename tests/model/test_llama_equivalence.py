@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import load_model
 from tests.model.paged import PagedSequences
 from tests.model.tiny import SHAPES, make_hf_model, save_checkpoint, write_gguf
@@ -126,3 +127,31 @@ def test_bfloat16_runs_close_to_float32(tiny_checkpoint):
     assert ours.dtype == torch.float32
     expected = hf_chunked_logits(checkpoint.hf_model, ids, [len(ids)])
     assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+# Prompt lengths per shape, with 24 tokens a step: the 20-token prompt's prefill is cut in two.
+# A LongRoPE model's sequences stay on one side of its original length (16) from their first
+# chunk on (3 + 12, 4 + 12 tokens; 20 from a first chunk of 17): transformers' generate
+# recomputes the cache with the long factors when a sequence crosses that length, where ours
+# keeps the keys already computed, as transformers' forward does.
+ENGINE_PROMPTS = {"qwen3_qk_norm": (13, 3, 20), "gemma2_softcap_window": (13, 3, 20),
+                  "gemma3_local_rope": (13, 3, 20), "phi3_longrope_window": (3, 4, 20),
+                  "phi4_partial_rotary": (13, 3, 20)}
+
+
+@pytest.mark.parametrize("shape", sorted(ENGINE_PROMPTS))
+def test_engine_greedy_matches_transformers(shape, tiny_checkpoint):
+    """The whole engine (paged blocks of 4, prefills cut into chunks beside other requests'
+    decodes) generates transformers' greedy tokens."""
+    checkpoint = tiny_checkpoint(shape)
+    llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, max_model_len=64,
+              kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    prompts = [token_ids(length, seed=20 + length) for length in ENGINE_PROMPTS[shape]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        expected = checkpoint.hf_model.generate(  # no eos ids: as ignore_eos
+            ids, eos_token_id=[], pad_token_id=0, max_new_tokens=12, do_sample=False,
+            attention_mask=torch.ones_like(ids))
+        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
