@@ -32,7 +32,11 @@ def sentencepiece_from_gguf(metadata: dict[str, Any]) -> tokenizers.Tokenizer:
         tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         ranks = {token: -index for index, token in enumerate(tokens)}
     else:
-        ranks = dict(zip(tokens, metadata["tokenizer.ggml.scores"], strict=True))
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError("the GGUF SentencePiece vocabulary needs one score per token "
+                             "(tokenizer.ggml.scores); the file's is missing or of another length")
+        ranks = dict(zip(tokens, scores))
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in metadata:
         merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]

@@ -113,3 +113,10 @@ def test_merges_rank_by_the_merged_piece():
     ranks = {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -2.0, "bc": -1.0, "abc": -3.0}
     # bc scores best; abc splits two ways, the longer left part first.
     assert merges_by_rank(vocab, ranks) == [("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]
+
+
+def test_vocabulary_without_scores_is_refused(tmp_path):
+    metadata = dict(GGUFCheckpoint(write_vocab(tmp_path / "v.gguf", "llama")).metadata)
+    del metadata["tokenizer.ggml.scores"]
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):
+        Tokenizer.from_gguf(metadata)
