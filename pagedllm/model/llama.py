@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +64,6 @@ def default_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
     return 1.0 / (base**exponents)
 
 
-def linear_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    return inv_freq / scaling["factor"]
-
-
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1: slow the low frequencies by `factor`, keep the high ones, blend in between."""
     factor = scaling["factor"]
@@ -88,9 +85,8 @@ def longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Tens
     return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base**exponents)
 
 
-def longrope_attention_factor(config: ModelConfig) -> float:
+def longrope_attention_factor(config: ModelConfig, scaling: dict) -> float:
     """How much LongRoPE scales cos and sin: from the context it was stretched by, unless given."""
-    scaling = config.rope_scaling
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
     original = scaling["original_max_position_embeddings"]
@@ -98,9 +94,48 @@ def longrope_attention_factor(config: ModelConfig) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
 
 
-# Rope types whose frequencies are rescaled once, at load. ("dynamic" and "longrope" depend on
-# each request's length, so RotaryEmbedding picks theirs per step.)
-_SCALED_INV_FREQ = {"linear": linear_inv_freq, "llama3": llama3_inv_freq}
+def dynamic_ntk_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: past the trained length, stretch the base by the request's length."""
+    limit, dim, factor = rope.length_limit, rope.dim, rope.scaling["factor"]
+    seq_lens = torch.maximum(seq_lens, torch.tensor(limit))
+    base = rope.theta * ((factor * seq_lens / limit) - (factor - 1)) ** (dim / (dim - 2))
+    return default_inv_freq(base, dim).to(rope.inv_freq.device)
+
+
+def longrope_long_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
+    """LongRoPE: the long factors for the requests past the original length."""
+    long = longrope_inv_freq(rope.theta, rope.dim, rope.scaling["long_factor"])
+    return torch.where((seq_lens > rope.length_limit)[:, None], long.to(rope.inv_freq.device),
+                       rope.inv_freq)
+
+
+@dataclass(frozen=True)
+class RopeType:
+    """What a rope scaling type does: its frequencies at load (from base, rotary dim, scaling), the
+    factor on cos and sin, and, for types that change past a length, that length and the
+    frequencies of each token of the requests past it (given each token's request length)."""
+
+    inv_freq: Callable[[float, int, dict | None], torch.Tensor]
+    attention_factor: Callable[[ModelConfig, dict], float] = lambda config, scaling: 1.0
+    length_limit: Callable[[ModelConfig, dict], int] | None = None
+    inv_freq_past_limit: Callable[[RotaryEmbedding, torch.Tensor], torch.Tensor] | None = None
+
+
+# The one table of rope types (config.SUPPORTED_ROPE_TYPES names the same ones).
+ROPE_TYPES = {
+    "default": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim)),
+    "linear": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim) / scaling["factor"]),
+    "llama3": RopeType(lambda base, dim, scaling: llama3_inv_freq(default_inv_freq(base, dim),
+                                                                  scaling)),
+    "dynamic": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim),
+                        length_limit=lambda config, scaling: config.max_position_embeddings,
+                        inv_freq_past_limit=dynamic_ntk_inv_freq),
+    "longrope": RopeType(
+        lambda base, dim, scaling: longrope_inv_freq(base, dim, scaling["short_factor"]),
+        attention_factor=longrope_attention_factor,
+        length_limit=lambda config, scaling: scaling["original_max_position_embeddings"],
+        inv_freq_past_limit=longrope_long_inv_freq),
+}
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,22 +146,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, local: bool = False):
         super().__init__()
-        self.config = config
-        self.rope_type = "default" if local else config.rope_type
         self.scaling = None if local else config.rope_scaling
-        theta = config.local_rope_theta if local else config.rope_theta
-        dim = config.rotary_dim
-        if self.rope_type == "longrope":
-            inv_freq = longrope_inv_freq(theta, dim, self.scaling["short_factor"])
-            self.register_buffer("long_inv_freq", longrope_inv_freq(
-                theta, dim, self.scaling["long_factor"]), persistent=False)
-            self.attention_scaling = longrope_attention_factor(config)
-        else:
-            inv_freq = default_inv_freq(theta, dim)
-            if self.rope_type in _SCALED_INV_FREQ:
-                inv_freq = _SCALED_INV_FREQ[self.rope_type](inv_freq, self.scaling)
-            self.attention_scaling = 1.0
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.theta = config.local_rope_theta if local else config.rope_theta
+        self.dim = config.rotary_dim
+        self.rope = ROPE_TYPES["default" if local else config.rope_type]
+        self.attention_factor = self.rope.attention_factor(config, self.scaling)
+        self.length_limit = (self.rope.length_limit(config, self.scaling)
+                             if self.rope.length_limit else None)
+        self.register_buffer("inv_freq", self.rope.inv_freq(self.theta, self.dim, self.scaling),
+                             persistent=False)
 
     def forward(
         self, positions: torch.Tensor, attn_metadata: AttentionMetadata, dtype: torch.dtype
@@ -134,32 +162,18 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self._inv_freq(attn_metadata)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        if self.attention_scaling != 1.0:
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
     def _inv_freq(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """The frequencies of this step: [rotary_dim / 2], or [T, rotary_dim / 2] for the rope
-        types that change past a length (dynamic NTK: the trained length; LongRoPE: the original
-        one). transformers uses the length of the sequence being computed; here each request gets
-        its own, so a request's output does not depend on what else is in the batch."""
-        if self.rope_type == "dynamic":
-            limit = self.config.max_position_embeddings
-        elif self.rope_type == "longrope":
-            limit = self.scaling["original_max_position_embeddings"]
-        else:
+        """The frequencies of this step: [dim / 2], or [T, dim / 2] once a request is past the
+        length where its rope type changes them. transformers uses the length of the sequence
+        being computed; here each request gets its own, so a request's output does not depend on
+        what else is in the batch."""
+        if self.length_limit is None or attn_metadata.max_seq_len <= self.length_limit:
             return self.inv_freq
-        if attn_metadata.max_seq_len <= limit:
-            return self.inv_freq
-        seq_lens = _seq_len_of_each_token(attn_metadata)
-        if self.rope_type == "longrope":
-            return torch.where((seq_lens > limit)[:, None], self.long_inv_freq, self.inv_freq)
-        # Dynamic NTK: past the trained length, stretch the base by the request's length.
-        dim, factor = self.config.rotary_dim, self.scaling["factor"]
-        seq_lens = torch.maximum(seq_lens, torch.tensor(limit))
-        base = self.config.rope_theta * (
-            (factor * seq_lens / limit) - (factor - 1)) ** (dim / (dim - 2))
-        return default_inv_freq(base, dim).to(self.inv_freq.device)
+        return self.rope.inv_freq_past_limit(self, _seq_len_of_each_token(attn_metadata))
 
 
 def _seq_len_of_each_token(attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -170,3 +170,10 @@ def test_gemma_gguf_metadata_takes_llama_cpp_defaults():
          "gemma3.rope.freq_base": 1e6}, set())
     assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6) and gemma3.local_rope_theta == 1e4
     assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+
+
+def test_every_supported_rope_type_is_implemented():
+    from pagedllm.model.config import SUPPORTED_ROPE_TYPES
+    from pagedllm.model.llama import ROPE_TYPES
+
+    assert set(ROPE_TYPES) == set(SUPPORTED_ROPE_TYPES)
