@@ -104,9 +104,9 @@ def dynamic_ntk_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch
 
 def longrope_long_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
     """LongRoPE: the long factors for the requests past the original length."""
-    long = longrope_inv_freq(rope.theta, rope.dim, rope.scaling["long_factor"])
-    return torch.where((seq_lens > rope.length_limit)[:, None], long.to(rope.inv_freq.device),
-                       rope.inv_freq)
+    device = rope.inv_freq.device
+    long = longrope_inv_freq(rope.theta, rope.dim, rope.scaling["long_factor"]).to(device)
+    return torch.where((seq_lens > rope.length_limit)[:, None].to(device), long, rope.inv_freq)
 
 
 @dataclass(frozen=True)
