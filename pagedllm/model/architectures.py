@@ -29,6 +29,7 @@ class Architecture:
     # q/k/v and gate/up are stored already fused, as qkv_proj and gate_up_proj.
     fused_checkpoint: bool = False
     hidden_act: str = "silu"  # the MLP's gate activation where config.json does not name one
+    sliding_window: bool = True  # honours config.json's sliding_window (Llama's models ignore it)
     # Which layers use the sliding window when the checkpoint does not list them: every layer
     # (None), or all but every period-th layer (Gemma: period 2, layers 0, 2, 4... slide).
     sliding_period: int | None = None
@@ -41,7 +42,7 @@ _GEMMA = dict(sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
 
 # Hugging Face architecture class name -> what it changes.
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(gguf_name="llama"),
+    "LlamaForCausalLM": Architecture(gguf_name="llama", sliding_window=False),
     "MistralForCausalLM": Architecture(),
     "Qwen2ForCausalLM": Architecture(gguf_name="qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": Architecture(gguf_name="qwen3", qk_norm=True),

@@ -113,7 +113,7 @@ class ModelConfig:
         architecture = _hf_architecture(config)
         arch = ARCHITECTURES[architecture]
         heads = config["num_attention_heads"]
-        rope_theta, rope_scaling, local_rope_theta = _hf_rope(config)
+        rope_theta, rope_scaling, local_rope_theta = _hf_rope(config, arch)
         attention_bias = bool(config.get("attention_bias", False))
         if config.get("use_bidirectional_attention"):
             raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
@@ -233,7 +233,9 @@ def _hf_architecture(config: dict[str, Any]) -> str:
     return architectures[0]
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+def _hf_rope(
+    config: dict[str, Any], arch: Architecture
+) -> tuple[float, dict[str, Any] | None, float | None]:
     """(rope_theta, rope_scaling, local_rope_theta) from the older keys or the newer
     rope_parameters, which Gemma 3 splits by layer type."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -246,8 +248,8 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, floa
     params.pop("type", None)
     params.pop("partial_rotary_factor", None)  # read by _hf_partial_rotary_factor
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's older name for it
-    if local_theta is None and _hf_architecture(config) == "Gemma3ForCausalLM":
-        local_theta = ARCHITECTURES["Gemma3ForCausalLM"].local_rope_theta
+    if local_theta is None:
+        local_theta = arch.local_rope_theta
     if rope_type == "default":
         return float(theta), None, local_theta
     if rope_type in ("llama3", "longrope"):
@@ -267,7 +269,7 @@ def _hf_sliding_window(
 ) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers that use it; None: all) from layer_types, which transformers writes,
     or from each family's older keys."""
-    window = config.get("sliding_window")
+    window = config.get("sliding_window") if arch.sliding_window else None
     num_layers = config["num_hidden_layers"]
     if not window or ("use_sliding_window" in config and not config["use_sliding_window"]):
         return None, None

@@ -129,6 +129,8 @@ def test_sliding_layers_per_family():
     phi3 = ModelConfig.from_hf_config({**BASE, "architectures": ["Phi3ForCausalLM"],
                                        "sliding_window": 2047})
     assert phi3.sliding_layers is None and phi3.uses_sliding_window(1)
+    # transformers' Llama has no window, whatever its config.json says.
+    assert ModelConfig.from_hf_config({**BASE, "sliding_window": 8}).sliding_window is None
 
 
 def test_phi3_longrope_older_keys():
