@@ -111,8 +111,8 @@ class Tokenizer:
         extra_eos = [metadata[k] for k in ("tokenizer.ggml.eot_token_id",
                                            "tokenizer.ggml.eom_token_id") if k in metadata]
         token_types = metadata.get("tokenizer.ggml.token_type") or []
-        extra_eos += [i for i, (token, kind) in enumerate(zip(tokens, token_types))
-                      if kind == _CONTROL and token in _END_OF_TURN_TOKENS]
+        extra_eos += [i for i, (token, token_type) in enumerate(zip(tokens, token_types))
+                      if token_type == _CONTROL and token in _END_OF_TURN_TOKENS]
         return cls(backend, special, metadata.get("tokenizer.chat_template"), extra_eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
