@@ -1,7 +1,8 @@
 """Encode, decode incrementally, and render chat templates, on the `tokenizers` library.
 
 A tokenizer comes from a Hugging Face folder (tokenizer.json) or is rebuilt from the vocabulary,
-merges and special tokens a GGUF file stores as metadata.
+merges and special tokens a GGUF file stores as metadata: byte-level BPE here, SentencePiece in
+sentencepiece_vocab.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from pagedllm.sentencepiece_vocab import sentencepiece_from_gguf
+
 logger = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+# Control tokens that end a turn, which llama.cpp stops at whatever the file's eos id says.
+_END_OF_TURN_TOKENS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>",
+                                 "<end_of_turn>", "<|endoftext|>", "<EOT>"})
 
 # How each GGUF `tokenizer.ggml.pre` splits text before byte-level BPE. Names not listed use
 # GPT-2's own split, as transformers does for them (SmolLM2 says "smollm").
@@ -84,10 +90,11 @@ class Tokenizer:
         if not isinstance(metadata, dict):
             metadata = {name: f.contents() for name, f in reader_or_metadata.fields.items()}
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in _GGUF_VOCABULARIES:
             raise ValueError(
-                f"cannot build a tokenizer from GGUF tokenizer model {kind!r}: only byte-level "
-                "BPE ('gpt2') is supported; use the model's Hugging Face folder instead")
+                f"cannot build a tokenizer from GGUF tokenizer model {kind!r}: supported are "
+                "'gpt2' (byte-level BPE) and 'llama' (SentencePiece); use the model's Hugging "
+                "Face folder instead")
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
 
         def text_of(key: str) -> str | None:
@@ -98,9 +105,14 @@ class Tokenizer:
                    "eos_token": text_of("eos_token_id"),
                    "unk_token": text_of("unknown_token_id"),
                    "pad_token": text_of("padding_token_id")}
-        backend = _byte_level_bpe_from_gguf(metadata, special)
+        backend = _GGUF_VOCABULARIES[kind](metadata)
+        _add_gguf_special_tokens(backend, metadata, byte_level=kind == "gpt2")
+        backend.post_processor = _bos_eos_processor(metadata, special)
         extra_eos = [metadata[k] for k in ("tokenizer.ggml.eot_token_id",
                                            "tokenizer.ggml.eom_token_id") if k in metadata]
+        token_types = metadata.get("tokenizer.ggml.token_type") or []
+        extra_eos += [i for i, (token, token_type) in enumerate(zip(tokens, token_types))
+                      if token_type == _CONTROL and token in _END_OF_TURN_TOKENS]
         return cls(backend, special, metadata.get("tokenizer.chat_template"), extra_eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -120,15 +132,24 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The prompt text for a conversation. It already holds any BOS the template writes,
-        so encode it with add_special_tokens=False."""
+        so encode it with add_special_tokens=False.
+
+        A template that refuses a system message (Gemma 1 and 2: "System role not supported")
+        gets it folded into the first user message instead, as Gemma 3's own template does."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         # Unset special tokens stay undefined (render as ""), not the text "None".
         context = {name: text for name, text in self.special_tokens.items() if text is not None}
-        context.update(extra, messages=messages, add_generation_prompt=add_generation_prompt)
+        context.update(extra, add_generation_prompt=add_generation_prompt)
         try:
-            return self._compiled_template.render(**context)
+            return self._compiled_template.render(messages=messages, **context)
         except jinja2.TemplateError as exc:
+            folded = _system_folded_into_first_user(messages)
+            if folded is not None:
+                try:
+                    return self._compiled_template.render(messages=folded, **context)
+                except jinja2.TemplateError:
+                    pass  # the template's complaint is about something else: report the first
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
 
     @cached_property
@@ -139,6 +160,17 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def _system_folded_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with a leading system message put before the first user message's text,
+    a blank line between (Gemma 3's way); None if it does not start system, user with text."""
+    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+        return None
+    system, user = messages[0].get("content"), messages[1].get("content")
+    if not (isinstance(system, str) and isinstance(user, str)):
+        return None
+    return [{**messages[1], "content": f"{system}\n\n{user}"}, *messages[2:]]
 
 
 class IncrementalDetokenizer:
@@ -193,12 +225,9 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
 
-def _byte_level_bpe_from_gguf(
-    metadata: dict[str, Any], special: dict[str, str | None]
-) -> tokenizers.Tokenizer:
+def _byte_level_bpe_from_gguf(metadata: dict[str, Any]) -> tokenizers.Tokenizer:
     """Byte-level BPE built the way transformers builds it from the same metadata."""
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     alphabet = set(_bytes_to_unicode().values())
     vocab = {_byte_level_spelling(token, alphabet): i for i, token in enumerate(tokens)}
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
@@ -211,23 +240,41 @@ def _byte_level_bpe_from_gguf(
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a converter mislabel: skip it.
+    return backend
+
+
+_GGUF_VOCABULARIES = {"gpt2": _byte_level_bpe_from_gguf, "llama": sentencepiece_from_gguf}
+
+
+def _add_gguf_special_tokens(
+    backend: tokenizers.Tokenizer, metadata: dict[str, Any], byte_level: bool
+) -> None:
+    """Control tokens (and SentencePiece's unknown token) matched whole as special tokens,
+    user-defined ones (like <think>) matched whole as plain text, as transformers adds them."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    special_kinds = {_CONTROL} if byte_level else {_CONTROL, _UNKNOWN}
+    # In a byte-level vocabulary a control token spelled outside the byte alphabet is a
+    # converter mislabel: skip it.
+    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
     backend.add_special_tokens([
         AddedToken(token, special=True, normalized=False)
         for token, kind in zip(tokens, token_types)
-        if kind == _CONTROL and set(token) <= alphabet])
+        if kind in special_kinds and (alphabet is None or set(token) <= alphabet)])
+    vocab = backend.get_vocab()
     backend.add_tokens([
         AddedToken(token, special=False, normalized=False)
         for token, kind in zip(tokens, token_types)
         if kind == _USER_DEFINED and token in vocab])
-    backend.post_processor = _bos_eos_processor(metadata, special)
-    return backend
 
 
 def _bos_eos_processor(metadata: dict[str, Any], special: dict[str, str | None]):
-    """Adds BOS/EOS around each sequence if the file says to (tokenizer.ggml.add_*_token)."""
+    """Adds BOS/EOS around each sequence if the file says to (tokenizer.ggml.add_*_token;
+    SentencePiece files that do not say add BOS, as llama.cpp does)."""
     before, after, specials = [], [], []
-    if metadata.get("tokenizer.ggml.add_bos_token") and special["bos_token"]:
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token",
+                           metadata.get("tokenizer.ggml.model") == "llama")
+    if add_bos and special["bos_token"]:
         before = [special["bos_token"]]
         specials.append((special["bos_token"], metadata["tokenizer.ggml.bos_token_id"]))
     if metadata.get("tokenizer.ggml.add_eos_token") and special["eos_token"]:

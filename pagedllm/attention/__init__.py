@@ -47,14 +47,16 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache
-    (the new K/V already written by write_kv): [T, Hq, D]."""
+    (the new K/V already written by write_kv): [T, Hq, D]. softcap: scores become
+    softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     if cpu_kernel.supports(query, key_cache):
         return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
-                                          sliding_window)
+                                          sliding_window, softcap)
     return torch_ref.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
-                                     sliding_window)
+                                     sliding_window, softcap)
 
 
 def kv_cache_shape(

@@ -167,6 +167,7 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_attention; call only where supports() is true."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
@@ -174,7 +175,8 @@ def paged_attention(
     return torch.ops.pagedllm_cpu.paged_attention(
         query, key_cache, value_cache, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
-        sliding_window if sliding_window is not None else 0)
+        sliding_window if sliding_window is not None else 0,
+        softcap if softcap is not None else 0.0)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -35,10 +35,12 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache.
 
-    The new K/V must already be written (write_kv), so the context includes them.
+    The new K/V must already be written (write_kv), so the context includes them. softcap: the
+    scores become softcap * tanh(score / softcap) before the softmax.
     """
     out = torch.empty_like(query)
     starts = attn_metadata.query_start_loc_cpu
@@ -50,11 +52,12 @@ def paged_attention(
         elif q_end > q_start:
             out[q_start:q_end] = _chunk_attention(
                 query[q_start:q_end], key_cache, value_cache,
-                attn_metadata.block_tables[b], ctx_len, scale, sliding_window)
+                attn_metadata.block_tables[b], ctx_len, scale, sliding_window, softcap)
     if decodes:
         rows = torch.tensor([starts[b] for b in decodes], device=query.device)
         out[rows] = _batched_decode_attention(
-            query[rows], key_cache, value_cache, attn_metadata, decodes, scale, sliding_window)
+            query[rows], key_cache, value_cache, attn_metadata, decodes, scale, sliding_window,
+            softcap)
     return out
 
 
@@ -74,6 +77,7 @@ def _chunk_attention(
     ctx_len: int,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Causal attention of q_len new tokens that come after ctx_len - q_len cached ones."""
     q_len = query.shape[0]
@@ -83,16 +87,15 @@ def _chunk_attention(
     # SDPA's is_causal aligns the mask to the top-left corner, which is only right without
     # cached context, so the mask is built explicitly.
     # Without cached context or a window the two agree, and is_causal takes the faster kernel.
-    if q_len == ctx_len and sliding_window is None:
+    if q_len == ctx_len and sliding_window is None and softcap is None:
         mask, is_causal = None, True
     else:
         mask, is_causal = _chunk_mask(q_len, ctx_len, sliding_window, query.device), False
     # A leading batch dimension of 1: SDPA takes its fast CPU (flash) path only for 4-D inputs
     # (measured 7-12x faster on a 1024-token bf16 chunk than the same call with 3-D tensors).
-    out = F.scaled_dot_product_attention(
+    out = _attention(
         query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+        value.transpose(0, 1).unsqueeze(0), mask, is_causal, scale, softcap)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -116,6 +119,7 @@ def _batched_decode_attention(
     decodes: list[int],
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """One new token [N, Hq, D] for each of N requests, attending over padded contexts."""
     block_size = key_cache.shape[1]
@@ -134,7 +138,30 @@ def _batched_decode_attention(
     mask = key_pos < lens
     if sliding_window is not None:
         mask &= key_pos >= lens - sliding_window
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    out = _attention(query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2),
+                     mask[:, None, None, :], False, scale, softcap)
     return out[:, :, 0, :]
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over [B, H, L, D] inputs whose key/value heads each serve a group of query heads.
+    SDPA has no hook to soft-cap the scores, so soft-capped attention is written out, in float32
+    (a mask is then required)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                              is_causal=is_causal, scale=scale, enable_gqa=True)
+    group = query.shape[1] // key.shape[1]
+    key = key.float().repeat_interleave(group, dim=1)
+    value = value.float().repeat_interleave(group, dim=1)
+    scores = query.float() @ key.transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ value).to(query.dtype)

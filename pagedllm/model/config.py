@@ -7,12 +7,17 @@ from typing import Any
 
 import torch
 
+from pagedllm.model.architectures import (
+    ACTIVATIONS,
+    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
+    Architecture,
+)
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-# GGUF's general.architecture -> the Hugging Face class it stands for.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# The rope types model/llama.py's ROPE_TYPES implements.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "float": torch.float32,
@@ -46,15 +51,31 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     output_bias: bool = False  # bias on o_proj (Llama's attention_bias sets both)
     mlp_bias: bool = False
-    # Keys further back than this are not attended to, on layers >= first_sliding_layer.
+    # Keys further back than this are not attended to, on the layers listed in sliding_layers
+    # (every layer when None).
     sliding_window: int | None = None
-    first_sliding_layer: int = 0
+    sliding_layers: tuple[int, ...] | None = None
+    hidden_act: str = "silu"  # the MLP's gate activation, a key of ACTIVATIONS
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Soft-capping, x -> cap * tanh(x / cap), of the attention scores and of the final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # The rope base of the sliding-window layers where it differs from rope_theta (Gemma 3);
+    # rope_scaling does not apply to them.
+    local_rope_theta: float | None = None
+    # The share of each head's dimensions that rotary turns; the rest pass through unchanged.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"unsupported hidden activation {self.hidden_act!r}; "
+                f"supported: {', '.join(ACTIVATIONS)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -65,8 +86,21 @@ class ModelConfig:
     def rope_type(self) -> str:
         return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
 
+    @property
+    def arch(self) -> Architecture:
+        """What this model's family changes in the Llama decoder."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def uses_sliding_window(self, layer_index: int) -> bool:
-        return self.sliding_window is not None and layer_index >= self.first_sliding_layer
+        return self.sliding_window is not None and (
+            self.sliding_layers is None or layer_index in self.sliding_layers)
+
+    def uses_local_rope(self, layer_index: int) -> bool:
+        return self.local_rope_theta is not None and self.uses_sliding_window(layer_index)
 
     @classmethod
     def from_hf_config(
@@ -77,13 +111,13 @@ class ModelConfig:
         if missing:
             raise ModelLoadError(f"config.json lacks required keys: {', '.join(missing)}")
         architecture = _hf_architecture(config)
+        arch = ARCHITECTURES[architecture]
         heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _hf_rope(config)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        rope_theta, rope_scaling, local_rope_theta = _hf_rope(config, arch)
         attention_bias = bool(config.get("attention_bias", False))
-        if config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {config['hidden_act']!r}")
-        window, first_window_layer = _hf_sliding_window(config, architecture)
+        if config.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
+        window, sliding_layers = _hf_sliding_window(config, arch)
         eos_ids = _as_id_list(config.get("eos_token_id"))
         if generation_config:
             eos_ids += [i for i in _as_id_list(generation_config.get("eos_token_id"))
@@ -102,42 +136,55 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or attention_bias,
-            output_bias=attention_bias and not is_qwen2,
+            attention_bias=arch.qkv_bias or attention_bias,
+            output_bias=attention_bias and not arch.qkv_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=parse_dtype_name(config.get("dtype") or config.get("torch_dtype") or "float32"),
             sliding_window=window,
-            first_sliding_layer=first_window_layer,
+            sliding_layers=sliding_layers,
+            # Gemma names it hidden_activation (and may carry a stale hidden_act beside it).
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or arch.hidden_act,
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            local_rope_theta=local_rope_theta,
+            partial_rotary_factor=_hf_partial_rotary_factor(config),
         )
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         """From GGUF key/value metadata (llama.cpp's key names) and the names of its tensors."""
-        arch = metadata["general.architecture"]
-        if arch not in GGUF_ARCHITECTURES:
+        gguf_arch = metadata["general.architecture"]
+        if gguf_arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported GGUF architecture {arch!r}; "
+                f"unsupported GGUF architecture {gguf_arch!r}; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+        architecture = GGUF_ARCHITECTURES[gguf_arch]
+        arch = ARCHITECTURES[architecture]
 
         def key(name: str, default: Any = None) -> Any:
-            return metadata.get(f"{arch}.{name}", default)
+            default = _LLAMA_CPP_DEFAULTS.get(gguf_arch, {}).get(name, default)
+            return metadata.get(f"{gguf_arch}.{name}", default)
 
         heads = key("attention.head_count")
         hidden = key("embedding_length")
+        head_dim = key("attention.key_length") or hidden // heads
+        layers = key("block_count")
         eos_ids = [metadata[k] for k in ("tokenizer.ggml.eos_token_id",
                                          "tokenizer.ggml.eot_token_id",
                                          "tokenizer.ggml.eom_token_id") if k in metadata]
+        window, sliding_layers = _gguf_sliding_window(key, arch, layers)
         return cls(
-            architecture=GGUF_ARCHITECTURES[arch],
+            architecture=architecture,
             vocab_size=key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=key("feed_forward_length"),
-            num_hidden_layers=key("block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=key("attention.head_count_kv") or heads,
-            head_dim=key("attention.key_length") or hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=key("rope.freq_base", 10000.0),
             rope_scaling=_gguf_rope_scaling(key),
@@ -148,6 +195,15 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             dtype=_GGUF_FILE_DTYPES.get(metadata.get("general.file_type", 0), torch.float32),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            hidden_act=arch.hidden_act,
+            query_pre_attn_scalar=_gguf_query_pre_attn_scalar(
+                gguf_arch, hidden, heads, head_dim, layers),
+            attn_logit_softcapping=key("attn_logit_softcapping"),
+            final_logit_softcapping=key("final_logit_softcapping"),
+            local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
+            partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
         )
 
 
@@ -177,26 +233,91 @@ def _hf_architecture(config: dict[str, Any]) -> str:
     return architectures[0]
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the old keys or the newer rope_parameters."""
+def _hf_rope(
+    config: dict[str, Any], arch: Architecture
+) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, local_rope_theta) from the older keys or the newer
+    rope_parameters, which Gemma 3 splits by layer type."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    local_theta = config.get("rope_local_base_freq")
+    if "full_attention" in params:
+        local_theta = (params.get("sliding_attention") or {}).get("rope_theta", local_theta)
+        params = dict(params["full_attention"] or {})
     theta = params.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # read by _hf_partial_rotary_factor
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's older name for it
+    if local_theta is None:
+        local_theta = arch.local_rope_theta
     if rope_type == "default":
-        return float(theta), None
-    if rope_type == "llama3":
+        return float(theta), None, local_theta
+    if rope_type in ("llama3", "longrope"):
         params.setdefault("original_max_position_embeddings",
-                          config.get("max_position_embeddings", 2048))
-    return float(theta), {"rope_type": rope_type, **params}
+                          config.get("original_max_position_embeddings")
+                          or config.get("max_position_embeddings", 2048))
+    return float(theta), {"rope_type": rope_type, **params}, local_theta
 
 
-def _hf_sliding_window(config: dict[str, Any], architecture: str) -> tuple[int | None, int]:
-    if architecture == "MistralForCausalLM":
-        return config.get("sliding_window"), 0
-    if architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        return config.get("sliding_window"), config.get("max_window_layers", 28)
-    return None, 0
+def _hf_partial_rotary_factor(config: dict[str, Any]) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
+
+
+def _hf_sliding_window(
+    config: dict[str, Any], arch: Architecture
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers that use it; None: all) from layer_types, which transformers writes,
+    or from each family's older keys."""
+    window = config.get("sliding_window") if arch.sliding_window else None
+    num_layers = config["num_hidden_layers"]
+    if not window or ("use_sliding_window" in config and not config["use_sliding_window"]):
+        return None, None
+    if config.get("layer_types"):
+        return window, tuple(i for i, kind in enumerate(config["layer_types"])
+                             if kind == "sliding_attention")
+    if "use_sliding_window" in config:  # Qwen2/Qwen3: the layers from max_window_layers on
+        return window, tuple(range(config.get("max_window_layers", 28), num_layers))
+    return window, _periodic_sliding_layers(
+        config.get("sliding_window_pattern") or arch.sliding_period, num_layers)
+
+
+def _periodic_sliding_layers(period: int | None, num_layers: int) -> tuple[int, ...] | None:
+    """Every layer but each period-th one (None: every layer)."""
+    if period is None:
+        return None
+    return tuple(i for i in range(num_layers) if (i + 1) % period)
+
+
+def _gguf_sliding_window(
+    key, arch: Architecture, num_layers: int
+) -> tuple[int | None, tuple[int, ...] | None]:
+    window = key("attention.sliding_window")
+    if not window:
+        return None, None
+    pattern = key("attention.sliding_window_pattern", arch.sliding_period)
+    if isinstance(pattern, list):  # one flag per layer
+        return window, tuple(i for i, sliding in enumerate(pattern) if sliding)
+    return window, _periodic_sliding_layers(pattern, num_layers)
+
+
+# What llama.cpp assumes where a file of that architecture is silent.
+_LLAMA_CPP_DEFAULTS = {
+    "gemma2": {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+}
+
+# GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every
+# size but the 27B one, told apart by its layer count, which uses hidden_size / heads.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_query_pre_attn_scalar(
+    gguf_arch: str, hidden: int, heads: int, head_dim: int, layers: int
+) -> int | None:
+    if gguf_arch not in _GEMMA_27B_LAYERS:
+        return None
+    return hidden // heads if layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
 
 
 def _gguf_rope_scaling(key) -> dict[str, Any] | None:
@@ -219,7 +340,9 @@ def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     required = {"linear": ["factor"], "dynamic": ["factor"],
                 "llama3": ["factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings"]}.get(rope_type, [])
+                           "original_max_position_embeddings"],
+                "longrope": ["short_factor", "long_factor", "original_max_position_embeddings"],
+                }.get(rope_type, [])
     missing = [name for name in required if name not in scaling]
     if missing:
         raise UnsupportedModelError(f"{rope_type} rope scaling lacks {', '.join(missing)}")

@@ -1,7 +1,10 @@
-"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized under Hugging Face names."""
+"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized under Hugging Face names, with
+what llama.cpp's converter changed in them undone (the q/k row order of Llama, Gemma's norm offset).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,9 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import CorruptCheckpointError, UnsupportedModelError
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+    Q.Q6_K, Q.IQ4_NL})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,6 +36,21 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Per GGUF architecture where its layer tensors are named otherwise.
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    # Phi-3 keeps q/k/v and gate/up fused; llama.cpp calls the fused gate/up ffn_up.
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -52,9 +71,11 @@ class GGUFCheckpoint:
                 "it is truncated or damaged") from None
         self._check_complete()
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()}
+        self.architecture = self.metadata.get("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
         # Hugging Face name -> GGUF name, for the tensors we know.
-        self.hf_names = {hf: name for name in self.tensors if (hf := hf_name(name)) is not None}
+        self.hf_names = {hf: name for name in self.tensors
+                         if (hf := hf_name(name, self.architecture)) is not None}
 
     def _check_complete(self) -> None:
         file_size = self.path.stat().st_size
@@ -66,7 +87,25 @@ class GGUFCheckpoint:
                     f"but the file has {file_size} bytes")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_gguf_metadata(self.metadata, set(self.tensors))
+        config = ModelConfig.from_gguf_metadata(self.metadata, set(self.tensors))
+        longrope = self._longrope_scaling()
+        return dataclasses.replace(config, rope_scaling=longrope) if longrope else config
+
+    def _longrope_scaling(self) -> dict[str, Any] | None:
+        """Phi-3's LongRoPE: its factors are tensors, the rest metadata."""
+        if "rope_factors_long.weight" not in self.tensors:
+            return None
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": self.get_raw("rope_factors_short.weight").tolist(),
+            "long_factor": self.get_raw("rope_factors_long.weight").tolist(),
+            "original_max_position_embeddings":
+                self.metadata.get(f"{self.architecture}.rope.scaling.original_context_length"),
+        }
+        attention_factor = self.metadata.get(f"{self.architecture}.rope.scaling.attn_factor")
+        if attention_factor is not None:
+            scaling["attention_factor"] = attention_factor
+        return scaling
 
     def check_types(self) -> None:
         """Refuse unsupported quantizations before spending time on the others."""
@@ -82,9 +121,8 @@ class GGUFCheckpoint:
         row order transformers uses."""
         name = self.hf_names[hf]
         weights = self.get_raw(name)
-        if self.metadata["general.architecture"] == "llama":
-            weights = _undo_rotary_permutation(weights, name, self.metadata)
-        return weights
+        undo = _CONVERTER_CHANGES.get(self.architecture)
+        return weights if undo is None else undo(weights, name, self.metadata)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Llama 3.1 files carry their rope scaling as per-frequency divisors, not metadata."""
@@ -98,13 +136,14 @@ class GGUFCheckpoint:
         return torch.from_numpy(np.ascontiguousarray(data))
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_NAMES:
+    if match is None or match[2] not in layer_names:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
 
 
 def _undo_rotary_permutation(
@@ -122,3 +161,16 @@ def _undo_rotary_permutation(
     rows = weights.shape[0]
     paired = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
     return paired.transpose(1, 2).reshape(weights.shape).contiguous()
+
+
+def _undo_norm_offset(weights: torch.Tensor, name: str, metadata: dict[str, Any]) -> torch.Tensor:
+    """Gemma's RMSNorm scales by (1 + weight); llama.cpp's converter stores 1 + weight."""
+    return weights - 1 if name.endswith("norm.weight") else weights
+
+
+# What llama.cpp's converter changed in the tensors of each architecture, undone.
+_CONVERTER_CHANGES = {
+    "llama": _undo_rotary_permutation,
+    "gemma2": _undo_norm_offset,
+    "gemma3": _undo_norm_offset,
+}

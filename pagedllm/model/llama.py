@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) whose attention reads the paged KV cache.
+"""A Llama-family decoder whose attention reads the paged KV cache: Llama, Mistral, Qwen2/Qwen3,
+Gemma 2/3 and Phi-3, each family's departures from Llama read from config.arch (architectures.py)
+and the config's numbers, in a few visible lines where they apply.
 
 One flat batch of T tokens from many requests goes through each layer together; only attention
 looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
@@ -15,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, cpu_kernel, paged_attention, write_kv
+from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
 
@@ -75,47 +79,109 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor (as transformers writes it)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base**exponents)
+
+
+def longrope_attention_factor(config: ModelConfig, scaling: dict) -> float:
+    """How much LongRoPE scales cos and sin: from the context it was stretched by, unless given."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def dynamic_ntk_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: past the trained length, stretch the base by the request's length."""
+    limit, dim, factor = rope.length_limit, rope.dim, rope.scaling["factor"]
+    seq_lens = torch.maximum(seq_lens, torch.tensor(limit))
+    base = rope.theta * ((factor * seq_lens / limit) - (factor - 1)) ** (dim / (dim - 2))
+    return default_inv_freq(base, dim).to(rope.inv_freq.device)
+
+
+def longrope_long_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
+    """LongRoPE: the long factors for the requests past the original length."""
+    device = rope.inv_freq.device
+    long = longrope_inv_freq(rope.theta, rope.dim, rope.scaling["long_factor"]).to(device)
+    return torch.where((seq_lens > rope.length_limit)[:, None].to(device), long, rope.inv_freq)
+
+
+@dataclass(frozen=True)
+class RopeType:
+    """What a rope scaling type does: its frequencies at load (from base, rotary dim, scaling), the
+    factor on cos and sin, and, for types that change past a length, that length and the
+    frequencies of each token of the requests past it (given each token's request length)."""
+
+    inv_freq: Callable[[float, int, dict | None], torch.Tensor]
+    attention_factor: Callable[[ModelConfig, dict], float] = lambda config, scaling: 1.0
+    length_limit: Callable[[ModelConfig, dict], int] | None = None
+    inv_freq_past_limit: Callable[[RotaryEmbedding, torch.Tensor], torch.Tensor] | None = None
+
+
+# The one table of rope types (config.SUPPORTED_ROPE_TYPES names the same ones).
+ROPE_TYPES = {
+    "default": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim)),
+    "linear": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim) / scaling["factor"]),
+    "llama3": RopeType(lambda base, dim, scaling: llama3_inv_freq(default_inv_freq(base, dim),
+                                                                  scaling)),
+    "dynamic": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim),
+                        length_limit=lambda config, scaling: config.max_position_embeddings,
+                        inv_freq_past_limit=dynamic_ntk_inv_freq),
+    "longrope": RopeType(
+        lambda base, dim, scaling: longrope_inv_freq(base, dim, scaling["short_factor"]),
+        attention_factor=longrope_attention_factor,
+        length_limit=lambda config, scaling: scaling["original_max_position_embeddings"],
+        inv_freq_past_limit=longrope_long_inv_freq),
+}
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for the tokens of one step, computed on the fly (cheap next to the matmuls,
-    and no table sized by the longest context the model allows)."""
+    and no table sized by the longest context the model allows).
 
-    def __init__(self, config: ModelConfig):
+    local=True: the sliding-window layers' own rope (Gemma 3), its own base and no scaling."""
+
+    def __init__(self, config: ModelConfig, local: bool = False):
         super().__init__()
-        self.config = config
-        inv_freq = default_inv_freq(config.rope_theta, config.head_dim)
-        if config.rope_type == "linear":
-            inv_freq = inv_freq / config.rope_scaling["factor"]
-        elif config.rope_type == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = None if local else config.rope_scaling
+        self.theta = config.local_rope_theta if local else config.rope_theta
+        self.dim = config.rotary_dim
+        self.rope = ROPE_TYPES["default" if local else config.rope_type]
+        self.attention_factor = self.rope.attention_factor(config, self.scaling)
+        self.length_limit = (self.rope.length_limit(config, self.scaling)
+                             if self.rope.length_limit else None)
+        self.register_buffer("inv_freq", self.rope.inv_freq(self.theta, self.dim, self.scaling),
+                             persistent=False)
 
     def forward(
         self, positions: torch.Tensor, attn_metadata: AttentionMetadata, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq
-        if self.config.rope_type == "dynamic":
-            inv_freq = self._dynamic_inv_freq(attn_metadata)
-        freqs = positions[:, None].float() * inv_freq
+        freqs = positions[:, None].float() * self._inv_freq(attn_metadata)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
-    def _dynamic_inv_freq(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Dynamic NTK: past the trained length, stretch the base by the request's length.
-
-        transformers uses the length of the sequence being computed; here each request gets its
-        own, so a request's output does not depend on what else is in the batch.
-        """
-        max_len = self.config.max_position_embeddings
-        if attn_metadata.max_seq_len <= max_len:
+    def _inv_freq(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """The frequencies of this step: [dim / 2], or [T, dim / 2] once a request is past the
+        length where its rope type changes them. transformers uses the length of the sequence
+        being computed; here each request gets its own, so a request's output does not depend on
+        what else is in the batch."""
+        if self.length_limit is None or attn_metadata.max_seq_len <= self.length_limit:
             return self.inv_freq
-        starts = attn_metadata.query_start_loc_cpu
-        new_tokens = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
-        seq_lens = torch.tensor(attn_metadata.seq_lens_cpu, dtype=torch.int64)
-        seq_lens = torch.maximum(seq_lens, torch.tensor(max_len)).repeat_interleave(new_tokens)
-        dim, factor = self.config.head_dim, self.config.rope_scaling["factor"]
-        base = self.config.rope_theta * (
-            (factor * seq_lens / max_len) - (factor - 1)) ** (dim / (dim - 2))
-        return default_inv_freq(base, dim).to(self.inv_freq.device)
+        return self.rope.inv_freq_past_limit(self, _seq_len_of_each_token(attn_metadata))
+
+
+def _seq_len_of_each_token(attn_metadata: AttentionMetadata) -> torch.Tensor:
+    """[T] int64: the context length of each token's request after this step."""
+    starts = attn_metadata.query_start_loc_cpu
+    new_tokens = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
+    seq_lens = torch.tensor(attn_metadata.seq_lens_cpu, dtype=torch.int64)
+    return seq_lens.repeat_interleave(new_tokens)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +190,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
+    """x: [T, heads, D]; cos/sin: [T, R] for the first R <= D dimensions of each head (partial
+    rotary: the others pass through unchanged)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (x * cos) + (rotate_half(x) * sin)
 
@@ -137,12 +208,19 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = (
             config.sliding_window if config.uses_sliding_window(layer_index) else None)
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        self.q_norm = self.k_norm = None
+        if config.arch.qk_norm:  # over each head, before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # Rotary in place on the q/k/v rows needs q and k as projected, and whole heads rotated.
+        self.rotary_in_place = self.q_norm is None and config.rotary_dim == self.head_dim
 
     def forward(
         self,
@@ -154,7 +232,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if cpu_kernel.fused_ops_support(qkv) and qkv.stride(-1) == 1 and cos.is_contiguous():
+        if (self.rotary_in_place and cpu_kernel.fused_ops_support(qkv) and qkv.stride(-1) == 1
+                and cos.is_contiguous()):
             # Rotate q and k where they are, then take views: no copies.
             cpu_kernel.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -162,22 +241,28 @@ class Attention(nn.Module):
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, attn_metadata, self.scale,
-                              sliding_window=self.sliding_window)
+                              sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+    """A gated MLP, down(act(gate(x)) * up(x)), with gate and up as one matmul: SwiGLU (SiLU) for
+    most families, GeGLU (tanh-approximated GELU) for Gemma."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.fused_silu = config.hidden_act == "silu"  # the compiled kernel does SiLU-and-mul
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(
@@ -185,10 +270,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernel.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
+        if self.fused_silu and cpu_kernel.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(cpu_kernel.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -196,8 +281,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
+        # The norm before the MLP, under Llama's name (Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.attn_output_norm = self.mlp_output_norm = None
+        if config.arch.sandwich_norms:
+            self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.uses_local_rope = config.uses_local_rope(layer_index)
 
     def forward(self, x, residual, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
         """x: the previous layer's MLP output (or the embeddings, with residual None); returns this
@@ -207,8 +298,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        if self.attn_output_norm is not None:
+            x = self.attn_output_norm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.mlp_output_norm is not None:
+            x = self.mlp_output_norm(x)
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,7 +316,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
+        # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the weights' dtype.
+        self.embed_scale = config.hidden_size**0.5 if config.arch.scaled_embeddings else None
         self.rotary = RotaryEmbedding(config)
+        self.local_rotary = (RotaryEmbedding(config, local=True)
+                             if config.local_rope_theta is not None else None)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -236,9 +336,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat batch; writes the new K/V into kv_caches."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, attn_metadata, x.dtype)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = self.rotary(positions, attn_metadata, x.dtype)
+        local_rope = (self.local_rotary(positions, attn_metadata, x.dtype)
+                      if self.local_rotary is not None else rope)
         residual = None  # the residual add is folded into the next RMSNorm
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.uses_local_rope else rope
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
         return self.norm(x, residual)[0]
 
@@ -246,9 +351,12 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
         packed = getattr(self, "_packed_lm_head", None)
         if packed is not None:
-            return packed(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = packed(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def prepack_for_cpu(self, max_num_tokens: int) -> bool:
         """Store the bf16 matmul weights (and a copy of a tied LM head) in oneDNN's blocked layout,
@@ -290,8 +398,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(dataclasses.replace(config, dtype=dtype))
 
+        offset = config.arch.norm_offset
+
         def load(name: str) -> torch.Tensor:
-            return get_tensor(name).to(dtype)
+            tensor = get_tensor(name)
+            if offset and name.endswith("norm.weight"):  # stored as offsets (Gemma): fold them in
+                tensor = tensor.float() + offset
+            return tensor.to(dtype)
 
         state = fused_state_dict(config, load)
         model.load_state_dict(state, strict=True, assign=True)
@@ -300,17 +413,29 @@ class LlamaForCausalLM(nn.Module):
 
 def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
     """Our parameter name -> the Hugging Face tensors it is made of, for layer i."""
-    attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    layer, arch = f"model.layers.{i}", config.arch
+    attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
     ours = f"layers.{i}"
+    fused = arch.fused_checkpoint
     names = {
-        f"{ours}.self_attn.qkv_proj.weight": [f"{attn}.{p}_proj.weight" for p in "qkv"],
+        f"{ours}.self_attn.qkv_proj.weight":
+            [f"{attn}.qkv_proj.weight"] if fused else [f"{attn}.{p}_proj.weight" for p in "qkv"],
         f"{ours}.self_attn.o_proj.weight": [f"{attn}.o_proj.weight"],
-        f"{ours}.mlp.gate_up_proj.weight": [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
+        f"{ours}.mlp.gate_up_proj.weight":
+            [f"{mlp}.gate_up_proj.weight"] if fused
+            else [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
         f"{ours}.mlp.down_proj.weight": [f"{mlp}.down_proj.weight"],
-        f"{ours}.input_layernorm.weight": [f"model.layers.{i}.input_layernorm.weight"],
-        f"{ours}.post_attention_layernorm.weight":
-            [f"model.layers.{i}.post_attention_layernorm.weight"],
+        f"{ours}.input_layernorm.weight": [f"{layer}.input_layernorm.weight"],
+        f"{ours}.post_attention_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
     }
+    if arch.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
+        names[f"{ours}.post_attention_layernorm.weight"] = [
+            f"{layer}.pre_feedforward_layernorm.weight"]
+        names[f"{ours}.attn_output_norm.weight"] = [f"{layer}.post_attention_layernorm.weight"]
+        names[f"{ours}.mlp_output_norm.weight"] = [f"{layer}.post_feedforward_layernorm.weight"]
+    if arch.qk_norm:
+        names[f"{ours}.self_attn.q_norm.weight"] = [f"{attn}.q_norm.weight"]
+        names[f"{ours}.self_attn.k_norm.weight"] = [f"{attn}.k_norm.weight"]
     if config.attention_bias:
         names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
     if config.output_bias:

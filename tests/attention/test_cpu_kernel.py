@@ -46,13 +46,15 @@ def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype,
 
 
 def compare(requests, *, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
-            dtype=torch.float32, sliding_window=None, seed=0):
+            dtype=torch.float32, sliding_window=None, softcap=None, seed=0):
     query, key_cache, value_cache, meta = make_case(
         requests, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, dtype=dtype, seed=seed)
     scale = head_dim**-0.5
-    expected = torch_ref.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
-    got = cpu_kernel.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    expected = torch_ref.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window,
+                                         softcap)
+    got = cpu_kernel.paged_attention(query, key_cache, value_cache, meta, scale, sliding_window,
+                                     softcap)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
@@ -81,6 +83,15 @@ def test_head_shapes(dtype, heads):
 @pytest.mark.parametrize("window", [1, 5, 16, 100])
 def test_sliding_window(dtype, window):
     compare([(0, 50), (70, 1), (30, 21), (9, 1)], dtype=dtype, sliding_window=window, block_size=4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 50.0])
+def test_soft_capped_scores(dtype, window, softcap):
+    # Scores here are about N(0, 1): a cap of 0.5 bends nearly all of them, 50 almost none.
+    compare(MIXED, dtype=dtype, sliding_window=window, softcap=softcap, block_size=8, seed=7)
 
 
 @needs_kernel

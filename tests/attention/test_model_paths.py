@@ -36,7 +36,8 @@ def generate(model, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "mistral_linear_rope_window"])
+@pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "mistral_linear_rope_window",
+                                   "qwen3_qk_norm", "gemma2_softcap_window", "phi3_longrope_window"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernels_and_torch_path_agree(shape, dtype, tmp_path, monkeypatch):
     folder = save_checkpoint(make_hf_model(shape), tmp_path / shape)

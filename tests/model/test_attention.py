@@ -21,13 +21,15 @@ from tests.conftest import build_attn_metadata
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 
 
-def dense_reference(query, key, value, num_computed, scale, sliding_window=None):
+def dense_reference(query, key, value, num_computed, scale, sliding_window=None, softcap=None):
     """Naive float64 softmax attention of one request's new tokens over its full K/V."""
     q = query.double().transpose(0, 1)  # [Hq, q_len, D]
     group = NUM_HEADS // NUM_KV_HEADS
     k = key.double().repeat_interleave(group, dim=1).transpose(0, 1)
     v = value.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q @ k.transpose(1, 2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     for i in range(q.shape[1]):
         pos = num_computed + i
         for j in range(k.shape[1]):
@@ -37,7 +39,7 @@ def dense_reference(query, key, value, num_computed, scale, sliding_window=None)
     return (scores.softmax(-1) @ v).transpose(0, 1).float()
 
 
-def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None):
+def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None, softcap=None):
     """Fill a paged cache with each request's full K/V, run paged attention on the new tokens,
     and compare with the dense reference. requests: [(num_computed, num_new)]."""
     gen = torch.Generator().manual_seed(seed)
@@ -65,11 +67,11 @@ def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None)
              key_cache, value_cache, metadata.slot_mapping)
     scale = HEAD_DIM**-0.5
     out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, scale,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, softcap=softcap)
     starts = metadata.query_start_loc_cpu
     for b, (num_computed, _, _) in enumerate(batch):
         expected = dense_reference(queries[b], keys[b], values[b], num_computed, scale,
-                                   sliding_window)
+                                   sliding_window, softcap)
         torch.testing.assert_close(out[starts[b]:starts[b + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -97,6 +99,14 @@ def test_only_decodes_and_only_one_prefill():
 def test_sliding_window(window):
     run_paged_batch([(6, 5), (9, 1), (0, 8)], block_size=2, num_blocks=40, seed=3,
                     sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_soft_capped_scores(window):
+    # A cap small enough next to the scores (about N(0, 1)) that tanh bends most of them.
+    requests = [(6, 5), (9, 1), (0, 8), (3, 1)]
+    run_paged_batch(requests, block_size=2, num_blocks=40, seed=4, sliding_window=window,
+                    softcap=0.7)
 
 
 @settings(max_examples=25, deadline=None)

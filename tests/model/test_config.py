@@ -93,3 +93,89 @@ def test_from_gguf_metadata():
     assert config.eos_token_ids == [7, 8] and config.dtype is torch.float16
     with pytest.raises(UnsupportedModelError, match="gemma"):
         ModelConfig.from_gguf_metadata({**metadata, "general.architecture": "gemma"}, set())
+
+
+def test_gemma3_older_keys():
+    # Released Gemma 3 configs: rope_local_base_freq and sliding_window_pattern, no layer_types.
+    config = ModelConfig.from_hf_config({
+        **BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+        "head_dim": 32, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512,
+        "sliding_window_pattern": 6, "query_pre_attn_scalar": 32,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu"})
+    assert config.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    assert [config.uses_local_rope(i) for i in (4, 5)] == [True, False]
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.query_pre_attn_scalar == 32
+    # Without the local base, transformers' default for it.
+    assert ModelConfig.from_hf_config(
+        {**BASE, "architectures": ["Gemma3ForCausalLM"]}).local_rope_theta == 1e4
+
+
+def test_sliding_layers_per_family():
+    gemma2 = ModelConfig.from_hf_config({**BASE, "architectures": ["Gemma2ForCausalLM"],
+                                         "num_hidden_layers": 4, "sliding_window": 4096})
+    assert gemma2.sliding_layers == (0, 2)
+    assert gemma2.uses_sliding_window(2) and not gemma2.uses_sliding_window(3)
+    qwen3 = ModelConfig.from_hf_config({**BASE, "architectures": ["Qwen3ForCausalLM"],
+                                        "use_sliding_window": True, "sliding_window": 64,
+                                        "max_window_layers": 1})
+    assert qwen3.sliding_layers == (1,) and not qwen3.attention_bias
+    listed = ModelConfig.from_hf_config({
+        **BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention"]})
+    assert listed.sliding_layers == (1,)
+    phi3 = ModelConfig.from_hf_config({**BASE, "architectures": ["Phi3ForCausalLM"],
+                                       "sliding_window": 2047})
+    assert phi3.sliding_layers is None and phi3.uses_sliding_window(1)
+    # transformers' Llama has no window, whatever its config.json says.
+    assert ModelConfig.from_hf_config({**BASE, "sliding_window": 8}).sliding_window is None
+
+
+def test_phi3_longrope_older_keys():
+    config = ModelConfig.from_hf_config({
+        **BASE, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1024,
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}})
+    assert config.rope_type == "longrope"
+    assert config.rope_scaling["original_max_position_embeddings"] == 1024
+    assert config.rotary_dim == 6
+
+
+def test_bidirectional_attention_refused():
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        ModelConfig.from_hf_config({**BASE, "architectures": ["Gemma3ForCausalLM"],
+                                    "use_bidirectional_attention": True})
+
+
+def gemma_gguf_metadata(arch: str, layers: int) -> dict:
+    return {
+        "general.architecture": arch, f"{arch}.block_count": layers,
+        f"{arch}.context_length": 8192, f"{arch}.embedding_length": 2304,
+        f"{arch}.feed_forward_length": 9216, f"{arch}.attention.head_count": 8,
+        f"{arch}.attention.head_count_kv": 4, f"{arch}.attention.key_length": 256,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.tokens": ["a"] * 10,
+    }
+
+
+def test_gemma_gguf_metadata_takes_llama_cpp_defaults():
+    gemma2 = ModelConfig.from_gguf_metadata(gemma_gguf_metadata("gemma2", 4), set())
+    assert gemma2.architecture == "Gemma2ForCausalLM" and gemma2.hidden_act == "gelu_pytorch_tanh"
+    assert (gemma2.sliding_window, gemma2.sliding_layers) == (4096, (0, 2))
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.query_pre_attn_scalar == 256  # head_dim, as for every size but 27B
+    gemma2_27b = ModelConfig.from_gguf_metadata(gemma_gguf_metadata("gemma2", 46), set())
+    assert gemma2_27b.query_pre_attn_scalar == 2304 // 8
+    gemma3 = ModelConfig.from_gguf_metadata(
+        {**gemma_gguf_metadata("gemma3", 7), "gemma3.attention.sliding_window": 512,
+         "gemma3.rope.freq_base": 1e6}, set())
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6) and gemma3.local_rope_theta == 1e4
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+
+
+def test_every_supported_rope_type_is_implemented():
+    from pagedllm.model.config import SUPPORTED_ROPE_TYPES
+    from pagedllm.model.llama import ROPE_TYPES
+
+    assert set(ROPE_TYPES) == set(SUPPORTED_ROPE_TYPES)

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import load_model
 from tests.model.paged import PagedSequences
 from tests.model.tiny import SHAPES, make_hf_model, save_checkpoint, write_gguf
@@ -98,15 +99,23 @@ def test_sharded_checkpoint(tmp_path):
     assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
 
 
-def test_gguf_written_like_llama_cpp(tmp_path):
-    # llama.cpp permutes q/k rows for its rotary layout; the loader must undo it.
-    hf_model = make_hf_model("llama_gqa_untied", seed=13)
+@pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "qwen3_qk_norm",
+                                   "gemma2_softcap_window", "gemma3_local_rope",
+                                   "phi3_longrope_window", "phi4_partial_rotary"])
+def test_gguf_written_like_llama_cpp(shape, tmp_path):
+    # What llama.cpp's converter changes (Llama's q/k row order, Gemma's norms stored as 1 + w,
+    # Phi-3's fused names and rope factor tensors, keys it leaves out) the loader must undo.
+    # GGUF has no key for Gemma's query_pre_attn_scalar: llama.cpp takes head_dim, as every Gemma
+    # but the 27B ones has it.
+    overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else {}
+    hf_model = make_hf_model(shape, seed=13, **overrides)
     loaded = load_model(write_gguf(hf_model, tmp_path / "tiny.gguf"), dtype="float32")
-    assert loaded.config.architecture == "LlamaForCausalLM"
-    assert not loaded.config.tie_word_embeddings
-    ids = token_ids(14, seed=14)
-    ours = PagedSequences(loaded.model, num_blocks=4, block_size=BLOCK_SIZE).step({0: ids})[0]
-    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
+    assert loaded.config.architecture == type(hf_model).__name__
+    assert loaded.config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    ids = token_ids(22, seed=14)
+    paged = PagedSequences(loaded.model, num_blocks=12, block_size=BLOCK_SIZE)
+    ours = torch.cat([paged.step({0: ids[:12]})[0], paged.step({0: ids[12:]})[0]])
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [12, 10]))
 
 
 def test_bfloat16_runs_close_to_float32(tiny_checkpoint):
@@ -118,3 +127,31 @@ def test_bfloat16_runs_close_to_float32(tiny_checkpoint):
     assert ours.dtype == torch.float32
     expected = hf_chunked_logits(checkpoint.hf_model, ids, [len(ids)])
     assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+# Prompt lengths per shape, with 24 tokens a step: the 20-token prompt's prefill is cut in two.
+# A LongRoPE model's sequences stay on one side of its original length (16) from their first
+# chunk on (3 + 12, 4 + 12 tokens; 20 from a first chunk of 17): transformers' generate
+# recomputes the cache with the long factors when a sequence crosses that length, where ours
+# keeps the keys already computed, as transformers' forward does.
+ENGINE_PROMPTS = {"qwen3_qk_norm": (13, 3, 20), "gemma2_softcap_window": (13, 3, 20),
+                  "gemma3_local_rope": (13, 3, 20), "phi3_longrope_window": (3, 4, 20),
+                  "phi4_partial_rotary": (13, 3, 20)}
+
+
+@pytest.mark.parametrize("shape", sorted(ENGINE_PROMPTS))
+def test_engine_greedy_matches_transformers(shape, tiny_checkpoint):
+    """The whole engine (paged blocks of 4, prefills cut into chunks beside other requests'
+    decodes) generates transformers' greedy tokens."""
+    checkpoint = tiny_checkpoint(shape)
+    llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, max_model_len=64,
+              kv_cache_memory="1MiB", max_num_batched_tokens=24)
+    prompts = [token_ids(length, seed=20 + length) for length in ENGINE_PROMPTS[shape]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        expected = checkpoint.hf_model.generate(  # no eos ids: as ignore_eos
+            ids, eos_token_id=[], pad_token_id=0, max_new_tokens=12, do_sample=False,
+            attention_mask=torch.ones_like(ids))
+        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()

@@ -4,6 +4,7 @@ plus a tiny byte-level tokenizer and a GGUF writer that lays tensors out as llam
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,16 +37,38 @@ SHAPES: dict[str, tuple[str, dict]] = {
         sliding_window=6, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_dynamic_rope": ("LlamaConfig", dict(
         max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    # head_dim apart from hidden_size / heads, as in the real Qwen3 models.
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # Windowed and global layers alternating; both soft-caps small enough to bend the values.
+    "gemma2_softcap_window": ("Gemma2Config", dict(
+        head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=5,
+        attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0)),
+    # Layer 5 of 7 global (the default pattern of 6), with its scaled rope; the others windowed,
+    # with their own rope base.
+    "gemma3_local_rope": ("Gemma3TextConfig", dict(
+        head_dim=16, num_hidden_layers=7, query_pre_attn_scalar=24, sliding_window=5,
+        pad_token_id=0, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # The test sequences run past original_max_position_embeddings: long factors from there on.
+    "phi3_longrope_window": ("Phi3Config", dict(
+        sliding_window=10, original_max_position_embeddings=16, pad_token_id=0,
+        rope_scaling={"type": "longrope", "short_factor": [1 + 0.1 * i for i in range(8)],
+                      "long_factor": [2 + 0.3 * i for i in range(8)]})),
+    # Phi-4-mini's shape: rotary over part of each head, tied embeddings.
+    "phi4_partial_rotary": ("Phi3Config", dict(
+        partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0)),
 }
 
 
-def make_hf_model(shape: str, seed: int = 0):
+def make_hf_model(shape: str, seed: int = 0, **overrides):
     """A random transformers model with weights large enough that mistakes show in the logits
-    (the default init is so small that almost any bug stays under a 1e-4 tolerance)."""
+    (the default init is so small that almost any bug stays under a 1e-4 tolerance).
+    overrides: config arguments that replace the shape's."""
     import transformers
 
     class_name, args = SHAPES[shape]
-    config = getattr(transformers, class_name)(**{**_COMMON, **args})
+    config = getattr(transformers, class_name)(**{**_COMMON, **args, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -83,28 +106,33 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_gguf(hf_model, path: Path, raw_types: dict | None = None) -> Path:
-    """The model as llama.cpp's converter would write it (F32, q/k rows permuted).
+# transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
+def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
+               quantize: dict | None = None) -> Path:
+    """The model as llama.cpp's converter would write it (F32): its metadata keys, tensor names
+    from gguf's own name map, q/k rows permuted for Llama, Gemma's norms stored as 1 + weight,
+    Phi-3's LongRoPE factors as tensors.
 
     raw_types maps a GGUF tensor name to a quantization type whose bytes are written as zeros,
-    to test how unsupported types are refused."""
+    to test how unsupported types are refused; quantize, to a type gguf.quants can quantize to."""
     import gguf
 
     config = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    arch = GGUF_ARCHS[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
-    for name, tensor in _gguf_tensors(hf_model).items():
+    for name, tensor in _gguf_tensors(hf_model, arch).items():
         array = tensor.detach().numpy().astype(np.float32)
         qtype = (raw_types or {}).get(name)
-        if qtype is None:
+        if name in (quantize or {}):
+            writer.add_tensor(name, gguf.quants.quantize(array, quantize[name]),
+                              raw_dtype=quantize[name])
+        elif qtype is None:
             writer.add_tensor(name, array)
         else:
             rows, cols = array.shape
@@ -116,6 +144,42 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_hparams(writer, config, arch: str) -> None:
+    import gguf
+
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers'
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "head_dim", None):
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "phi3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        writer.add_sliding_window(config.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            original = rope["original_max_position_embeddings"]
+            writer.add_rope_scaling_orig_ctx_len(original)
+            scale = config.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)))
 
 
 def _add_tokenizer(writer) -> None:
@@ -139,23 +203,26 @@ def _llama_cpp_permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weights.shape))
 
 
-def _gguf_tensors(hf_model) -> dict[str, torch.Tensor]:
+def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
+    import gguf
+
     config = hf_model.config
-    state = hf_model.state_dict()
-    out = {"token_embd.weight": state["model.embed_tokens.weight"],
-           "output_norm.weight": state["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["output.weight"] = state["lm_head.weight"]
-    parts = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    for i in range(config.num_hidden_layers):
-        for ours, theirs in parts.items():
-            tensor = state[f"model.layers.{i}.{theirs}.weight"]
-            if ours == "attn_q":
-                tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
-            elif ours == "attn_k":
-                tensor = _llama_cpp_permute(tensor, config.num_key_value_heads)
-            out[f"blk.{i}.{ours}.weight"] = tensor
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    out = {}
+    for hf_name, tensor in hf_model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if arch == "llama" and ".attn_q." in name:
+            tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            tensor = _llama_cpp_permute(tensor, config.num_key_value_heads)
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        out[name] = tensor
+    rope = config.rope_parameters
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        out["rope_factors_long.weight"] = torch.tensor(rope["long_factor"])
+        out["rope_factors_short.weight"] = torch.tensor(rope["short_factor"])
     return out

@@ -8,8 +8,9 @@
 // Work is cut into items (request, tile of up to kQueryTile new tokens, kv head). An item's rows are
 // its tokens x the query heads sharing that kv head (GQA), so each K/V row is read once for all of
 // them. Keys go by in tiles of 16: scores as 16-lane dot products folded by a transpose-add tree,
-// then the online softmax update and P.V, all in fp32. Threads take items from a shared counter,
-// longest first, through ATen's thread pool (torch.set_num_threads applies).
+// soft-capped where asked (Gemma 2), then the online softmax update and P.V, all in fp32. Threads
+// take items from a shared counter, longest first, through ATen's thread pool (torch.set_num_threads
+// applies).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -128,6 +129,7 @@ struct Problem {
   int64_t query_stride;  // between tokens of query (out is contiguous)
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim, sliding_window;
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 // Rows of this many or fewer (decodes: the query heads of one kv head) take dot products folded
@@ -281,6 +283,7 @@ struct Kernel {
 
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 scale = _mm512_set1_ps(p.scale);
+    const __m512 softcap = _mm512_set1_ps(p.softcap), inv_softcap = _mm512_set1_ps(1.0f / p.softcap);
     int64_t slots[kKeyTile];
     const T* krows[kKeyTile];
     const T* vrows[kKeyTile];
@@ -324,6 +327,7 @@ struct Kernel {
         float* l = sc.l.data() + hh * padded;
         for (int64_t r = 0; r < rows; ++r) {
           __m512 s = _mm512_mul_ps(_mm512_loadu_ps(probs + r * kKeyTile), scale);
+          if (p.softcap > 0) s = _mm512_mul_ps(softcap, tanh_f32(_mm512_mul_ps(s, inv_softcap)));
           if (needs_mask) {
             // Keys past the end, after the row's own position (causal) or out of its window.
             const int64_t pos = first_pos + r / group;
@@ -422,7 +426,8 @@ void run_any_head_dim(const Problem<T>& p, int64_t num_seqs) {
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                           double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: query [T, Hq, D], caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_cache.is_contiguous() &&
@@ -446,7 +451,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
     Problem<T> p{query.const_data_ptr<T>(), key_cache.const_data_ptr<T>(), value_cache.const_data_ptr<T>(),
                  out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
                  starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0, key_cache.size(1),
-                 query.size(1), key_cache.size(2), head_dim, sliding_window, static_cast<float>(scale)};
+                 query.size(1), key_cache.size(2), head_dim, sliding_window, static_cast<float>(scale),
+                 static_cast<float>(softcap)};
     run_any_head_dim(p, num_seqs);
   };
   if (query.scalar_type() == at::kFloat) {
@@ -498,7 +504,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float softcap) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
 }
 
