@@ -128,10 +128,11 @@ class BeamSearch:
             return
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_values, top_ids = logprobs.topk(min(2 * self.width, logprobs.shape[-1]), dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()  # to the host once
         by_request = {r.request_id: j for j, r in enumerate(sampled)}
         # Provisional token (the beam's best) so the scheduler can account the step; the
         # selection below may replace it: it is not computed into the cache until next step.
-        provisional = {r.request_id: int(top_ids[j, 0]) for j, r in enumerate(sampled)}
+        provisional = {r.request_id: top_ids[j][0] for j, r in enumerate(sampled)}
         self.scheduler.update_from_output(out, provisional)
         for p in states:
             ready = [b for b in p.beams if b.request.request_id in by_request]
@@ -142,7 +143,7 @@ class BeamSearch:
             for b in ready:
                 j = by_request[b.request.request_id]
                 b.candidates = [(b.cum_logprob + v, t)
-                                for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
+                                for v, t in zip(top_values[j], top_ids[j])]
             self._select(p)
 
     def _select(self, p: _Prompt) -> None:

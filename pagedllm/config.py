@@ -29,6 +29,12 @@ def parse_size(value: int | float | str) -> int:
 VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
 
 
+def check_device_name(device: str) -> None:
+    """auto, cpu, cuda or cuda:N (whether CUDA is there is checked where torch is)."""
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -77,6 +83,7 @@ class EngineConfig:
     contiguous_reserve: str = "max"
     enable_prefix_caching: bool = True
     seed: int = 0
+    device: str = "auto"  # "auto": CUDA where available, else the CPU
 
     def __post_init__(self) -> None:
         # Reuse the part configs' checks so every entry point rejects the same values.
@@ -89,3 +96,4 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer; got {self.num_kv_blocks!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        check_device_name(self.device)

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention import kv_cache_bytes_per_block
 from pagedllm.config import EngineConfig, SchedulerConfig, parse_size
+from pagedllm.device import resolve_device
 from pagedllm.kv.contiguous import ContiguousKVManager
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model.loader import load_model, resolve_dtype
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KV_SHARE_OF_FREE_RAM = 0.2
 DEFAULT_KV_CAP_BYTES = 4 * 2**30
+# On a GPU: this share of the device memory still free once the weights are loaded (the rest is
+# for activations, the sampler and other processes).
+DEFAULT_KV_SHARE_OF_FREE_GPU = 0.5
 
 PromptInput = str | list[int] | dict
 
@@ -57,11 +61,12 @@ class LLMEngine:
         self.config = config or EngineConfig(**kwargs)
         cfg = self.config
         started = time.monotonic()
-        loaded = load_model(cfg.model, cfg.dtype)
+        self.device = resolve_device(cfg.device)
+        loaded = load_model(cfg.model, cfg.dtype, self.device)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
-        self.dtype = resolve_dtype(cfg.dtype)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
         mc = self.model_config
@@ -76,8 +81,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, num_blocks=self.num_blocks, block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_dtype=self.dtype)
-        self.sampler = Sampler(cfg.seed)
+            max_model_len=self.max_model_len, kv_dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(cfg.seed, self.device)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
         self.num_prompt_tokens_total = 0
@@ -96,6 +101,9 @@ class LLMEngine:
             return self.config.num_kv_blocks * self.bytes_per_block
         if self.config.kv_cache_memory is not None:
             return parse_size(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(DEFAULT_KV_SHARE_OF_FREE_GPU * free)
         free = psutil.virtual_memory().available
         return int(min(DEFAULT_KV_CAP_BYTES, DEFAULT_KV_SHARE_OF_FREE_RAM * free))
 
@@ -189,7 +197,8 @@ class LLMEngine:
         if params.seed is None:
             return [None] * params.n
         # Each of the n outputs gets its own stream, so output i is reproducible on its own.
-        return [torch.Generator().manual_seed((params.seed + i) % 2**63) for i in range(params.n)]
+        return [torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**63)
+                for i in range(params.n)]
 
     def _new_seq(self, request: Request, index: int, group: RequestGroup) -> SequenceState:
         params = group.params
@@ -262,7 +271,7 @@ class LLMEngine:
         if not rows:
             return []
         if logit_rows != list(range(len(logits))):  # n > 1 repeats a row; otherwise keep the view
-            logits = logits.index_select(0, torch.tensor(logit_rows))
+            logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
         result = self.sampler(logits, rows)
         return [(g, s, k, tok, lp) for (g, s, k), tok, lp in zip(targets, result.token_ids, result.logprobs)]
 

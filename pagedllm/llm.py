@@ -20,12 +20,12 @@ class LLM:
                  kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  kv_layout: str = "paged", seed: int = 0, enable_prefix_caching: bool = True,
-                 **kwargs) -> None:
+                 device: str = "auto", **kwargs) -> None:
         config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
                               kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               kv_layout=kv_layout, seed=seed,
-                              enable_prefix_caching=enable_prefix_caching, **kwargs)
+                              enable_prefix_caching=enable_prefix_caching, device=device, **kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

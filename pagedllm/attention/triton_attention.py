@@ -29,6 +29,8 @@ Not supported yet: the compressed KV dtypes (int8/fp8 caches); split-KV for few 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -104,18 +106,20 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("paged attention needs each head's values contiguous (stride 1 along head_dim)")
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _unified_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * _LOG2_E, num_seqs, sliding_window,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, TILE_SIZE=tile_size, USE_WINDOW=sliding_window > 0,
-        UPCAST=query.dtype == torch.float32 or (interpreting() and query.dtype == torch.bfloat16),
-    )
+    # Triton launches on the current CUDA device, which need not be the tensors' (cuda:1).
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        _unified_attention_kernel[grid](
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale * _LOG2_E, num_seqs, sliding_window,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SIZE=block_size, TILE_SIZE=tile_size, USE_WINDOW=sliding_window > 0,
+            UPCAST=query.dtype == torch.float32 or (interpreting() and query.dtype == torch.bfloat16),
+        )
     return out
 
 

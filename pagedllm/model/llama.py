@@ -274,6 +274,7 @@ class LlamaForCausalLM(nn.Module):
         names: set[str],
         get_tensor: Callable[[str], torch.Tensor],
         dtype: torch.dtype,
+        device: str | torch.device = "cpu",
     ) -> LlamaForCausalLM:
         """Build the model from tensors under Hugging Face names, fusing q/k/v and gate/up.
 
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
             model = cls(dataclasses.replace(config, dtype=dtype))
 
         def load(name: str) -> torch.Tensor:
-            return get_tensor(name).to(dtype)
+            return get_tensor(name).to(device=device, dtype=dtype)
 
         state = fused_state_dict(config, load)
         model.load_state_dict(state, strict=True, assign=True)
