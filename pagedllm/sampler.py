@@ -25,8 +25,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
-    generator: torch.Generator | None  # a seeded request's own generator (on the logits' device);
-    # None uses the shared one
+    generator: torch.Generator | None  # a seeded request's own, on the logits' device; None: the shared one
 
 
 @dataclass

@@ -140,3 +140,29 @@ def test_fake_tensors_check_placement():
         with pytest.raises(RuntimeError, match="block_tables"):
             torch.ops.pagedllm_triton.paged_attention(query, cache, cache, table.cpu(), seq_lens,
                                                       starts, 0.25, 0, 16, 16)
+
+
+@pytest.mark.parametrize("shape", ["mistral_linear_rope_window", "llama_mha_tied_bias"])
+def test_a_tiny_model_through_the_kernel_matches_the_torch_path(shape, tmp_path, monkeypatch):
+    """A whole model (q as views of the fused q/k/v rows, a sliding window, a head size of 24):
+    a mixed prefill step, then batched decodes, with every attention call on the kernel."""
+    pytest.importorskip("transformers")
+    from pagedllm.model import llama
+    from pagedllm.model.loader import load_model
+    from tests.model.paged import PagedSequences
+    from tests.model.tiny import make_hf_model, save_checkpoint
+
+    model = load_model(save_checkpoint(make_hf_model(shape), tmp_path), dtype="float32",
+                       device=DEVICE).model
+    prompts = {0: [5, 9, 20, 33, 41, 7, 7, 100, 3, 18, 2], 1: [77, 1, 250], 2: [12] * 13}
+
+    def run(attention_fn) -> list[torch.Tensor]:
+        monkeypatch.setattr(llama, "paged_attention", attention_fn)
+        paged = PagedSequences(model, num_blocks=24, block_size=4)
+        logits = [paged.step(prompts)]
+        for step in range(2):
+            logits.append(paged.step({seq: [40 + step + seq] for seq in prompts}))
+        return [t for step in logits for t in step.values()]
+
+    for got, expected in zip(run(triton_attention.paged_attention), run(torch_ref.paged_attention)):
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
