@@ -75,9 +75,9 @@ def paged_attention(
     """Same contract as torch_ref.paged_attention; call only where supports() is true.
     block_m / tile_size override the launch shape (tests use them to cover both)."""
     if block_m is None:
-        # Decode-only steps: a 16-row block holds a token's whole GQA group with little padding;
-        # a step with prefill chunks fills 64 rows of several tokens each.
-        block_m = 16 if attn_metadata.max_query_len <= 1 else 64
+        # Decode-only steps (one new token per request): a 16-row block holds a token's whole GQA
+        # group with little padding; a step with prefill chunks fills 64 rows of several tokens.
+        block_m = 16 if query.shape[0] == attn_metadata.num_seqs else 64
     group = query.shape[1] // key_cache.shape[2]
     block_m = max(block_m, triton.next_power_of_2(group))
     return torch.ops.pagedllm_triton.paged_attention(
