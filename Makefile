@@ -1,5 +1,6 @@
 # Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
 # Longer reliability runs (not in `make test`): `make fuzz`, `make stress`, `make soak`.
+# On a machine with CUDA (and a CUDA build of torch in .venv): `make gpu-check` (under 8 minutes).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,7 +21,10 @@ SOAK_DURATION_S ?= 600
 SOAK_RATE ?= 1
 SOAK_SERVE_ARGS ?= --dtype float32 --max-model-len 2048 --kv-cache-memory 256MiB $(MODEL_FLAG)
 
-.PHONY: install serve test lint fuzz stress soak
+# make gpu-check: the larger model to bench besides the default one (a HF folder or .gguf).
+GPU_CHECK_MODEL ?=
+
+.PHONY: install serve test lint fuzz stress soak gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,3 +57,6 @@ stress: install
 soak: install
 	$(BIN)/python -m tests.server.soak --duration-s $(SOAK_DURATION_S) --request-rate $(SOAK_RATE) \
 		--output-json bench-out/soak.json -- $(SOAK_SERVE_ARGS)
+
+gpu-check: install
+	GPU_CHECK_MODEL=$(GPU_CHECK_MODEL) $(BIN)/python -m tests.gpu_check

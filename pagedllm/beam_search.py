@@ -129,6 +129,7 @@ class BeamSearch:
         """Each row's tokens: the W best candidates of each prompt, over all its beams."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_values, top_ids = logprobs.topk(min(2 * self.width, logprobs.shape[-1]), dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()  # to the host once
         choices: list[list[int]] = [[] for _ in rows]
         by_prompt: dict[str, list[int]] = {}
         for j, (request_id, _) in enumerate(rows):
@@ -138,7 +139,7 @@ class BeamSearch:
             if len(row_ids) != len(p.beams):
                 raise RuntimeError("beams of one prompt fell out of step")
             candidates = [(p.beams[rows[j][1]].cum_logprob + v, t, j)
-                          for j in row_ids for v, t in zip(top_values[j].tolist(), top_ids[j].tolist())]
+                          for j in row_ids for v, t in zip(top_values[j], top_ids[j])]
             self._select(p, sorted(candidates, key=lambda c: -c[0]), rows, choices)
         return choices
 

@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=default["enable_prefix_caching"])
     parser.add_argument("--seed", type=int, default=default["seed"])
+    parser.add_argument("--device", default=default["device"],
+                        help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -37,7 +39,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
-                        seed=args.seed)
+                        seed=args.seed, device=args.device)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,12 @@ KV_LAYOUTS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max", "request")
 
 
+def check_device_name(device: str) -> None:
+    """auto, cpu, cuda or cuda:N (whether CUDA is there is checked where torch is)."""
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+
+
 @dataclass
 class SchedulerConfig:
     """The scheduler's limits, filled in from EngineConfig (which declares the defaults)."""
@@ -64,6 +70,7 @@ class EngineConfig:
     contiguous_reserve: str = "max"
     enable_prefix_caching: bool = True
     seed: int = 0
+    device: str = "auto"  # "auto": CUDA where available, else the CPU
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -82,6 +89,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer; got {self.num_kv_blocks!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        check_device_name(self.device)
 
 
 def engine_defaults() -> dict:

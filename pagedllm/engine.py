@@ -17,6 +17,7 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core_messages import EngineCoreStats
+from pagedllm.device import resolve_device
 from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.input_processor import InputProcessor, PromptInput
 from pagedllm.kv.plan import KVPlan, describe_plan
@@ -32,11 +33,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
         started = time.monotonic()
-        loaded = load_model(self.config.model, self.config.dtype)
+        self.device = resolve_device(self.config.device)
+        loaded = load_model(self.config.model, self.config.dtype, self.device)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
-        self.dtype = resolve_dtype(self.config.dtype)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype)
         plan = self.engine_core.kv_plan
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size, plan.max_model_len)

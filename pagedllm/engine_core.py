@@ -58,10 +58,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
                  dtype: torch.dtype) -> None:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.device = next(model.parameters()).device  # where the loader put the weights
         bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
             model_config.head_dim, dtype)
-        self.kv_plan: KVPlan = plan_kv_cache(config, bytes_per_block, max_model_len)
+        self.kv_plan: KVPlan = plan_kv_cache(config, bytes_per_block, max_model_len,
+                                              free_device_bytes=_free_device_bytes(self.device))
         self.kv_manager = make_kv_manager(config, self.kv_plan)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
@@ -69,8 +71,8 @@ class EngineCore:
         self.runner = ModelRunner(
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len, kv_dtype=dtype)
-        self.sampler = Sampler(config.seed)
+            max_model_len=max_model_len, kv_dtype=dtype, device=self.device)
+        self.sampler = Sampler(config.seed, self.device)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, CoreSequence] = {}  # by the scheduler's request id
         self._num_prompt_tokens = 0
@@ -88,7 +90,7 @@ class EngineCore:
         """Queue a request; ValueError (nothing kept) if its id is in use or it cannot fit."""
         if request.request_id in self._groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        group = RequestGroup.start(request)
+        group = RequestGroup.start(request, self.device)
         (first,) = group.seqs
         self.scheduler.add_request(first.request)
         self._groups[request.request_id] = group
@@ -166,7 +168,7 @@ class EngineCore:
             rows.extend(fan_out)
             row_of.extend([j] * len(fan_out))
         if len(rows) != len(seqs):  # a fan-out repeats its row; otherwise keep the view
-            logits = logits.index_select(0, torch.tensor(row_of))
+            logits = logits.index_select(0, torch.tensor(row_of, device=logits.device))
         result = self.sampler(logits, rows)
         choices: list[list[int]] = [[] for _ in seqs]
         logprobs: list[list[TokenLogprobs | None]] = [[] for _ in seqs]
@@ -249,3 +251,11 @@ def _output(seq: CoreSequence, token: int, logprobs: TokenLogprobs | None) -> En
                             None if logprobs is None else [logprobs],
                             num_cached_tokens=first.num_cached_tokens,
                             first_scheduled_time=first.first_scheduled_time)
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    """Memory still free on a GPU once the weights are loaded (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free

@@ -42,13 +42,14 @@ class RequestGroup:
     num_finished: int = 0
 
     @classmethod
-    def start(cls, request: EngineCoreRequest) -> RequestGroup:
+    def start(cls, request: EngineCoreRequest, device: torch.device) -> RequestGroup:
         """The group with its first sequence, the one that prefills the prompt."""
         params = request.sampling_params
         eos = (request.eos_token_id,) if request.eos_token_id is not None and not params.ignore_eos else ()
         generators: list[torch.Generator | None] = [None] * params.n
         if params.seed is not None:
-            generators = [torch.Generator().manual_seed((params.seed + i) % 2**63) for i in range(params.n)]
+            generators = [torch.Generator(device=device).manual_seed((params.seed + i) % 2**63)
+                          for i in range(params.n)]
         group = cls(request.request_id, request, tuple(params.stop_token_ids) + eos, generators,
                     fan_out=params.n)
         first = Request(request.request_id, request.prompt_token_ids, params,

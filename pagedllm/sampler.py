@@ -2,6 +2,10 @@
 
 Rows are independent: a row's sample depends only on its own logits, parameters and (when
 seeded) its own generator, so the result never changes with what else is in the batch.
+
+Everything runs on the logits' device (generators included: a seeded request's draws come from a
+generator on that device, so the same seed gives other tokens on a GPU than on the CPU); the chosen
+ids and logprobs come back to the host once, at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class SamplingRow:
     params: SamplingParams
     history: TokenHistory
     stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
-    generator: torch.Generator | None  # a seeded request's own generator; None uses the shared one
+    generator: torch.Generator | None  # a seeded request's own, on the logits' device; None: the shared one
 
 
 @dataclass
@@ -45,8 +49,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()
@@ -68,14 +72,16 @@ class Sampler:
             row = logits[i]
             if p.repetition_penalty != 1.0:
                 # HF/vLLM convention: every token seen in prompt or output is pushed away.
-                seen = torch.tensor(sorted(set(rows[i].history.token_ids)), dtype=torch.long)
-                seen = seen[seen < vocab]
+                # (Filtered here, not with a mask on the device: no shape that needs a sync.)
+                seen = torch.tensor(sorted(t for t in set(rows[i].history.token_ids) if t < vocab),
+                                    dtype=torch.long, device=logits.device)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and rows[i].history.num_output_tokens:
                 # OpenAI convention: only generated tokens count.
-                out = torch.tensor(rows[i].history.output_token_ids, dtype=torch.long)
-                counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+                out = torch.tensor([t for t in rows[i].history.output_token_ids if t < vocab],
+                                   dtype=torch.long, device=logits.device)
+                counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
@@ -86,7 +92,9 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i, ids in banned:
-            logits[i, [t for t in ids if t < logits.shape[1]]] = float("-inf")
+            banned_ids = torch.tensor([t for t in ids if t < logits.shape[1]], dtype=torch.long,
+                                      device=logits.device)
+            logits[i, banned_ids] = float("-inf")
         return logits
 
     # -- choosing --------------------------------------------------------------------------
@@ -96,9 +104,10 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return chosen
-        index = torch.tensor(random_rows, dtype=torch.long)
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         params = [rows[i].params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                             device=logits.device).unsqueeze(1)
         scaled = logits[index] / temps
         scaled = _top_k_top_p(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
@@ -118,17 +127,20 @@ class Sampler:
         result: list[TokenLogprobs | None] = [None] * len(rows)
         if not wanted:
             return result
-        index = torch.tensor(wanted, dtype=torch.long)
+        index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
         logp = torch.log_softmax(raw[index], dim=-1)
         chosen = token_ids[index]
         chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
         ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
         max_n = max(rows[i].params.logprobs for i in wanted)
         top_vals, top_ids = logp.topk(max(max_n, 1), dim=-1)
+        # To the host once, not per row.
+        chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
+        top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
         for j, i in enumerate(wanted):
             n = rows[i].params.logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
-            result[i] = TokenLogprobs(int(chosen[j]), float(chosen_logp[j]), int(ranks[j]), top)
+            top = list(zip(top_ids[j][:n], top_vals[j][:n]))
+            result[i] = TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], top)
         return result
 
 
@@ -143,14 +155,14 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         return logits
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks]).unsqueeze(1)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=logits.device).unsqueeze(1)
     drop = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
     # already reaches p (the first token is always kept).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -159,5 +171,6 @@ def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     min_ps = [p.min_p for p in params]
     if not any(min_ps):
         return probs
-    threshold = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    threshold = (torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+                 * probs.max(dim=-1, keepdim=True).values)
     return probs.masked_fill(probs < threshold, 0.0)

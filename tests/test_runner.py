@@ -80,7 +80,7 @@ def test_a_mixed_batch_of_prefill_chunks_and_decodes_matches_a_hand_computation(
         scheduled("chunk", list(range(20, 30)), 4, 5, [9, 1, 4]),  # positions 4..8
         scheduled("prompt", [40, 41, 42], 0, 3, [0]),  # positions 0..2
     ]
-    input_ids, positions, meta = runner.prepare_inputs(batch)
+    input_ids, positions, meta, *_ = runner.prepare_inputs(batch)
     assert input_ids.tolist() == [16, 24, 25, 26, 27, 28, 40, 41, 42]
     assert positions.tolist() == [5, 4, 5, 6, 7, 8, 0, 1, 2]
     # slot = block id * 4 + position % 4, each through its own request's table
@@ -99,7 +99,7 @@ def test_decodes_only_reuse_the_rows_and_follow_new_blocks():
     runner.prepare_inputs(first)
     tokens.append(9)
     blocks.append(3)  # the fifth token starts a new block
-    _, positions, meta = runner.prepare_inputs([scheduled("a", tokens, 4, 1, blocks)])
+    _, positions, meta, *_ = runner.prepare_inputs([scheduled("a", tokens, 4, 1, blocks)])
     assert positions.tolist() == [4] and meta.slot_mapping.tolist() == [3 * 4]
     assert meta.block_tables.tolist() == [[5, 3]]
 

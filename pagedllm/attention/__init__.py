@@ -4,13 +4,16 @@ The KV cache of one layer is a (key_cache, value_cache) pair, each shaped
 [num_blocks, block_size, num_kv_heads, head_dim]: one token's K/V is one contiguous write.
 
 paged_attention runs the compiled CPU kernel (cpu_kernel: in place through the block table, one
-call for prefill chunks and decodes) where it is built and takes the call, and the portable torch
-path (torch_ref, also the reference the kernel is tested against) everywhere else.
+call for prefill chunks and decodes) where it is built and takes the call, the Triton kernel
+(triton_attention, the same contract) for CUDA tensors, and the portable torch path (torch_ref, also
+the reference both kernels are tested against) everywhere else.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 
@@ -24,6 +27,8 @@ __all__ = [
     "paged_attention",
     "write_kv",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def write_kv(
@@ -55,8 +60,36 @@ def paged_attention(
     if cpu_kernel.supports(query, key_cache):
         return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                           sliding_window, softcap)
+    if query.device.type == "cuda" and softcap is None:
+        gpu_kernel = _triton_attention()
+        if gpu_kernel is not None and gpu_kernel.supports(query, key_cache):
+            return gpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                              sliding_window, softcap)
     return torch_ref.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                      sliding_window, softcap)
+
+
+_triton_state: dict[str, object] = {}  # "module": the loaded backend, or None where it cannot be
+
+
+def _triton_attention():
+    """The Triton backend, imported on the first CUDA call (CPU-only runs never import Triton);
+    None, with one warning, where Triton is not installed or PAGEDLLM_ATTENTION=torch."""
+    if "module" not in _triton_state:
+        module = None
+        if os.environ.get("PAGEDLLM_ATTENTION", "auto") == "torch":
+            why = "PAGEDLLM_ATTENTION=torch"
+        else:
+            try:
+                from pagedllm.attention import triton_attention as module
+                why = None
+            except ImportError as exc:
+                why = f"triton is not importable ({exc})"
+        if why:
+            logger.warning("Triton attention unavailable, CUDA attention takes the portable torch "
+                           "path: %s", why)
+        _triton_state["module"] = module
+    return _triton_state["module"]
 
 
 def kv_cache_shape(

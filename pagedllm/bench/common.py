@@ -125,7 +125,7 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 @contextlib.contextmanager
 def shared_model_loads():
-    """Engines made inside load each (path, dtype) once: a bench that builds one engine per
+    """Engines made inside load each (path, dtype, device) once: a bench that builds one engine per
     setting (layout, block size) reuses the weights. The model holds no per-engine state; the
     KV cache belongs to each engine's runner."""
     import pagedllm.engine as engine_module
@@ -133,10 +133,10 @@ def shared_model_loads():
     original = engine_module.load_model
     loaded: dict = {}
 
-    def load_once(path=None, dtype="auto"):
-        key = (str(path), str(dtype))
+    def load_once(path=None, dtype="auto", device="cpu"):
+        key = (str(path), str(dtype), str(device))
         if key not in loaded:
-            loaded[key] = original(path, dtype)
+            loaded[key] = original(path, dtype, device)
         return loaded[key]
 
     engine_module.load_model = load_once

@@ -36,10 +36,11 @@ def main(args: argparse.Namespace) -> int:
                              args.output_len, args.seed)
     result = run_workload(engine, workload)
     ours = {"system": "pagedllm", "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": _device_name(engine.device),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
             "peak_rss_mib": round(peak_rss_bytes() / 2**20, 1), "num_preemptions": result.num_preemptions,
             "kv_cache_mib": round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
-            **result.rates()}
+            **result.rates(), **_peak_gpu_memory(engine.device)}
     payload = {"workload": summarize(workload), "pagedllm": ours}
     rows = [_row(ours)]
     if args.baseline == "hf":
@@ -48,8 +49,9 @@ def main(args: argparse.Namespace) -> int:
         payload["ratio_output_tokens_per_s"] = round(
             ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
         rows.append(_row(hf))
-    print_table(f"Offline throughput: {payload['workload']}", ["system", "dtype", "req/s", "out tok/s",
-                "total tok/s", "time s", "start-up s", "peak RSS MiB"], rows)
+    print_table(f"Offline throughput: {payload['workload']}",
+                ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "start-up s",
+                 "peak RSS MiB"], rows)
     if "ratio_output_tokens_per_s" in payload:
         print(f"\npagedllm / transformers generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
     write_json(args.output_json, payload)
@@ -57,19 +59,22 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _row(r: dict) -> list:
-    return [r["system"], r["dtype"], r["requests_per_s"], r["output_tokens_per_s"],
+    return [r["system"], r["device"], r["dtype"], r["requests_per_s"], r["output_tokens_per_s"],
             r["total_tokens_per_s"], r["elapsed_s"], r.get("startup_s", "-"), r.get("peak_rss_mib", "-")]
 
 
 def run_hf_baseline(engine: LLMEngine, workload: list[BenchRequest], batch_size: int | None) -> dict:
-    """transformers `generate`, static batches with left padding: a batch runs until its longest
-    request is done, and only each request's own max_tokens count as useful output."""
+    """transformers `generate` on the engine's device, static batches with left padding: a batch
+    runs until its longest request is done, and only each request's own max_tokens count as
+    useful output."""
     import torch
 
     from pagedllm.bench.hf_model import load_hf_model
 
     started = time.time()
-    model = load_hf_model(engine.model_path, engine.dtype)
+    model = load_hf_model(engine.model_path, engine.dtype).to(engine.device)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     load_s = time.time() - started
     batch_size = batch_size or len(workload)
     pad_id = engine.tokenizer.eos_token_id or 0
@@ -84,13 +89,32 @@ def run_hf_baseline(engine: LLMEngine, workload: list[BenchRequest], batch_size:
                 ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
                 mask[i, width - len(r.prompt_token_ids):] = 1
             longest = max(r.max_tokens for r in batch)
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=pad_id)
+            model.generate(ids.to(engine.device), attention_mask=mask.to(engine.device),
+                           max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                           pad_token_id=pad_id)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
     elapsed = time.perf_counter() - t0
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     output_tokens = sum(r.max_tokens for r in workload)
     return {"system": "transformers", "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": _device_name(engine.device), **_peak_gpu_memory(engine.device),
             "batch_size": batch_size, "load_s": round(load_s, 2), "elapsed_s": round(elapsed, 3),
             "requests_per_s": round(len(workload) / elapsed, 3),
             "output_tokens_per_s": round(output_tokens / elapsed, 2),
             "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 2)}
+
+
+def _device_name(device) -> str:
+    """"cpu", or the GPU's name (what a tokens/s figure on a GPU means depends on it)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _peak_gpu_memory(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}

@@ -18,6 +18,9 @@ from pagedllm.utils import cdiv
 # With no budget given: a share of the RAM free at start-up, capped.
 DEFAULT_KV_SHARE_OF_FREE_RAM = 0.2
 DEFAULT_KV_CAP_BYTES = 4 * 2**30
+# On a GPU: this share of the device memory still free once the weights are loaded (the rest is
+# for activations, the sampler and other processes).
+DEFAULT_KV_SHARE_OF_FREE_GPU = 0.5
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,11 @@ class KVPlan:
         return self.num_blocks * self.block_size
 
 
-def plan_kv_cache(config: EngineConfig, bytes_per_block: int, max_model_len: int) -> KVPlan:
-    """The blocks config's budget buys; ValueError if one max_model_len request cannot fit."""
-    budget = _budget_bytes(config, bytes_per_block)
+def plan_kv_cache(config: EngineConfig, bytes_per_block: int, max_model_len: int,
+                  free_device_bytes: int | None = None) -> KVPlan:
+    """The blocks config's budget buys; ValueError if one max_model_len request cannot fit.
+    free_device_bytes: a GPU's free memory (None on the CPU), for the default budget."""
+    budget = _budget_bytes(config, bytes_per_block, free_device_bytes)
     plan = KVPlan(budget // bytes_per_block, config.block_size, bytes_per_block, max_model_len)
     blocks_per_request = cdiv(max_model_len, plan.block_size)
     if plan.num_blocks < blocks_per_request:
@@ -50,11 +55,13 @@ def plan_kv_cache(config: EngineConfig, bytes_per_block: int, max_model_len: int
     return plan
 
 
-def _budget_bytes(config: EngineConfig, bytes_per_block: int) -> int:
+def _budget_bytes(config: EngineConfig, bytes_per_block: int, free_device_bytes: int | None) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks * bytes_per_block
     if config.kv_cache_memory is not None:
         return parse_size(config.kv_cache_memory)
+    if free_device_bytes is not None:
+        return int(DEFAULT_KV_SHARE_OF_FREE_GPU * free_device_bytes)
     free = psutil.virtual_memory().available
     return int(min(DEFAULT_KV_CAP_BYTES, DEFAULT_KV_SHARE_OF_FREE_RAM * free))
 

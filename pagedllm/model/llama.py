@@ -382,6 +382,7 @@ class LlamaForCausalLM(nn.Module):
         names: set[str],
         get_tensor: Callable[[str], torch.Tensor],
         dtype: torch.dtype,
+        device: str | torch.device = "cpu",
     ) -> LlamaForCausalLM:
         """Build the model from tensors under Hugging Face names, fusing q/k/v and gate/up.
 
@@ -404,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = get_tensor(name)
             if offset and name.endswith("norm.weight"):  # stored as offsets (Gemma): fold them in
                 tensor = tensor.float() + offset
-            return tensor.to(dtype)
+            return tensor.to(device=device, dtype=dtype)
 
         state = fused_state_dict(config, load)
         model.load_state_dict(state, strict=True, assign=True)

@@ -45,9 +45,12 @@ class LoadedModel:
     path: Path
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """"auto" is bfloat16 where the CPU does bfloat16 math natively, else float32."""
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """"auto" is bfloat16 where the device does bfloat16 math natively; else float32 on a CPU and
+    float16 on a GPU."""
     if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
     if isinstance(dtype, str):
         dtype = _DTYPE_ALIASES.get(dtype, dtype)
@@ -65,49 +68,52 @@ def _cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto") -> LoadedModel:
-    """The model at path (a Hugging Face folder or a .gguf file; None: the default model)."""
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """The model at path (a Hugging Face folder or a .gguf file; None: the default model), its
+    weights on `device` (streamed there one tensor at a time)."""
     if path is None:
         from pagedllm.default_model import default_model_path
 
         path = default_model_path()
     path = Path(path).expanduser()
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     started = time.perf_counter()
     if not path.exists():
         raise ModelFileNotFoundError(f"{path}: no such model file or folder")
     if path.is_dir():
-        loaded = _load_hf_folder(path, torch_dtype)
+        loaded = _load_hf_folder(path, torch_dtype, device)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path, torch_dtype)
+        loaded = _load_gguf(path, torch_dtype, device)
     else:
         raise ModelLoadError(
             f"{path}: expected a .gguf file or a Hugging Face model folder (with config.json)")
+    loaded.model.to(device)  # the buffers made on the CPU (rotary frequencies); weights are there
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture,
                 torch_dtype, time.perf_counter() - started)
     return loaded
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.model_config()
     checkpoint.check_types()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     with _naming(path):
         model = LlamaForCausalLM.from_hf_tensors(
-            config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype)
+            config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype, device)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
     return LoadedModel(model, model.config, tokenizer, path)
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     config_file = folder / "config.json"
     if not config_file.is_file():
         ggufs = sorted(folder.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
+            return _load_gguf(ggufs[0], dtype, device)
         raise ModelFileNotFoundError(f"{config_file}: no config.json in the model folder")
     config = ModelConfig.from_hf_config(
         _read_json(config_file), _read_json(folder / "generation_config.json", required=False))
@@ -115,7 +121,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as weights, _naming(folder):
-        model = LlamaForCausalLM.from_hf_tensors(config, weights.names, weights.get, dtype)
+        model = LlamaForCausalLM.from_hf_tensors(config, weights.names, weights.get, dtype, device)
     return LoadedModel(model, model.config, tokenizer, folder)
 
 

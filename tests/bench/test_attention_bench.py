@@ -75,7 +75,8 @@ def test_paged_and_contiguous_compute_the_same_attention(mode):
 def test_the_runner_prepare_builds_the_same_slots_and_tables():
     block_size, batch, context_len = 8, 3, 30
     runner, scheduled = bench.make_prepare_runner(batch, context_len, block_size, query_len=1)
-    _, positions, meta = runner.prepare_inputs(scheduled)
+    step = runner.prepare_inputs(scheduled)
+    positions, meta = step.positions, step.attn_metadata
     assert positions.tolist() == [context_len - 1] * batch
     tables = torch.tensor([s.block_ids for s in scheduled], dtype=torch.int32)
     expected = bench.paged_metadata(tables, context_len, 1, block_size)

@@ -18,9 +18,10 @@ class PagedSequences:
         config = model.config
         self.model = model
         self.block_size = block_size
+        self.device = model.embed_tokens.weight.device  # the cache and each step's inputs go there
         self.kv_caches = allocate_kv_cache(
             config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim, config.dtype)
+            config.head_dim, config.dtype, self.device)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # physical order unrelated to logical
         self.blocks: dict[int, list[int]] = {}
@@ -38,7 +39,10 @@ class PagedSequences:
             requests.append((computed, len(tokens), blocks))
             input_ids += tokens
         metadata, positions = build_attn_metadata(requests, self.block_size)
-        hidden = self.model(torch.tensor(input_ids), positions, self.kv_caches, metadata)
+        for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+            setattr(metadata, name, getattr(metadata, name).to(self.device))
+        hidden = self.model(torch.tensor(input_ids, device=self.device), positions.to(self.device),
+                            self.kv_caches, metadata)
         logits = self.model.compute_logits(hidden)
         out, start = {}, 0
         for seq, tokens in new_tokens.items():
