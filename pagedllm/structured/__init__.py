@@ -1,0 +1,4 @@
+"""Structured outputs: constrain decoding to a JSON schema, a regex, a choice or a grammar.
+
+(Library choice and measurements: filled in below.)
+"""
