@@ -97,7 +97,7 @@ class CompiledGrammar:
         self._template = template  # never advanced: only copied
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._template, self.vocab_size)
 
 
 class GrammarCompiler:

@@ -21,8 +21,12 @@ from pagedllm.structured.bitmask import allowed_ids
 
 
 class GrammarMatcher:
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self._matcher = matcher
+    def __init__(self, template: llguidance.LLMatcher, vocab_size: int,
+                 state: llguidance.LLMatcher | None = None):
+        # The compiled grammar's pristine matcher, shared and never advanced: reset copies it
+        # again (llguidance's own reset keeps an error state, a copy does not).
+        self._template = template
+        self._matcher = state if state is not None else template.deep_copy()
         self.vocab_size = vocab_size  # the tokenizer's: ids at or past it are never allowed
         self.num_tokens = 0  # tokens accepted since the start (what rollback may undo)
         self._error: str | None = None
@@ -60,13 +64,13 @@ class GrammarMatcher:
         self.num_tokens -= num_tokens
 
     def reset(self) -> None:
-        self._matcher.reset()
+        self._matcher = self._template.deep_copy()
         self.num_tokens = 0
         self._error = None
 
     def fork(self) -> GrammarMatcher:
         """An independent copy in the same state (a child of n > 1 or a beam)."""
-        child = GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
+        child = GrammarMatcher(self._template, self.vocab_size, self._matcher.deep_copy())
         child.num_tokens, child._error = self.num_tokens, self._error
         return child
 
