@@ -3,6 +3,7 @@ with their forks, replays and rollbacks; masks allow exactly the tokens the libr
 is allowed only where the grammar may end."""
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -25,7 +26,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SPEC = GrammarSpec.json_schema(SCHEMA)
-WALK = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+WALK = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _walk(data, matcher, steps, label):
@@ -72,9 +73,11 @@ def test_forks_replays_and_rollbacks_agree(smol_compiler, smol_tokenizer, data):
 
 
 @WALK
-@given(data=st.data())
-def test_a_walk_that_ends_is_valid_json_for_the_schema(smol_compiler, smol_tokenizer, data):
-    """Take EOS as soon as it is allowed: every walk ends, and its text validates."""
+@given(seed=st.integers(0, 2**32))
+def test_a_walk_that_ends_is_valid_json_for_the_schema(smol_compiler, smol_tokenizer, seed):
+    """Uniformly random tokens, EOS as soon as it is allowed: every walk ends, and its text
+    validates."""
+    rng = random.Random(seed)
     eos = smol_tokenizer.eos_token_ids
     matcher = smol_compiler.matcher(SPEC)
     tokens = []
@@ -84,7 +87,7 @@ def test_a_walk_that_ends_is_valid_json_for_the_schema(smol_compiler, smol_token
             assert matcher.accept_token(eos[0]) and matcher.is_terminated
             break
         assert not set(eos) & set(allowed)
-        token = data.draw(st.sampled_from(allowed))
+        token = rng.choice(allowed)
         assert matcher.accept_token(token), matcher.error
         tokens.append(token)
     assert matcher.is_terminated
