@@ -527,15 +527,18 @@ class NamedToolParser(ToolParser):
         super().__init__(new_id)
         self._name = name
         self._index: int | None = None
+        self._sent_any = False
 
     def _consume(self, text: str) -> None:
         if self._index is None:
             self._index = self._start_call(self._name)
         self._arguments(self._index, text)
+        self._sent_any = self._sent_any or bool(text)
 
     def _end(self) -> None:
         if self._index is None:
             self._index = self._start_call(self._name)
+        if not self._sent_any:  # nothing was generated: a call with no arguments
             self._arguments(self._index, "{}")
 
 
