@@ -29,18 +29,12 @@ class GrammarMatcher:
         self._matcher = state if state is not None else template.deep_copy()
         self.vocab_size = vocab_size  # the tokenizer's: ids at or past it are never allowed
         self.num_tokens = 0  # tokens accepted since the start (what rollback may undo)
-        self._error: str | None = None
 
     # -- advancing ----------------------------------------------------------------------------
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token. False if the grammar does not allow it: the matcher is
-        then in error for good (error says why), and the engine should end the sequence."""
-        if self.error is not None:
-            return False
-        if not 0 <= token_id < self.vocab_size:
-            self._error = f"token {token_id} is outside the tokenizer's {self.vocab_size} ids"
-            return False
-        if not self._matcher.consume_token(token_id):
+        then in error until reset (error says why), and the engine should end the sequence."""
+        if not self._matcher.consume_token(token_id):  # an id past the vocabulary included
             return False
         self.num_tokens += 1
         return True
@@ -66,12 +60,11 @@ class GrammarMatcher:
     def reset(self) -> None:
         self._matcher = self._template.deep_copy()
         self.num_tokens = 0
-        self._error = None
 
     def fork(self) -> GrammarMatcher:
         """An independent copy in the same state (a child of n > 1 or a beam)."""
         child = GrammarMatcher(self._template, self.vocab_size, self._matcher.deep_copy())
-        child.num_tokens, child._error = self.num_tokens, self._error
+        child.num_tokens = self.num_tokens
         return child
 
     # -- asking -------------------------------------------------------------------------------
@@ -94,11 +87,12 @@ class GrammarMatcher:
     @property
     def is_terminated(self) -> bool:
         """Nothing but EOS can follow (the grammar is complete, EOS was taken, or an error)."""
-        return self.error is not None or self._matcher.is_stopped()
+        return self._matcher.is_stopped()  # true in error too
 
     @property
     def error(self) -> str | None:
-        return self._error or (self._matcher.get_error() or None)
+        """Why the matcher refused a token (it then stays in error until reset)."""
+        return self._matcher.get_error() or None
 
     @property
     def handle(self) -> llguidance.LLMatcher:

@@ -146,11 +146,9 @@ def test_a_refused_token_leaves_the_matcher_in_error(tiny_compiler, tiny_tokeniz
 
 def test_out_of_range_tokens_and_bad_rollbacks(tiny_compiler):
     matcher = tiny_compiler.matcher(GrammarSpec.regex("a+"))
-    assert not matcher.fork().accept_token(tiny_compiler.vocab_size)
-    assert not matcher.fork().accept_token(-1)
     outside = matcher.fork()
-    outside.accept_token(10_000)
-    assert "outside the tokenizer's 258 ids" in outside.error
+    assert not outside.accept_token(tiny_compiler.vocab_size)
+    assert "token id 258 out of range" in outside.error and outside.is_terminated
     assert matcher.accept_tokens([ord("a"), ord("a")])
     with pytest.raises(ValueError, match="cannot roll back 3 tokens; 2 accepted"):
         matcher.rollback(3)
