@@ -54,9 +54,9 @@ patterns and arrays of objects.) xgrammar fills masks 2-7x faster, but:
 - both support rollback and forking; both are permissively licensed (llguidance MIT, xgrammar
   Apache-2.0, outlines-core Apache-2.0). outlines-core has no context-free grammars at all and
   compiles a schema to a regex DFA up front (2-40 s here).
-The fill cost is the price: 3-5 ms at 64 JSON-constrained rows against an 88 ms decode step of 64
-SmolLM2 requests (docs/benchmarks.md), 3-6%. The layout of the bitmask is the same in all three,
-so changing the library means changing compiler.py and matcher.py only.
+The fill cost is the price: 3-8 ms at 64 JSON-constrained rows (by load) against an 88 ms
+decode step of 64 SmolLM2 requests (docs/benchmarks.md), 4-9%. The bitmask's layout is the
+same in all three, so changing the library means changing compiler.py and matcher.py only.
 """
 
 from pagedllm.structured.bitmask import BitmaskFiller, allocate_token_bitmask, apply_token_bitmask_
