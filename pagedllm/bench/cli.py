@@ -18,6 +18,8 @@ BENCHES = {
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
     "prefix": ("pagedllm.bench.prefix",
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
+    "structured": ("pagedllm.bench.structured",
+                   "grammar constraints: bitmask fill, apply and accept per decode step at 1/16/64"),
 }
 # Benches that talk to a server take no engine flags.
 CLIENT_ONLY = {"serve"}
