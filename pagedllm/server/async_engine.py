@@ -17,8 +17,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -55,6 +56,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
 
 
 class AsyncEngine:
@@ -160,6 +167,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    async def between_steps(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine), run by the engine thread between two steps, where the engine's state is
+        whole and nothing else touches it (reading it from the event loop could catch a step
+        half done); its result, or its exception. EngineDeadError if the engine is gone."""
+        self._check_alive()
+        done = self._loop.create_future()
+        with self._lock:
+            self._check_alive()
+            self._send(_Call(fn, done))
+        return await done
+
     def _send(self, command) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -219,6 +237,9 @@ class AsyncEngine:
                 if self._streams.pop(command.request_id, None) is not None:
                     self.engine.abort_request(command.request_id)
                 continue
+            if isinstance(command, _Call):
+                self._run_call(command)
+                continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         cache_salt=command.cache_salt)
@@ -229,6 +250,14 @@ class AsyncEngine:
                 self._adds_applied += 1
             self._streams[command.request_id] = command.stream
             self._call(_resolve, command.done, None)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            self._call(_resolve, command.done, exc)
+            return
+        self._call(_resolve, command.done, None, result)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -273,7 +302,7 @@ class AsyncEngine:
             logger.exception("could not abort %s", request_id)
 
     def _refuse_pending_adds(self) -> None:
-        """Answer adds the thread will never apply, so nobody waits for them."""
+        """Answer adds and calls the thread will never apply, so nobody waits for them."""
         error = EngineDeadError(self.dead_reason or "the server is shutting down")
         while True:
             try:
@@ -282,6 +311,7 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 self._adds_applied += 1
+            if isinstance(command, (_Add, _Call)):
                 self._call(_resolve, command.done, error)
 
     def _call(self, fn, *args) -> None:
@@ -299,10 +329,10 @@ class AsyncEngine:
         return stats
 
 
-def _resolve(future: asyncio.Future, exc: Exception | None) -> None:
+def _resolve(future: asyncio.Future, exc: Exception | None, result: Any = None) -> None:
     if future.done():
         return
     if exc is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(exc)
