@@ -18,6 +18,8 @@ BENCHES = {
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
     "prefix": ("pagedllm.bench.prefix",
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
+    "dashboard": ("pagedllm.bench.dashboard",
+                  "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }
 # Benches that talk to a server take no engine flags.
 CLIENT_ONLY = {"serve"}
