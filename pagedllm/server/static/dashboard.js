@@ -94,7 +94,8 @@ class BlockGrid {
     this.tooltip.textContent =
       `block ${block}: ${STATES[this.map.states[block]]}, ref count ${this.map.refs[block]}, ` +
       `${this.map.filled[block]}/${this.map.blockSize} tokens\n` +
-      (owners.length ? "owners: " + owners.join(", ") : "no owner");
+      (owners.length ? `owners (${owners.length}): ` + owners.slice(0, 3).join(", ") +
+        (owners.length > 3 ? ` and ${owners.length - 3} more` : "") : "no owner");
     this.tooltip.style.left = event.clientX + 14 + "px";
     this.tooltip.style.top = event.clientY + 14 + "px";
     this.tooltip.hidden = false;
