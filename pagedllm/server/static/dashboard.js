@@ -33,20 +33,24 @@ function ownersOf(map, block) {
   return names;
 }
 
-// A lighter shade of a colour for the empty slots of a block (its internal waste).
-function pale(hex) {
+// A lighter shade of each state's colour, for the empty slots of a block (its internal waste).
+const PALE = COLORS.map((hex) => {
   const n = parseInt(hex.slice(1), 16);
   const mix = (c) => Math.round(c + (255 - c) * 0.68);
   return `rgb(${mix(n >> 16)}, ${mix((n >> 8) & 255)}, ${mix(n & 255)})`;
-}
+});
 
 class BlockGrid {
   constructor(canvas, tooltip) {
     this.canvas = canvas;
     this.tooltip = tooltip;
     this.map = null;
+    this.pointer = null;  // the last mouse position over the grid, to refresh the tooltip
     canvas.addEventListener("mousemove", (event) => this.hover(event));
-    canvas.addEventListener("mouseleave", () => { tooltip.hidden = true; });
+    canvas.addEventListener("mouseleave", () => {
+      this.pointer = null;
+      tooltip.hidden = true;
+    });
   }
 
   layout(numBlocks) {
@@ -73,14 +77,16 @@ class BlockGrid {
       const x = (i % cols) * cell, y = Math.floor(i / cols) * cell;
       const state = map.states[i];
       const full = Math.round((size * map.filled[i]) / map.blockSize);
-      ctx.fillStyle = state === 0 ? COLORS[0] : pale(COLORS[state]);
+      ctx.fillStyle = state === 0 ? COLORS[0] : PALE[state];
       ctx.fillRect(x, y, size, size - full);
       ctx.fillStyle = COLORS[state];
       ctx.fillRect(x, y + size - full, size, full);
     }
+    if (this.pointer) this.hover(this.pointer);
   }
 
   hover(event) {
+    this.pointer = {clientX: event.clientX, clientY: event.clientY};
     if (!this.map) return;
     const {cell, cols} = this.geometry;
     const box = this.canvas.getBoundingClientRect();
