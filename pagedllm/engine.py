@@ -21,6 +21,7 @@ from pagedllm.device import resolve_device
 from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.input_processor import InputProcessor, PromptInput
 from pagedllm.kv.plan import KVPlan, describe_plan
+from pagedllm.kv.snapshot import BlockMap
 from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
@@ -94,6 +95,9 @@ class LLMEngine:
     # -- figures ------------------------------------------------------------------------------
     def stats(self) -> EngineCoreStats:
         return self.engine_core.stats()
+
+    def block_map(self) -> BlockMap:
+        return self.engine_core.block_map()
 
     def memory_stats(self) -> dict:
         """The core's figures as one flat dict (blocks, slots, waste, preemptions, counters)."""

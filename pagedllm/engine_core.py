@@ -30,6 +30,7 @@ from pagedllm.core_messages import (
     TokenLogprobs,
 )
 from pagedllm.kv.plan import KVPlan, make_kv_manager, plan_kv_cache
+from pagedllm.kv.snapshot import BlockMap
 from pagedllm.model.config import ModelConfig
 from pagedllm.request import Request, RequestStatus
 from pagedllm.request_group import CoreSequence, RequestGroup
@@ -232,6 +233,10 @@ class EngineCore:
         return request_ids
 
     # -- figures ------------------------------------------------------------------------------
+    def block_map(self) -> BlockMap:
+        """Every KV block's state, ref count, fill and owners (the dashboard's picture)."""
+        return self.kv_manager.block_map()
+
     def stats(self) -> EngineCoreStats:
         scheduler = self.scheduler
         return EngineCoreStats(

@@ -20,6 +20,8 @@ BENCHES = {
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
     "structured": ("pagedllm.bench.structured",
                    "grammar constraints: bitmask fill, apply and accept per decode step at 1/16/64"),
+    "dashboard": ("pagedllm.bench.dashboard",
+                  "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }
 # Benches that talk to a server take no engine flags.
 CLIENT_ONLY = {"serve"}

@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.bench.workload import BenchRequest
@@ -52,8 +53,9 @@ class RunResult:
 
 
 def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: bool = False,
-                 tag: str = "bench") -> RunResult:
-    """Add every request at once (ignore_eos, greedy) and step until all finish."""
+                 tag: str = "bench", on_step: Callable[[float], None] | None = None) -> RunResult:
+    """Add every request at once (ignore_eos, greedy) and step until all finish. on_step, if
+    given, is called after each step with the time since the start (a step record's t_s)."""
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
@@ -64,10 +66,13 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        t_s = time.perf_counter() - started
         if record_steps:
             s = engine.stats()
-            steps.append(StepRecord(time.perf_counter() - started, s.kv.allocated_slots,
-                                    s.kv.used_slots, s.num_running, s.num_waiting))
+            steps.append(StepRecord(t_s, s.kv.allocated_slots, s.kv.used_slots, s.num_running,
+                                    s.num_waiting))
+        if on_step is not None:
+            on_step(t_s)
         output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
     elapsed = time.perf_counter() - started
     return RunResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests),

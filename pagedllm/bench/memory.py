@@ -3,11 +3,15 @@
 Per step it records allocated and used KV slots and the running / waiting requests; it reports
 waste (empty slots in allocated memory / allocated), the most requests running at once,
 throughput and preemptions for each layout, and draws both over time, one above the other.
+With --html it also writes the server's KV cache page as a report: both block maps played back
+side by side (bench/memory_report.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 from pagedllm.bench.common import (
     RunResult,
@@ -21,6 +25,7 @@ from pagedllm.bench.common import (
     shared_model_loads,
     write_json,
 )
+from pagedllm.bench.memory_report import FrameRecorder, write_report
 from pagedllm.bench.workload import BenchRequest, load_workload, summarize
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine import LLMEngine
@@ -43,6 +48,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="scheduler and KV manager only, no model: the same memory figures in "
                              "seconds (tokens do not matter with ignore_eos), no timings")
     parser.add_argument("--plot", default="bench-out/memory.png", help="PNG path ('' for none)")
+    parser.add_argument("--html", default=None, metavar="PATH",
+                        help="also write the KV cache page as a static report: both layouts' block "
+                             "maps side by side, played back over the run (recording them adds "
+                             "a fraction of a millisecond to each step)")
     add_threads_arg(parser)
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256",
                         max_model_len=1024)
@@ -81,11 +90,13 @@ def _time_weighted_waste_pct(steps: list[StepRecord]) -> float:
     return round(100.0 * (allocated - used) / allocated, 2) if allocated else 0.0
 
 
-def simulate_workload(scheduler: Scheduler, requests: list[BenchRequest]) -> RunResult:
+def simulate_workload(scheduler: Scheduler, requests: list[BenchRequest],
+                      on_step: Callable[[float], None] | None = None) -> RunResult:
     """Drive the scheduler and its KV manager as the engine would, without a model: every
     request is added at once (greedy, ignore_eos) and each step "samples" token 0. With
     ignore_eos only lengths decide when a request stops, so the steps and the memory figures are
-    the ones a real run gets. Step records carry the step index as their time."""
+    the ones a real run gets. Step records carry the step index as their time; so do the calls
+    of on_step, made after each step."""
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
         scheduler.add_request(Request(f"sim-{i}", list(r.prompt_token_ids), params, arrival_time=i))
@@ -99,6 +110,8 @@ def simulate_workload(scheduler: Scheduler, requests: list[BenchRequest]) -> Run
         kv = scheduler.kv_manager.stats()
         steps.append(StepRecord(len(steps), kv.allocated_slots, kv.used_slots,
                                 scheduler.num_running, scheduler.num_waiting))
+        if on_step is not None:
+            on_step(steps[-1].t_s)
     return RunResult(0.0, len(requests), sum(len(r.prompt_token_ids) for r in requests),
                      output_tokens, scheduler.num_preemptions, steps)
 
@@ -114,11 +127,19 @@ def simulated_scheduler(args: argparse.Namespace, layout: str, max_model_len: in
     return Scheduler(config, manager)
 
 
+def scheduler_figures(scheduler: Scheduler) -> dict:
+    """A simulated run's figures, under the names an engine's memory_stats() uses."""
+    kv = scheduler.kv_manager.stats()
+    return {**kv.to_dict(), "kv_cache_bytes": kv.num_blocks * kv.bytes_per_block,
+            "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
+            "num_preemptions": scheduler.num_preemptions}
+
+
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     max_model_len = args.max_model_len or 1024
     num_blocks = args.reservations * cdiv(max_model_len, args.block_size)
-    results = {}
+    results, frames = {}, {}
     workload = None
     if args.simulate:
         workload = load_workload(load_tokenizer(args.model), args.dataset, args.num_prompts,
@@ -126,21 +147,28 @@ def main(args: argparse.Namespace) -> int:
     with shared_model_loads():  # both engines use the same weights, loaded once
         for layout in ("paged", "contiguous"):
             if args.simulate:
-                run = simulate_workload(simulated_scheduler(args, layout, max_model_len, num_blocks),
-                                        workload)
+                scheduler = simulated_scheduler(args, layout, max_model_len, num_blocks)
+                recorder = FrameRecorder(partial(scheduler_figures, scheduler),
+                                         scheduler.kv_manager.block_map) if args.html else None
+                run = simulate_workload(scheduler, workload, recorder.record if recorder else None)
                 results[layout] = layout_figures(run, timed=False)
                 results[layout]["token_slots"] = num_blocks * args.block_size
-                continue
-            engine = LLMEngine(engine_config(args, kv_layout=layout, max_model_len=max_model_len,
-                                             num_kv_blocks=num_blocks, enable_prefix_caching=False))
-            if workload is None:
-                workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts,
-                                         args.input_len, args.output_len, args.seed)
-            serve_one(engine)  # first-call costs (kernel load, weight packing) stay off the clock
-            results[layout] = layout_figures(run_workload(engine, workload, record_steps=True))
-            results[layout]["kv_cache_bytes"] = engine.kv_plan.kv_cache_bytes
-            results[layout]["token_slots"] = engine.kv_plan.num_slots
-            del engine
+            else:
+                engine = LLMEngine(engine_config(args, kv_layout=layout, max_model_len=max_model_len,
+                                                 num_kv_blocks=num_blocks, enable_prefix_caching=False))
+                if workload is None:
+                    workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts,
+                                             args.input_len, args.output_len, args.seed)
+                serve_one(engine)  # first-call costs (kernel load, weight packing) stay off the clock
+                recorder = FrameRecorder(engine.memory_stats, engine.block_map) if args.html else None
+                run = run_workload(engine, workload, record_steps=True,
+                                   on_step=recorder.record if recorder else None)
+                results[layout] = layout_figures(run)
+                results[layout]["kv_cache_bytes"] = engine.kv_plan.kv_cache_bytes
+                results[layout]["token_slots"] = engine.kv_plan.num_slots
+                del engine
+            if recorder is not None:
+                frames[layout] = recorder.finish()
     paged, contiguous = results["paged"], results["contiguous"]
     payload = {"workload": summarize(workload), "max_model_len": max_model_len,
                "reservations": args.reservations, "block_size": args.block_size,
@@ -150,6 +178,8 @@ def main(args: argparse.Namespace) -> int:
     _print(payload)
     if args.plot:
         _plot(payload, args.plot)
+    if args.html:
+        write_report(args.html, payload, frames)
     write_json(args.output_json, payload)
     return 0
 

@@ -228,6 +228,7 @@ class PendingCopies:
 
     def __init__(self) -> None:
         self._src_of: dict[int, int] = {}  # dst -> src, in recording order
+        self._last_taken: list[tuple[int, int]] = []  # the copies the current step does
 
     def __bool__(self) -> bool:
         return bool(self._src_of)
@@ -245,4 +246,10 @@ class PendingCopies:
     def take(self) -> list[tuple[int, int]]:
         copies = [(src, dst) for dst, src in self._src_of.items()]
         self._src_of = {}
+        self._last_taken = copies
         return copies
+
+    def destinations(self) -> list[int]:
+        """Blocks being copied into: by the copies the last take() handed out (this step's)
+        and by those still pending, for the block map."""
+        return [dst for _, dst in self._last_taken] + list(self._src_of)

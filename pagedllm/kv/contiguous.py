@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import CONTIGUOUS_RESERVES
 from pagedllm.kv.block_pool import PendingCopies
 from pagedllm.kv.manager import NO_HIT, PrefixHit
+from pagedllm.kv.snapshot import BlockMap, contiguous_block_map
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
 from pagedllm.utils import cdiv
@@ -119,6 +120,13 @@ class ContiguousKVManager:
 
     def reset_prefix_cache(self) -> bool:
         return True
+
+    def block_map(self) -> BlockMap:
+        """Every block's state, fill and owner: the dashboard's picture."""
+        reservations = ((rid, r.start, r.num_blocks, r.num_used_tokens)
+                        for rid, r in self._reservations.items())
+        return contiguous_block_map(self.num_blocks, self.block_size, reservations,
+                                    self._pending_copies.destinations())
 
     def stats(self) -> KVStats:
         return KVStats(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import BlockPool, KVBlock, PendingCopies
 from pagedllm.kv.prefix_hash import extend_block_hashes
+from pagedllm.kv.snapshot import BlockMap, paged_block_map
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request
 from pagedllm.utils import cdiv
@@ -261,6 +262,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
+
+    def block_map(self) -> BlockMap:
+        """Every block's state, ref count, fill and owners: the dashboard's picture."""
+        return paged_block_map(self.pool.blocks, self.block_size,
+                               ((rid, table.ids) for rid, table in self._tables.items()),
+                               self._pending_copies.destinations())
 
     def stats(self) -> KVStats:
         num_free = self.pool.num_free_blocks

@@ -26,6 +26,7 @@ from pagedllm.input_processor import InvalidInput, PromptInput, prompt_list
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
+from pagedllm.server.dashboard import EVENTS_PATH, dashboard_router, engine_snapshot_fn
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -104,6 +105,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
 
+    app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
 
 
@@ -127,7 +129,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """The API key (on /v1/*) and the body-size limit, checked before any endpoint runs.
+    """The API key (on /v1/* and the dashboard's events) and the body-size limit, checked before
+    any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
     (no Content-Length) as it arrives and refuse it past the limit without buffering more."""
@@ -142,7 +145,7 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+        if self.expected_auth is not None and scope["path"].startswith(("/v1/", EVENTS_PATH)):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):  # constant time
                 await _error(APIError("invalid or missing API key: send 'Authorization: Bearer "

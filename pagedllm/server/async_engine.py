@@ -23,12 +23,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.core_messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine import LLMEngine
-from pagedllm.engine_core import StepError
+from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 
@@ -63,6 +64,12 @@ class _Abort:
 @dataclass
 class _AbortSequences:
     sequences: list[tuple[str, int]]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[EngineCore], Any]
+    done: asyncio.Future
 
 
 class AsyncEngine:
@@ -191,6 +198,17 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         return self.output_processor.abort_request(request_id)
 
+    async def between_steps(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """fn(core), run by the engine thread between two steps, where the engine's state is
+        whole and nothing else touches it (reading it from the event loop could catch a step
+        half done); its result, or its exception. EngineDeadError if the engine is gone."""
+        self._check_alive()
+        done = self._loop.create_future()
+        with self._lock:
+            self._check_alive()
+            self._send(_Call(fn, done))
+        return await done
+
     def _send(self, command) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -286,6 +304,8 @@ class AsyncEngine:
                 self._core.abort_requests(command.request_ids)
             elif isinstance(command, _AbortSequences):
                 self._core.abort_sequences(command.sequences)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 try:
                     self._core.add_request(command.request)
@@ -295,6 +315,14 @@ class AsyncEngine:
                 finally:
                     self._adds_applied += 1
                 self._call(_resolve, command.done, None)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self._core)
+        except Exception as exc:
+            self._call(_resolve, command.done, exc)
+            return
+        self._call(_resolve, command.done, None, result)
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests the failed step ran (all requests if that is unknown)."""
@@ -315,11 +343,12 @@ class AsyncEngine:
         self._call(self._fail_requests, None, error)
 
     def _refuse_pending_adds(self) -> None:
-        """Answer adds the thread will never apply, so nobody waits for them."""
+        """Answer adds and calls the thread will never apply, so nobody waits for them."""
         error = EngineDeadError(self.dead_reason or "the server is shutting down")
         for command in self._queued_commands():
             if isinstance(command, _Add):
                 self._adds_applied += 1
+            if isinstance(command, (_Add, _Call)):
                 self._call(_resolve, command.done, error)
 
     def _call(self, fn, *args) -> None:
@@ -334,10 +363,10 @@ def _cause(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ is not None else exc
 
 
-def _resolve(future: asyncio.Future, exc: Exception | None) -> None:
+def _resolve(future: asyncio.Future, exc: Exception | None, result: Any = None) -> None:
     if future.done():
         return
     if exc is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(exc)

@@ -18,7 +18,9 @@ def register(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default loopback only; 0.0.0.0 exposes it)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* and on the live data of "
+                            "the dashboard at / (the page asks for it)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES // 2**20} MiB)")

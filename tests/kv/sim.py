@@ -15,6 +15,7 @@ from collections import Counter
 from pagedllm.kv.contiguous import ContiguousKVManager
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.slots import request_slots
+from pagedllm.kv.snapshot import CACHED, COPYING, FREE, SHARED, USED, BlockMap, runs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -98,6 +99,38 @@ def check_manager(manager) -> None:
         check_paged_manager(manager)
     else:
         check_contiguous_manager(manager)
+    check_block_map(manager)
+
+
+def check_block_map(manager) -> None:
+    """The dashboard's picture agrees with the manager's own figures and block tables, and
+    survives its JSON encoding."""
+    picture = manager.block_map()
+    assert BlockMap.from_dict(picture.to_dict()) == picture
+    stats, counts = manager.stats(), picture.counts()
+    assert picture.num_blocks == stats.num_blocks and picture.block_size == stats.block_size
+    assert counts["free"] + counts["cached"] == stats.num_free_blocks
+    assert counts["cached"] == stats.num_cached_free_blocks
+    in_use = [i for i, state in enumerate(picture.states) if state not in (FREE, CACHED)]
+    assert len(in_use) == stats.num_used_blocks
+    assert sum(picture.filled[i] for i in in_use) == stats.used_slots
+    tables = ({rid: t.ids for rid, t in manager._tables.items()}
+              if isinstance(manager, KVCacheManager)
+              else {rid: r.ids for rid, r in manager._reservations.items()})
+    assert set(picture.owners) == set(tables)
+    owners = Counter()
+    for request_id, request_runs in picture.owners.items():
+        ids = [start + k for start, length in request_runs for k in range(length)]
+        assert ids == tables[request_id] and request_runs == runs(ids)  # runs are maximal
+        owners.update(ids)
+    for i, state in enumerate(picture.states):
+        ref = picture.ref_counts[i]
+        assert ref == owners[i]
+        assert (state == FREE or state == CACHED) == (ref == 0), (i, state, ref)
+        assert state != SHARED or ref > 1
+        assert state != USED or ref == 1
+        assert state != FREE or picture.filled[i] == 0
+        assert state != COPYING or ref >= 1
 
 
 def check_scheduler(scheduler: Scheduler) -> None:

@@ -4,6 +4,7 @@ an engine of their own (storms, faults, fuzzing, limits)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -22,6 +23,12 @@ from tests.conftest import requires_default_model
 
 MODEL_NAME = "smollm2-test"
 API_KEY = "test-key-123"
+
+
+def metric_value(base_url: str, name: str) -> float:
+    """One value of the server's /metrics, by its name after 'pagedllm:'."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return float(re.search(rf"^pagedllm:{name} (\S+)$", text, re.M).group(1))
 
 
 def free_port() -> int:

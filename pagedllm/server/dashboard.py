@@ -1,0 +1,127 @@
+"""The KV cache dashboard: a page at / and /dashboard that draws every KV block live, and the
+server-sent events that feed it.
+
+Each event is one JSON snapshot: {"time_s", "stats": the engine's figures, "blocks": the block
+map (pagedllm/kv/snapshot.py)}, a few times a second. The router takes its snapshots from an
+async `snapshot_fn`, so it does not care where the engine runs; `engine_snapshot_fn` below is
+the one place that knows.
+
+The API key: the page itself is static and holds no data, so it loads without one. Its events
+are guarded like /v1/* (the app's guard checks EVENTS_PATH too). EventSource cannot send
+headers, so the page reads the event stream with fetch() and sends 'Authorization: Bearer KEY'
+like any API client. It asks for the key when the server answers 401 and keeps it in
+sessionStorage (this tab only, gone when it closes); a link may carry it in the URL fragment
+(http://host:8000/#key=KEY), which browsers never send to a server, so it never reaches an
+access log, and the page removes it from the address bar at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, StreamingResponse
+
+from pagedllm.server.async_engine import EngineDeadError
+from pagedllm.server.dashboard_page import render_page
+
+if TYPE_CHECKING:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.engine_core import EngineCore
+    from pagedllm.server.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+EVENTS_PATH = "/dashboard/events"
+DEFAULT_INTERVAL_S = 0.25
+# Each event stream ends after this long and the page reconnects at once: uvicorn lets open
+# responses finish before it shuts down, so a watching page must never hold a stream for long.
+STREAM_LIFETIME_S = 5.0
+
+SnapshotFn = Callable[[], Awaitable[dict]]
+
+
+def dashboard_router(snapshot_fn: SnapshotFn, interval_s: float = DEFAULT_INTERVAL_S,
+                     stream_lifetime_s: float = STREAM_LIFETIME_S) -> APIRouter:
+    """The page and its events. Guard EVENTS_PATH with the API key where the app has one."""
+    page = render_page("KV cache", {"mode": "live", "events": EVENTS_PATH})
+    latest = _SharedSnapshot(snapshot_fn, max_age_s=interval_s / 2)
+    router = APIRouter()
+
+    @router.get("/", include_in_schema=False)
+    @router.get("/dashboard", include_in_schema=False)
+    async def dashboard_page() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @router.get(EVENTS_PATH, include_in_schema=False)
+    async def dashboard_events() -> StreamingResponse:
+        return StreamingResponse(_events(latest, interval_s, stream_lifetime_s),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    return router
+
+
+class _SharedSnapshot:
+    """The latest snapshot, encoded once, for every page watching: at most one is taken per
+    max_age_s however many pages are open, so fifty pages cost the engine what one does."""
+
+    def __init__(self, snapshot_fn: SnapshotFn, max_age_s: float) -> None:
+        self.snapshot_fn = snapshot_fn
+        self.max_age_s = max_age_s
+        self._lock = asyncio.Lock()
+        self._event = ""
+        self._taken_at = -math.inf
+
+    async def get(self) -> str:
+        async with self._lock:
+            if time.monotonic() - self._taken_at >= self.max_age_s:
+                self._event = _sse(await self.snapshot_fn())
+                self._taken_at = time.monotonic()
+            return self._event
+
+
+async def _events(latest: _SharedSnapshot, interval_s: float,
+                  lifetime_s: float) -> AsyncIterator[str]:
+    deadline = time.monotonic() + lifetime_s
+    while True:
+        try:
+            yield await latest.get()
+        except EngineDeadError as exc:
+            yield _sse({"error": f"the engine is not running: {exc}"})
+            return
+        except Exception:  # a bug: say so on the page, keep the details in the log
+            logger.exception("dashboard snapshot failed")
+            yield _sse({"error": "the dashboard snapshot failed; see the server log"})
+            return
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(interval_s)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+# -- where snapshots come from: THE PLACE ISSUE 12 CHANGES ----------------------------------------
+# Today the engine steps in a thread of this process, so a snapshot is taken by that thread
+# between two steps. With the engine core in a process of its own, engine_snapshot_fn becomes
+# one request/reply on the core's channel, and the core runs engine_snapshot (plain data, made to
+# cross a process boundary as it is).
+
+def engine_snapshot_fn(async_engine: AsyncEngine) -> SnapshotFn:
+    async def snapshot() -> dict:
+        return await async_engine.between_steps(core_snapshot)
+
+    return snapshot
+
+
+def core_snapshot(core: EngineCore | LLMEngine) -> dict:
+    """What the page shows: the core's figures and its KV block map, as plain data."""
+    return {"time_s": time.monotonic(), "stats": core.stats().to_dict(),
+            "blocks": core.block_map().to_dict()}
