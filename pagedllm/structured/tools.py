@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedllm.structured.compiler import check_grammar
 from pagedllm.structured.spec import GrammarSpec
@@ -125,7 +126,8 @@ def template_has_tools(chat_template: str | None) -> bool:
     if not chat_template:
         return False
     try:
-        names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(chat_template))
+        # Parsed (never rendered) in the sandbox the templates render in.
+        names = jinja2.meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(chat_template))
     except jinja2.TemplateSyntaxError:
         return False
     return "tools" in names
