@@ -6,8 +6,8 @@ mask, so they are gathered into one padded batch and run as a single attention c
 running sequences that saves a Python-level loop per layer.
 
 A compressed cache (kv_quant.QuantizedKV) is quantized on write and its gathered blocks are
-dequantized to the query's dtype before the attention call: exactly the attention of the auto
-path over the values the codes stand for, which makes this the kernel's oracle for them too.
+dequantized before the attention call, which runs in float32: the attention over exactly the
+values the codes stand for, which makes this the kernel's oracle for them too.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def paged_attention(
     The new K/V must already be written (write_kv), so the context includes them. softcap: the
     scores become softcap * tanh(score / softcap) before the softmax.
     """
+    if isinstance(key_cache, QuantizedKV) and query.dtype != torch.float32:
+        # The values codes stand for are not bf16 / fp16 values: attend in float32 (as the kernel
+        # does) rather than round them first.
+        return paged_attention(query.float(), key_cache, value_cache, attn_metadata, scale,
+                               sliding_window, softcap).to(query.dtype)
     out = torch.empty_like(query)
     starts = attn_metadata.query_start_loc_cpu
     decodes: list[int] = []
