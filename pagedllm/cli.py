@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pagedllm.config import KV_LAYOUTS, EngineConfig, engine_defaults
+from pagedllm.config import KV_CACHE_DTYPES, KV_LAYOUTS, EngineConfig, engine_defaults
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"])
     parser.add_argument("--kv-layout", choices=list(KV_LAYOUTS), default=default["kv_layout"])
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default["kv_cache_dtype"],
+                        help="what the KV cache stores: auto (the model's dtype), int8, fp8 "
+                             "(= fp8_e4m3) or fp8_e5m2")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=default["enable_prefix_caching"])
     parser.add_argument("--seed", type=int, default=default["seed"])
@@ -39,7 +42,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
-                        seed=args.seed, device=args.device)
+                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,17 @@ def parse_size(value: int | float | str) -> int:
 VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
 KV_LAYOUTS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max", "request")
+# What the KV cache stores (vLLM's names): "auto" is the model's dtype; the others compress it
+# (pagedllm.attention.kv_quant). "fp8" is vLLM's alias for fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """The kv_cache_dtype a name means ("fp8" -> "fp8_e4m3"); ValueError naming the valid ones."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    return KV_CACHE_DTYPE_ALIASES.get(name, name)
 
 
 def check_device_name(device: str) -> None:
@@ -69,6 +80,7 @@ class EngineConfig:
     # contiguous layout only: reserve max_model_len ("max") or prompt + max_tokens ("request")
     contiguous_reserve: str = "max"
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # or int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
     seed: int = 0
     device: str = "auto"  # "auto": CUDA where available, else the CPU
 
@@ -80,6 +92,7 @@ class EngineConfig:
         if self.contiguous_reserve not in CONTIGUOUS_RESERVES:
             raise ValueError(
                 f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)
         # The scheduler's own checks, so every entry point rejects the same values.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
         if self.kv_cache_memory is not None:

@@ -64,6 +64,7 @@ class EngineCoreStats:
     num_prompt_tokens: int  # of every request added
     num_generation_tokens: int  # tokens sampled (or chosen), every sequence counted
     num_computed_tokens: int  # tokens run through the model: prefill chunks and decodes
+    kv_cache_dtype: str  # what the KV cache stores: the model's dtype, or int8 / fp8_e4m3 / fp8_e5m2
     step_num_requests: int = 0  # requests the last step ran
     step_num_used_blocks: int = 0  # blocks in use while it ran (before finished ones went back)
 

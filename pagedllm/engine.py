@@ -45,7 +45,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size, plan.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
-        logger.info("%s; start-up %.2fs", describe_plan(plan, str(self.dtype).removeprefix("torch."),
+        logger.info("%s; start-up %.2fs", describe_plan(plan, self.engine_core.kv_cache_dtype,
                                                          self.config.kv_layout), self.startup_s)
 
     @property

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from pagedllm.attention import kv_cache_bytes_per_block
+from pagedllm.attention.kv_quant import stored_dtype_name
 from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core_messages import (
     EngineCoreOutput,
@@ -60,9 +61,11 @@ class EngineCore:
                  dtype: torch.dtype) -> None:
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.device = next(model.parameters()).device  # where the loader put the weights
+        # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
-            model_config.head_dim, dtype)
+            model_config.head_dim, dtype, config.kv_cache_dtype)
+        self.kv_cache_dtype = stored_dtype_name(config.kv_cache_dtype, dtype)
         self.kv_plan: KVPlan = plan_kv_cache(config, bytes_per_block, max_model_len,
                                               free_device_bytes=_free_device_bytes(self.device))
         self.kv_manager = make_kv_manager(config, self.kv_plan)
@@ -72,7 +75,8 @@ class EngineCore:
         self.runner = ModelRunner(
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len, kv_dtype=dtype, device=self.device)
+            max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
+            kv_cache_dtype=config.kv_cache_dtype)
         self.sampler = Sampler(config.seed, self.device)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, CoreSequence] = {}  # by the scheduler's request id
@@ -244,7 +248,7 @@ class EngineCore:
             num_waiting=scheduler.num_waiting, num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
-            num_computed_tokens=self._num_computed_tokens,
+            num_computed_tokens=self._num_computed_tokens, kv_cache_dtype=self.kv_cache_dtype,
             step_num_requests=self._step_num_requests,
             step_num_used_blocks=self._step_num_used_blocks)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedllm.attention import allocate_kv_cache
+from pagedllm.attention import allocate_kv_cache, copy_blocks
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv.slots import slot_mapping
 from pagedllm.request import Request
@@ -75,7 +75,8 @@ class StepInputs(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+                 kv_dtype: torch.dtype, device: str | torch.device = "cpu",
+                 kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
@@ -83,7 +84,8 @@ class ModelRunner:
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,
-                                           cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device)
+                                           cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
+                                           kv_cache_dtype)
         max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq)
         # A step's integers (token ids, positions, slots, sampled rows, and off the CPU the
@@ -104,13 +106,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a request its own copy of a block it shared before writing into it."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
+        copy_blocks(self.kv_caches, [s for s, _ in copies], [d for _, d in copies])
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:

@@ -40,3 +40,15 @@ def test_the_cli_and_the_offline_api_take_the_config_defaults():
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_config_from_args(args) == EngineConfig()
     assert engine_defaults()["block_size"] == EngineConfig().block_size == 16
+
+
+def test_kv_cache_dtype_is_checked_everywhere_with_the_valid_names():
+    from pagedllm.cli import build_parser
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3, fp8_e5m2"):
+        EngineConfig(kv_cache_dtype="int4")
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):  # argparse prints the choices
+        build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "int4"])
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8_e5m2"])
+    assert args.kv_cache_dtype == "fp8_e5m2"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.attention.kv_quant import CacheSide, QuantizedKV
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.utils import cpu_flags
 
@@ -39,6 +40,7 @@ _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
 # Compiled in where the CPU has it: bf16 dot products for bf16 attention scores.
 _OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # compressed caches (kv_quant)
 _HEAD_DIMS = (16, 32, 64, 128, 256)  # the sizes compiled in
 
 _lock = threading.Lock()
@@ -153,17 +155,32 @@ def _build_lock(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def _parts(cache: CacheSide) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A cache side as the kernel takes it: its elements (or codes), and their scales or None."""
+    if isinstance(cache, QuantizedKV):
+        return cache.data, cache.scale
+    return cache, None
+
+
+def _takes_cache(dtype: torch.dtype, cache: CacheSide) -> bool:
+    """Whether the kernel reads and writes this cache side next to K/V/queries of dtype: one in
+    that dtype, or one compressed next to float32 or bfloat16."""
+    if isinstance(cache, QuantizedKV):
+        return dtype in _DTYPES and cache.data.dtype in _CODE_DTYPES
+    return cache.dtype == dtype
+
+
+def supports(query: torch.Tensor, key_cache: CacheSide) -> bool:
     """Whether the kernel can run this call (dtype, device, head size); builds it on first use."""
-    return (query.device.type == "cpu" and query.dtype in _DTYPES and key_cache.dtype == query.dtype
+    return (query.device.type == "cpu" and query.dtype in _DTYPES and _takes_cache(query.dtype, key_cache)
             and query.shape[-1] in _HEAD_DIMS and query.shape[1] % key_cache.shape[2] == 0
             and available())
 
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: CacheSide,
+    value_cache: CacheSide,
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -172,22 +189,24 @@ def paged_attention(
     """Same contract as torch_ref.paged_attention; call only where supports() is true."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
+    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
     return torch.ops.pagedllm_cpu.paged_attention(
-        query, key_cache, value_cache, attn_metadata.block_tables,
+        query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
         sliding_window if sliding_window is not None else 0,
         softcap if softcap is not None else 0.0)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: CacheSide, value_cache: CacheSide,
              slot_mapping: torch.Tensor) -> None:
     """Same contract as torch_ref.write_kv, for key/value rows that may be strided views."""
-    torch.ops.pagedllm_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
+    torch.ops.pagedllm_cpu.write_kv(key, value, key_data, value_data, key_scale, value_scale, slot_mapping)
 
 
-def write_kv_supports(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    return (key.device.type == "cpu" and key.dtype == key_cache.dtype and key.dim() == 3
-            and key.stride(2) == 1 and key.stride(1) == key.shape[2] and available())
+def write_kv_supports(key: torch.Tensor, key_cache: CacheSide) -> bool:
+    return (key.device.type == "cpu" and _takes_cache(key.dtype, key_cache)
+            and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2] and available())
 
 
 def fused_ops_support(x: torch.Tensor) -> bool:

@@ -4,6 +4,10 @@ Requests with several new tokens (prefill chunks) are handled one at a time, sin
 own causal mask offset by the tokens it already has cached. Single-token decodes need no causal
 mask, so they are gathered into one padded batch and run as a single attention call: with many
 running sequences that saves a Python-level loop per layer.
+
+A compressed cache (kv_quant.QuantizedKV) is quantized on write and its gathered blocks are
+dequantized before the attention call, which runs in float32: the attention over exactly the
+values the codes stand for, which makes this the kernel's oracle for them too.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
+from pagedllm.attention.kv_quant import CacheSide, QuantizedKV, gather_blocks
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.utils import cdiv
 
@@ -18,20 +24,22 @@ from pagedllm.utils import cdiv
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: CacheSide,
+    value_cache: CacheSide,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each new token's K/V [T, Hkv, D] at its physical slot (block * block_size + offset)."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    for x, cache in ((key, key_cache), (value, value_cache)):
+        if isinstance(cache, QuantizedKV):
+            kv_quant.write_slots(cache, x, slot_mapping)
+        else:
+            cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, x)
 
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: CacheSide,
+    value_cache: CacheSide,
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -42,6 +50,11 @@ def paged_attention(
     The new K/V must already be written (write_kv), so the context includes them. softcap: the
     scores become softcap * tanh(score / softcap) before the softmax.
     """
+    if isinstance(key_cache, QuantizedKV) and query.dtype != torch.float32:
+        # The values codes stand for are not bf16 / fp16 values: attend in float32 (as the kernel
+        # does) rather than round them first.
+        return paged_attention(query.float(), key_cache, value_cache, attn_metadata, scale,
+                               sliding_window, softcap).to(query.dtype)
     out = torch.empty_like(query)
     starts = attn_metadata.query_start_loc_cpu
     decodes: list[int] = []
@@ -61,18 +74,19 @@ def paged_attention(
     return out
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """The first ctx_len tokens of one request from its blocks: [ctx_len, Hkv, D]."""
+def _gather_context(cache: CacheSide, block_ids: torch.Tensor, ctx_len: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The first ctx_len tokens of one request from its blocks: [ctx_len, Hkv, D] in dtype."""
     block_size = cache.shape[1]
     num_blocks = cdiv(ctx_len, block_size)
-    blocks = cache.index_select(0, block_ids[:num_blocks].long())
+    blocks = gather_blocks(cache, block_ids[:num_blocks].long(), dtype)
     return blocks.flatten(0, 1)[:ctx_len]
 
 
 def _chunk_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: CacheSide,
+    value_cache: CacheSide,
     block_ids: torch.Tensor,
     ctx_len: int,
     scale: float,
@@ -81,8 +95,8 @@ def _chunk_attention(
 ) -> torch.Tensor:
     """Causal attention of q_len new tokens that come after ctx_len - q_len cached ones."""
     q_len = query.shape[0]
-    key = _gather_context(key_cache, block_ids, ctx_len)
-    value = _gather_context(value_cache, block_ids, ctx_len)
+    key = _gather_context(key_cache, block_ids, ctx_len, query.dtype)
+    value = _gather_context(value_cache, block_ids, ctx_len, query.dtype)
     # New token i sits at absolute position ctx_len - q_len + i and sees keys 0..that position.
     # SDPA's is_causal aligns the mask to the top-left corner, which is only right without
     # cached context, so the mask is built explicitly.
@@ -113,8 +127,8 @@ def _chunk_mask(
 
 def _batched_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: CacheSide,
+    value_cache: CacheSide,
     attn_metadata: AttentionMetadata,
     decodes: list[int],
     scale: float,
@@ -131,8 +145,8 @@ def _batched_decode_attention(
     block_ids = attn_metadata.block_tables[rows, :num_blocks].long().clamp_(min=0).flatten()
     # index_select on the flat list is several times faster than advanced indexing here.
     padded_shape = (len(decodes), num_blocks * block_size, *key_cache.shape[2:])
-    key = key_cache.index_select(0, block_ids).view(padded_shape)
-    value = value_cache.index_select(0, block_ids).view(padded_shape)
+    key = gather_blocks(key_cache, block_ids, query.dtype).view(padded_shape)
+    value = gather_blocks(value_cache, block_ids, query.dtype).view(padded_shape)
     key_pos = torch.arange(key.shape[1], device=query.device)[None, :]
     lens = torch.tensor(ctx_lens, device=query.device)[:, None]
     mask = key_pos < lens

@@ -15,7 +15,9 @@ Decode (one new token per request, every request at the same context length) and
 whole context is new, causal) are measured separately. Each paged implementation that can run a
 case is measured (the compiled CPU kernel where it is built, and the portable torch reference),
 and each case records which of them the public `pagedllm.attention.paged_attention`, the
-function the model calls, dispatched to ("active").
+function the model calls, dispatched to ("active"). With --kv-cache-dtype int8 / fp8_e4m3 /
+fp8_e5m2 the paged layouts hold compressed KV (SDPA keeps the model's dtype, so its "max |diff|"
+then includes the quantization error).
 
 It also times what paging costs outside the kernel: the runner's per-step building of the
 block-table and slot-mapping tensors (`ModelRunner.prepare_inputs`, with its persistent BlockTable).
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.attention as attention
-from pagedllm.attention import torch_ref
+from pagedllm.attention import QuantizedKV, torch_ref
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, timed_functions, write_json
 from pagedllm.kv.slots import slot_mapping
@@ -56,8 +58,8 @@ class Case:
     query: torch.Tensor  # [T, Hq, D], the model's flat batch
     # layout -> (key_cache, value_cache, metadata), caches [num_blocks, block_size, Hkv, D]:
     # "paged": blocks of block_size in shuffled order; "in_order": the same blocks in order;
-    # "unpaged": one block of L tokens per request ([B, L, Hkv, D]).
-    paged: dict[str, tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+    # "unpaged": one block of L tokens per request ([B, L, Hkv, D]). Compressed: QuantizedKVs.
+    paged: dict[str, tuple[attention.CacheSide, attention.CacheSide, AttentionMetadata]]
     query_contiguous: torch.Tensor  # [B, Hq, q_len, D]
     key_contiguous: torch.Tensor  # [B, Hkv, L, D]
     value_contiguous: torch.Tensor
@@ -116,7 +118,8 @@ def paged_metadata(block_tables: torch.Tensor, context_len: int, query_len: int,
 
 
 def make_case(mode: str, batch: int, context_len: int, *, num_heads: int, num_kv_heads: int,
-              head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0) -> Case:
+              head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0,
+              kv_cache_dtype: str = "auto") -> Case:
     if mode not in ("decode", "prefill"):
         raise ValueError(f"mode must be 'decode' or 'prefill'; got {mode!r}")
     query_len = 1 if mode == "decode" else context_len
@@ -132,14 +135,21 @@ def make_case(mode: str, batch: int, context_len: int, *, num_heads: int, num_kv
     shuffled = shuffled_block_tables(batch, blocks_per_seq, seed)
     in_order = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
     one_block = torch.arange(batch, dtype=torch.int32)[:, None]
+
+    def stored(cache: torch.Tensor) -> attention.CacheSide:
+        return cache if kv_cache_dtype == "auto" else QuantizedKV.from_values(cache, kv_cache_dtype)
+
     return Case(
         mode=mode, batch=batch, context_len=context_len, query=query,
         paged={
-            "paged": (to_paged(key, shuffled, block_size), to_paged(value, shuffled, block_size),
+            "paged": (stored(to_paged(key, shuffled, block_size)),
+                      stored(to_paged(value, shuffled, block_size)),
                       paged_metadata(shuffled, context_len, query_len, block_size)),
-            "in_order": (to_paged(key, in_order, block_size), to_paged(value, in_order, block_size),
+            "in_order": (stored(to_paged(key, in_order, block_size)),
+                         stored(to_paged(value, in_order, block_size)),
                          paged_metadata(in_order, context_len, query_len, block_size)),
-            "unpaged": (key, value, paged_metadata(one_block, context_len, query_len, context_len)),
+            "unpaged": (stored(key), stored(value),
+                        paged_metadata(one_block, context_len, query_len, context_len)),
         },
         query_contiguous=query.view(batch, query_len, num_heads, head_dim).transpose(1, 2).contiguous(),
         key_contiguous=key.transpose(1, 2).contiguous(),
@@ -340,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for mode, batch, ctx in cases:
         case = make_case(mode, batch, ctx, **shape, block_size=args.block_size, dtype=dtype,
-                         seed=args.seed)
+                         seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
         row = measure_case(case, args.min_time, args.max_reps)
         del case
         query_len = 1 if mode == "decode" else ctx
@@ -353,7 +363,8 @@ def main(args: argparse.Namespace) -> int:
     names = list(dict.fromkeys(name for r in rows for name in r["paged"]))
     payload = {"implementations": names,
                "active_implementations": sorted({r["active"] for r in rows}),
-               "dtype": str(dtype).removeprefix("torch."), "block_size": args.block_size,
+               "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": args.kv_cache_dtype,
+               "block_size": args.block_size,
                "num_threads": torch.get_num_threads(), **shape, "num_layers": args.num_layers,
                "paper_overhead": PAPER_OVERHEAD_PCT, "summary": summarize(rows), "cases": rows}
     _print(payload)
@@ -408,8 +419,8 @@ def _print(p: dict) -> None:
                      f"{q['overhead_pct']:+}%", q["max_abs_diff"]] if q else ["-"] * 5)
         row += [r["active"], r["prepare_ms"], f"{r['prepare_pct_of_step_attention']}%"]
         rows.append(row)
-    print_table(f"Attention over paged vs contiguous KV ({p['dtype']}, block {p['block_size']}, "
-                f"{p['num_threads']} threads)", header, rows)
+    print_table(f"Attention over paged vs contiguous KV ({p['dtype']}, KV {p['kv_cache_dtype']}, "
+                f"block {p['block_size']}, {p['num_threads']} threads)", header, rows)
     for name, modes in p["summary"].items():
         for mode, baselines in modes.items():
             text = "; ".join(f"{s['geomean_overhead_pct']:+}% {baseline.replace('_', ' ')} "

@@ -16,6 +16,8 @@ BENCHES = {
                   "the price of paging: attention over paged blocks vs contiguous KV, and prepare_inputs"),
     "block-size": ("pagedllm.bench.block_size",
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
+    "kv-dtype": ("pagedllm.bench.kv_dtype",
+                 "compressed KV (int8, fp8): capacity, decode attention, tok/s, perplexity, agreement"),
     "prefix": ("pagedllm.bench.prefix",
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
     "structured": ("pagedllm.bench.structured",

@@ -43,6 +43,7 @@ class RunResult:
     output_tokens: int
     num_preemptions: int
     steps: list[StepRecord] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # each request's output, in order
 
     def rates(self) -> dict:
         e = max(self.elapsed_s, 1e-9)
@@ -61,7 +62,7 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
     steps: list[StepRecord] = []
-    output_tokens = 0
+    finished: dict[str, list[int]] = {}
     preemptions_before = engine.stats().num_preemptions
     started = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -73,10 +74,12 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
                                     s.num_waiting))
         if on_step is not None:
             on_step(t_s)
-        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        finished.update((o.request_id, o.outputs[0].token_ids) for o in outputs if o.finished)
     elapsed = time.perf_counter() - started
+    token_ids = [finished[f"{tag}-{i}"] for i in range(len(requests))]
     return RunResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests),
-                     output_tokens, engine.stats().num_preemptions - preemptions_before, steps)
+                     sum(map(len, token_ids)), engine.stats().num_preemptions - preemptions_before,
+                     steps, token_ids)
 
 
 def serve_one(engine: LLMEngine) -> None:

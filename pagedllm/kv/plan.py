@@ -77,10 +77,10 @@ def make_kv_manager(config: EngineConfig, plan: KVPlan) -> KVCacheManager | Cont
                           bytes_per_block=plan.bytes_per_block)
 
 
-def describe_plan(plan: KVPlan, dtype_name: str, kv_layout: str) -> str:
+def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str) -> str:
     """The start-up log line: what the cache holds and how many long requests fit at once."""
     return (f"KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens, "
             f"{plan.bytes_per_block} bytes per block, {plan.num_slots} token slots "
-            f"({plan.kv_cache_bytes / 2**20:.1f} MiB, {dtype_name}, {kv_layout} layout); "
+            f"({plan.kv_cache_bytes / 2**20:.1f} MiB, KV dtype {kv_dtype_name}, {kv_layout} layout); "
             f"max_model_len={plan.max_model_len} fits {plan.num_slots // plan.max_model_len} "
             "requests at once")

@@ -23,12 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, cpu_kernel, paged_attention, write_kv
+from pagedllm.attention import AttentionMetadata, KVCache, cpu_kernel, paged_attention, write_kv
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):

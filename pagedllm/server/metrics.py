@@ -36,6 +36,13 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedllm:{name}", doc, value=value)
+        yield GaugeMetricFamily("pagedllm:kv_cache_bytes_per_block",
+                                "Bytes one KV block takes, all layers, keys and values (scales included)",
+                                value=kv.bytes_per_block)
+        info = GaugeMetricFamily("pagedllm:kv_cache_info", "What the KV cache stores (value always 1)",
+                                 labels=["kv_cache_dtype"])
+        info.add_metric([s.kv_cache_dtype], 1)
+        yield info
         counters = {
             "num_preemptions": ("Requests preempted for recompute", s.num_preemptions),
             "prompt_tokens": ("Prompt tokens received", s.num_prompt_tokens),

@@ -40,4 +40,4 @@ def test_the_start_up_line_says_how_many_long_requests_fit():
     plan = plan_kv_cache(EngineConfig(num_kv_blocks=8, block_size=4), 2**20, max_model_len=8)
     line = describe_plan(plan, "float32", "paged")
     assert line == ("KV cache: 8 blocks x 4 tokens, 1048576 bytes per block, 32 token slots "
-                    "(8.0 MiB, float32, paged layout); max_model_len=8 fits 4 requests at once")
+                    "(8.0 MiB, KV dtype float32, paged layout); max_model_len=8 fits 4 requests at once")

@@ -14,14 +14,15 @@ from tests.conftest import build_attn_metadata
 
 
 class PagedSequences:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device  # the cache and each step's inputs go there
         self.kv_caches = allocate_kv_cache(
             config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim, config.dtype, self.device)
+            config.head_dim, config.dtype, self.device, kv_cache_dtype=kv_cache_dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # physical order unrelated to logical
         self.blocks: dict[int, list[int]] = {}

@@ -130,8 +130,9 @@ def test_metrics_names(server):
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "prefix_cache_hit_rate", "kv_cache_blocks_cached_free",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket"]:
+                 "e2e_request_latency_seconds_bucket", "kv_cache_bytes_per_block"]:
         assert f"pagedllm:{name}" in text, name
+    assert 'pagedllm:kv_cache_info{kv_cache_dtype="float32"} 1.0' in text
 
 
 def test_api_key_guards_v1_only(server_engine):

@@ -5,6 +5,12 @@
 // num_kv_heads, head_dim]; query/out [T, num_heads, head_dim]; request b's new tokens are rows
 // query_start_loc[b] .. query_start_loc[b+1] and it has seq_lens[b] tokens in context.
 //
+// The caches hold the query's dtype, or compressed codes (int8, fp8 e4m3, fp8 e5m2) with fp16
+// scales [num_blocks, block_size, num_kv_heads] beside them (element = code * scale). Codes are
+// turned to fp32 where K/V rows are loaded; a key's scale multiplies its scores (folded into the
+// softmax scale) and a value's its probability, so scales cost no work per element. write_kv
+// quantizes each new token as pagedllm.attention.kv_quant does, bit for bit.
+//
 // Work is cut into items (request, tile of up to kQueryTile new tokens, kv head). An item's rows are
 // its tokens x the query heads sharing that kv head (GQA), so each K/V row is read once for all of
 // them. Keys go by in tiles of 16: scores as 16-lane dot products folded by a transpose-add tree,
@@ -16,6 +22,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -27,6 +36,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -101,12 +112,14 @@ struct WorkItem {
 };
 
 constexpr int kMaxHeadDim = 256;
-alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for missing rows (bf16 zero is 0 bits too)
+// Stands in for missing rows (zero is 0 bits in every dtype the cache holds).
+alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
 struct Scratch {
-  std::vector<float> o, m, l, corr, probs, k, kt, v;
+  std::vector<float> o, m, l, corr, probs, k, kt, v, q;
   void reserve(int64_t heads, int64_t rows, int64_t head_dim) {
     o.resize(heads * rows * head_dim);
+    q.resize(heads * rows * head_dim);
     m.resize(heads * rows);
     l.resize(heads * rows);
     corr.resize(rows);
@@ -117,11 +130,13 @@ struct Scratch {
   }
 };
 
-template <typename T>
+template <typename T, typename C>  // T: query/out dtype; C: what the cache holds (T, or codes)
 struct Problem {
   const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
+  const c10::Half* key_scale;  // [slots, num_kv_heads]: element = code * scale; null: no scales
+  const c10::Half* value_scale;
   T* out;
   const int32_t* block_tables;
   const int32_t* seq_lens;
@@ -143,21 +158,35 @@ constexpr bool kHaveBf16Dot = true;
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 struct Kernel {
-  static constexpr int C = D / 16;                                // 512-bit fp32 chunks per row
-  static constexpr int PV_ROWS = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // rows per P.V register block
+  static constexpr int NC = D / 16;                                  // 512-bit fp32 chunks per row
+  static constexpr int PV_ROWS = NC <= 4 ? 4 : (NC <= 8 ? 2 : 1);  // rows per P.V register block
+  // Against compressed K/V the query rows are read in fp32, converted once per work item.
+  using Q = std::conditional_t<std::is_same_v<C, T>, T, float>;
   // bf16 scores with AVX512-BF16: pairs of bf16 products summed in fp32 (exact products), no
   // conversion of K at all.
-  static constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16> && kHaveBf16Dot;
+  static constexpr bool kBf16 = std::is_same_v<Q, c10::BFloat16> && kHaveBf16Dot;
+  static constexpr bool kCompressed = !std::is_same_v<C, T>;
 
-  // scores[r][j] = q[r] . k[j] for a few rows: 16-lane dot products folded by sum_lanes_16.
-  static void scores_dot(const T* const* qrows, int64_t rows, const T* const* krows, float* scores) {
+  // The 16 rows of a tile in fp32 (kf[j * D ...]), pointed to by f32_rows.
+  template <typename S>
+  static void rows_to_f32(const S* const* rows, float* kf, const float** f32_rows) {
+    for (int j = 0; j < kKeyTile; ++j) {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kf + j * D + c * 16, load_f32(rows[j] + c * 16));
+      f32_rows[j] = kf + j * D;
+    }
+  }
+
+  // scores[r][j] = q[r] . k[j] for a few rows: 16-lane dot products folded by sum_lanes_16. K rows
+  // are the cache's, or fp32.
+  template <typename K>
+  static void scores_dot(const Q* const* qrows, int64_t rows, const K* const* krows, float* scores) {
     for (int64_t r = 0; r < rows; ++r) {
       __m512 partial[kKeyTile];
       for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_setzero_ps();
 #ifdef __AVX512BF16__
-      if constexpr (kBf16) {
+      if constexpr (kBf16 && std::is_same_v<K, c10::BFloat16>) {
         for (int c = 0; c < D; c += 32) {
           const __mmask32 m = D - c >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
           const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, qrows[r] + c);
@@ -169,7 +198,7 @@ struct Kernel {
         continue;
       }
 #endif
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < NC; ++c) {
         const __m512 qv = load_f32(qrows[r] + c * 16);
         for (int j = 0; j < kKeyTile; ++j) partial[j] = _mm512_fmadd_ps(qv, load_f32(krows[j] + c * 16), partial[j]);
       }
@@ -179,7 +208,7 @@ struct Kernel {
 
   // The same for many rows (a multiple of kTiledRows) from K transposed once per tile: in fp32
   // (kt[d][j]), or with AVX512-BF16 as bf16 pairs (kt[d/2][j] = k[j][d], k[j][d+1]).
-  static void scores_tiled(const T* const* qrows, int64_t rows, const T* const* krows, float* kf, float* kt,
+  static void scores_tiled(const Q* const* qrows, int64_t rows, const C* const* krows, float* kf, float* kt,
                            float* scores) {
 #ifdef __AVX512BF16__
     if constexpr (kBf16) {
@@ -204,11 +233,8 @@ struct Kernel {
     }
 #endif
     const float* kf_rows[kKeyTile];
-    for (int j = 0; j < kKeyTile; ++j) {  // K rows in fp32, then transposed
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(kf + j * D + c * 16, load_f32(krows[j] + c * 16));
-      kf_rows[j] = kf + j * D;
-    }
-    for (int c = 0; c < C; ++c) transpose_16x16(kf_rows, c * 16, 16, kt + c * 16 * kKeyTile);
+    rows_to_f32(krows, kf, kf_rows);  // K rows in fp32, then transposed
+    for (int c = 0; c < NC; ++c) transpose_16x16(kf_rows, c * 16, 16, kt + c * 16 * kKeyTile);
     for (int64_t r0 = 0; r0 < rows; r0 += kTiledRows) {
       __m512 acc[kTiledRows];
       for (int i = 0; i < kTiledRows; ++i) acc[i] = _mm512_setzero_ps();
@@ -223,21 +249,21 @@ struct Kernel {
   // o[r] = o[r] * corr[r] + sum_j probs[r][j] v[j] for R rows; v rows in fp32 or the cache dtype.
   template <int R, typename S>
   static void pv_block(float* o, const float* corr, const float* probs, const S* const* vrows) {
-    __m512 acc[R][C];
+    __m512 acc[R][NC];
     for (int i = 0; i < R; ++i) {
       const __m512 ci = _mm512_set1_ps(corr[i]);
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), ci);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), ci);
     }
     for (int j = 0; j < kKeyTile; ++j) {
-      __m512 vj[C];
-      for (int c = 0; c < C; ++c) vj[c] = load_f32(vrows[j] + c * 16);
+      __m512 vj[NC];
+      for (int c = 0; c < NC; ++c) vj[c] = load_f32(vrows[j] + c * 16);
       for (int i = 0; i < R; ++i) {
         const __m512 pij = _mm512_set1_ps(probs[i * kKeyTile + j]);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
+        for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
       }
     }
     for (int i = 0; i < R; ++i) {
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
     }
   }
 
@@ -253,7 +279,25 @@ struct Kernel {
     }
   }
 
-  static void run_item(const Problem<T>& p, const WorkItem& item, Scratch& sc) {
+  // Per-key factors of one tile for kv head h: each key's scale (times the softmax scale) and each
+  // value's; without scales, the softmax scale and ones.
+  static void tile_factors(const Problem<T, C>& p, const int64_t* slots, int n, int64_t h, __m512 scale,
+                           __m512& key_factor, __m512& value_factor) {
+    if (p.key_scale == nullptr) {
+      key_factor = scale;
+      value_factor = _mm512_set1_ps(1.0f);
+      return;
+    }
+    alignas(32) uint16_t ks[kKeyTile] = {}, vs[kKeyTile] = {};  // fp16 bits; past the end 0 (masked anyway)
+    for (int j = 0; j < n; ++j) {
+      ks[j] = p.key_scale[slots[j] * p.num_kv_heads + h].x;
+      vs[j] = p.value_scale[slots[j] * p.num_kv_heads + h].x;
+    }
+    key_factor = _mm512_mul_ps(scale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ks))));
+    value_factor = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vs)));
+  }
+
+  static void run_item(const Problem<T, C>& p, const WorkItem& item, Scratch& sc) {
     const int64_t group = p.num_heads / p.num_kv_heads;
     const int64_t rows = item.num_tokens * group;  // per kv head: token r / group, query head r % group
     const bool dot = rows <= kDotRows;
@@ -267,17 +311,24 @@ struct Kernel {
     const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
     const int32_t* table = p.block_tables + item.seq * p.table_stride;
     const int64_t token_stride = p.num_kv_heads * D;  // between consecutive tokens in the cache
-    const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
+    const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
 
     sc.reserve(item.num_heads, padded, D);
     std::fill(sc.o.begin(), sc.o.end(), 0.0f);
     std::fill(sc.m.begin(), sc.m.end(), kNoScore);
     std::fill(sc.l.begin(), sc.l.end(), 0.0f);
-    std::vector<const T*> qrows(item.num_heads * padded, zero_row);  // padding rows read zeros
+    std::vector<const Q*> qrows(item.num_heads * padded, reinterpret_cast<const Q*>(kZeroRow));  // padding rows read zeros
     for (int64_t hh = 0; hh < item.num_heads; ++hh) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = (item.head_begin + hh) * group + r % group;
-        qrows[hh * padded + r] = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + head * D;
+        const T* row = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + head * D;
+        if constexpr (std::is_same_v<Q, T>) {
+          qrows[hh * padded + r] = row;
+        } else {
+          float* qf = sc.q.data() + (hh * padded + r) * D;
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(qf + c * 16, load_f32(row + c * 16));
+          qrows[hh * padded + r] = qf;
+        }
       }
     }
 
@@ -285,8 +336,9 @@ struct Kernel {
     const __m512 scale = _mm512_set1_ps(p.scale);
     const __m512 softcap = _mm512_set1_ps(p.softcap), inv_softcap = _mm512_set1_ps(1.0f / p.softcap);
     int64_t slots[kKeyTile];
-    const T* krows[kKeyTile];
-    const T* vrows[kKeyTile];
+    const C* krows[kKeyTile];
+    const C* vrows[kKeyTile];
+    const float* kf_rows[kKeyTile];
     const float* vf_rows[kKeyTile];
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
       const int n = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0));
@@ -297,7 +349,7 @@ struct Kernel {
       {  // The next tile's rows (all the item's heads) start coming from memory now: decodes
          // read their KV once, in scattered blocks, and this makes them 1.4x faster from DRAM.
         const int64_t ahead = k0 + kKeyTile;
-        const int64_t bytes = item.num_heads * D * static_cast<int64_t>(sizeof(T));
+        const int64_t bytes = item.num_heads * D * static_cast<int64_t>(sizeof(C));
         for (int64_t pos = ahead; pos < std::min(ahead + kKeyTile, key_end); ++pos) {
           const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
           const char* kp = reinterpret_cast<const char*>(p.key_cache + slot * token_stride + item.head_begin * D);
@@ -316,9 +368,14 @@ struct Kernel {
           krows[j] = j < n ? p.key_cache + slots[j] * token_stride + h * D : zero_row;
           vrows[j] = j < n ? p.value_cache + slots[j] * token_stride + h * D : zero_row;
         }
+        __m512 key_factor, value_factor;
+        tile_factors(p, slots, n, h, scale, key_factor, value_factor);
         float* probs = sc.probs.data();
-        const T* const* q = qrows.data() + hh * padded;
-        if (dot) {
+        const Q* const* q = qrows.data() + hh * padded;
+        if (dot && kCompressed && rows > 1) {  // codes to fp32 once, not once per row
+          rows_to_f32(krows, sc.k.data(), kf_rows);
+          scores_dot(q, rows, kf_rows, probs);
+        } else if (dot) {
           scores_dot(q, rows, krows, probs);
         } else {
           scores_tiled(q, padded, krows, sc.k.data(), sc.kt.data(), probs);
@@ -326,7 +383,7 @@ struct Kernel {
         float* m = sc.m.data() + hh * padded;
         float* l = sc.l.data() + hh * padded;
         for (int64_t r = 0; r < rows; ++r) {
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(probs + r * kKeyTile), scale);
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(probs + r * kKeyTile), key_factor);
           if (p.softcap > 0) s = _mm512_mul_ps(softcap, tanh_f32(_mm512_mul_ps(s, inv_softcap)));
           if (needs_mask) {
             // Keys past the end, after the row's own position (causal) or out of its window.
@@ -345,17 +402,13 @@ struct Kernel {
           sc.corr[r] = std::exp(m[r] - m_new);
           l[r] = l[r] * sc.corr[r] + _mm512_reduce_add_ps(e);
           m[r] = m_new;
-          _mm512_storeu_ps(probs + r * kKeyTile, e);
+          _mm512_storeu_ps(probs + r * kKeyTile, _mm512_mul_ps(e, value_factor));
         }
         float* o = sc.o.data() + hh * padded * D;
         if (dot) {  // few rows: V straight from the cache
           accumulate_pv(o, rows, sc.corr.data(), probs, vrows);
         } else {  // many rows: V in fp32 once
-          float* vf = sc.v.data();
-          for (int j = 0; j < kKeyTile; ++j) {
-            for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + j * D + c * 16, load_f32(vrows[j] + c * 16));
-            vf_rows[j] = vf + j * D;
-          }
+          rows_to_f32(vrows, sc.v.data(), vf_rows);
           accumulate_pv(o, rows, sc.corr.data(), probs, vf_rows);
         }
       }
@@ -367,7 +420,7 @@ struct Kernel {
         T* dst = p.out + ((q_begin + item.token_begin + r / group) * p.num_heads + head) * D;
         const float* o = sc.o.data() + (hh * padded + r) * D;
         const __m512 inv = _mm512_set1_ps(1.0f / sc.l[hh * padded + r]);
-        for (int c = 0; c < C; ++c) store_f32(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), inv));
+        for (int c = 0; c < NC; ++c) store_f32(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), inv));
       }
     }
   }
@@ -375,8 +428,8 @@ struct Kernel {
 
 // Decodes (and other short queries) take all kv heads in one item, reading each cached token's
 // K/V row whole; prefill chunks are cut into tiles of kQueryTile tokens, one item per kv head.
-template <typename T>
-std::vector<WorkItem> plan(const Problem<T>& p, int64_t num_seqs) {
+template <typename P>
+std::vector<WorkItem> plan(const P& p, int64_t num_seqs) {
   std::vector<WorkItem> items;
   const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -399,32 +452,67 @@ std::vector<WorkItem> plan(const Problem<T>& p, int64_t num_seqs) {
   return items;
 }
 
-template <typename T, int D>
-void run(const Problem<T>& p, int64_t num_seqs) {
+template <typename T, typename C, int D>
+void run(const Problem<T, C>& p, int64_t num_seqs) {
   const std::vector<WorkItem> items = plan(p, num_seqs);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      Kernel<T, D>::run_item(p, items[i], scratch);
+      Kernel<T, C, D>::run_item(p, items[i], scratch);
     }
   });
 }
 
-template <typename T>
-void run_any_head_dim(const Problem<T>& p, int64_t num_seqs) {
+template <typename T, typename C>
+void run_any_head_dim(const Problem<T, C>& p, int64_t num_seqs) {
   switch (p.head_dim) {
-    case 16: return run<T, 16>(p, num_seqs);
-    case 32: return run<T, 32>(p, num_seqs);
-    case 64: return run<T, 64>(p, num_seqs);
-    case 128: return run<T, 128>(p, num_seqs);
-    case 256: return run<T, 256>(p, num_seqs);
+    case 16: return run<T, C, 16>(p, num_seqs);
+    case 32: return run<T, C, 32>(p, num_seqs);
+    case 64: return run<T, C, 64>(p, num_seqs);
+    case 128: return run<T, C, 128>(p, num_seqs);
+    case 256: return run<T, C, 256>(p, num_seqs);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", p.head_dim, " is not compiled in");
   }
 }
 
+// Calls f(tag) with a null pointer of the C++ type for a float32 or bfloat16 tensor's dtype.
+template <typename F>
+void dispatch_model_dtype(at::ScalarType dtype, const char* what, F&& f) {
+  if (dtype == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == at::kBFloat16) {
+    f(static_cast<c10::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, what, ": float32 or bfloat16 only");
+  }
+}
+
+// The same for a compressed cache's codes: int8, fp8 e4m3 or fp8 e5m2.
+template <typename F>
+void dispatch_code_dtype(at::ScalarType dtype, const char* what, F&& f) {
+  if (dtype == at::kChar) {
+    f(static_cast<int8_t*>(nullptr));
+  } else if (dtype == at::kFloat8_e4m3fn) {
+    f(static_cast<c10::Float8_e4m3fn*>(nullptr));
+  } else if (dtype == at::kFloat8_e5m2) {
+    f(static_cast<c10::Float8_e5m2*>(nullptr));
+  } else {
+    TORCH_CHECK(false, what, ": the cache holds the query's dtype, int8, float8_e4m3fn or float8_e5m2");
+  }
+}
+
+// Optional per-token-and-head scales of a cache: fp16 [blocks, block_size, Hkv], contiguous.
+void check_scale(const std::optional<at::Tensor>& scale, const at::Tensor& cache, const char* what) {
+  TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kHalf && scale->is_contiguous() &&
+                                     scale->dim() == 3 && scale->size(0) == cache.size(0) &&
+                                     scale->size(1) == cache.size(1) && scale->size(2) == cache.size(2)),
+              what, ": scales are float16 [blocks, block_size, Hkv], contiguous");
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                            double softcap) {
@@ -433,41 +521,77 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_cache.is_contiguous() &&
                   value_cache.is_contiguous(),
               "paged_attention: contiguous caches, query rows of contiguous heads");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "paged_attention: query and caches must share a dtype");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "paged_attention: caches must share a dtype");
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value() &&
+                  key_scale.has_value() == (key_cache.scalar_type() != query.scalar_type()),
+              "paged_attention: scales for both caches when they are compressed, else none");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_attention: int32 metadata");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "paged_attention: query and cache head_dim differ");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv heads");
+  check_scale(key_scale, key_cache, "paged_attention");
+  check_scale(value_scale, value_cache, "paged_attention");
+  const c10::Half* ks = key_scale.has_value() ? key_scale->const_data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs = value_scale.has_value() ? value_scale->const_data_ptr<c10::Half>() : nullptr;
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(), starts = query_start_loc.contiguous();
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const int64_t num_seqs = lens.size(0);
   if (num_seqs == 0 || query.size(0) == 0) return out;
 
-  auto dispatch = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    Problem<T> p{query.const_data_ptr<T>(), key_cache.const_data_ptr<T>(), value_cache.const_data_ptr<T>(),
-                 out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
-                 starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0, key_cache.size(1),
-                 query.size(1), key_cache.size(2), head_dim, sliding_window, static_cast<float>(scale),
-                 static_cast<float>(softcap)};
+  auto run_with = [&](auto* query_tag, auto* cache_tag) {
+    using T = std::remove_pointer_t<decltype(query_tag)>;
+    using C = std::remove_pointer_t<decltype(cache_tag)>;
+    Problem<T, C> p{query.const_data_ptr<T>(), key_cache.const_data_ptr<C>(), value_cache.const_data_ptr<C>(), ks, vs,
+                    out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
+                    starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0,
+                    key_cache.size(1), query.size(1), key_cache.size(2), head_dim, sliding_window,
+                    static_cast<float>(scale), static_cast<float>(softcap)};
     run_any_head_dim(p, num_seqs);
   };
-  if (query.scalar_type() == at::kFloat) {
-    dispatch(static_cast<float*>(nullptr));
-  } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch(static_cast<c10::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
-  }
+  dispatch_model_dtype(query.scalar_type(), "paged_attention", [&](auto* query_tag) {
+    if (key_cache.scalar_type() == query.scalar_type()) {
+      run_with(query_tag, query_tag);
+    } else {
+      dispatch_code_dtype(key_cache.scalar_type(), "paged_attention",
+                          [&](auto* cache_tag) { run_with(query_tag, cache_tag); });
+    }
+  });
   return out;
+}
+
+// A code's largest magnitude, and x (already divided by the scale) as a code: int8 rounds half
+// to even and clamps; fp8 clamps to its largest finite value and rounds to nearest even.
+inline float max_code(const int8_t*) { return 127.0f; }
+template <typename F8>
+float max_code(const F8*) { return static_cast<float>(std::numeric_limits<F8>::max()); }
+
+inline int8_t to_code(float x, const int8_t* tag) {
+  return static_cast<int8_t>(std::clamp(std::nearbyint(x), -max_code(tag), max_code(tag)));
+}
+template <typename F8>
+F8 to_code(float x, const F8* tag) { return F8(std::clamp(x, -max_code(tag), max_code(tag))); }
+
+// One token's head x[0..n) as codes and their fp16 scale, exactly as kv_quant.quantize does:
+// scale = max |x| / max_code rounded up to fp16, code = x / scale (the stored scale) as a code.
+template <typename T, typename C>
+void quantize_row(const T* x, C* codes, c10::Half* scale, int64_t n) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
+  const float exact = absmax / max_code(codes);
+  c10::Half stored = exact;
+  if (static_cast<float>(stored) < exact) stored = c10::Half(stored.x + 1, c10::Half::from_bits());  // next up
+  *scale = stored;
+  const float s = static_cast<float>(stored);
+  for (int64_t i = 0; i < n; ++i) codes[i] = s > 0.0f ? to_code(static_cast<float>(x[i]) / s, codes) : C(0);
 }
 
 // key_cache/value_cache viewed as [slots, Hkv * D]: row slot_mapping[t] = key[t] / value[t]. Each
 // token's K and V are one contiguous row wherever they sit (e.g. views into the fused q/k/v rows).
+// A compressed cache gets each token's heads quantized, with their scales.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+              const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
                   key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
@@ -476,36 +600,68 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
                   key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) &&
                   key_cache.sizes() == value_cache.sizes(),
               "write_kv: caches [blocks, block_size, Hkv, D] matching key/value");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "write_kv: key/value in the cache dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "write_kv: key and value share a dtype, and so do the caches");
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), "write_kv: scales for both caches or neither");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
               "write_kv: int64 slot_mapping, one slot per token");
   const at::Tensor slots = slot_mapping.contiguous();
-  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < key.size(0); ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot ", sp[t], " out of range");
   }
-  const char* kp = static_cast<const char*>(key.const_data_ptr());
-  const char* vp = static_cast<const char*>(value.const_data_ptr());
-  char* kc = static_cast<char*>(key_cache.mutable_data_ptr());
-  char* vc = static_cast<char*>(value_cache.mutable_data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  at::parallel_for(0, key.size(0), 256, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
-      std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
-    }
+  if (key.scalar_type() == key_cache.scalar_type()) {  // the model's dtype: copy the rows
+    TORCH_CHECK(!key_scale.has_value(), "write_kv: scales belong to compressed caches");
+    const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+    const char* kp = static_cast<const char*>(key.const_data_ptr());
+    const char* vp = static_cast<const char*>(value.const_data_ptr());
+    char* kc = static_cast<char*>(key_cache.mutable_data_ptr());
+    char* vc = static_cast<char*>(value_cache.mutable_data_ptr());
+    const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+    at::parallel_for(0, key.size(0), 256, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
+        std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(key_scale.has_value(), "write_kv: a compressed cache needs its scales");
+  check_scale(key_scale, key_cache, "write_kv");
+  check_scale(value_scale, value_cache, "write_kv");
+  c10::Half* kscale = key_scale->mutable_data_ptr<c10::Half>();
+  c10::Half* vscale = value_scale->mutable_data_ptr<c10::Half>();
+  const int64_t heads = key.size(1), head_dim = key.size(2);
+  dispatch_model_dtype(key.scalar_type(), "write_kv", [&](auto* key_tag) {
+    using T = std::remove_pointer_t<decltype(key_tag)>;
+    dispatch_code_dtype(key_cache.scalar_type(), "write_kv", [&](auto* cache_tag) {
+      using C = std::remove_pointer_t<decltype(cache_tag)>;
+      const T* kp = key.const_data_ptr<T>();
+      const T* vp = value.const_data_ptr<T>();
+      C* kc = key_cache.mutable_data_ptr<C>();
+      C* vc = value_cache.mutable_data_ptr<C>();
+      at::parallel_for(0, key.size(0), 64, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t row = sp[t] * heads + h;  // (slot, head) in the cache
+            quantize_row(kp + t * key.stride(0) + h * head_dim, kc + row * head_dim, kscale + row, head_dim);
+            quantize_row(vp + t * value.stride(0) + h * head_dim, vc + row * head_dim, vscale + row, head_dim);
+          }
+        }
+      });
+    });
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
-  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float softcap) -> Tensor");
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale, "
+        "Tensor? value_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "int sliding_window, float softcap) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor(c!)? key_scale, "
+        "Tensor(d!)? value_scale, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
