@@ -10,12 +10,15 @@ from pagedllm.cli import add_engine_args
 # name -> (module, help); each module has add_args(parser) that sets `func`.
 BENCHES = {
     "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
-    "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
+    "throughput": ("pagedllm.bench.throughput",
+                   "offline throughput, start-up, RSS; --baseline hf or llama.cpp on the same requests"),
     "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
     "attention": ("pagedllm.bench.attention",
                   "the price of paging: attention over paged blocks vs contiguous KV, and prepare_inputs"),
     "block-size": ("pagedllm.bench.block_size",
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
+    "perplexity": ("pagedllm.bench.perplexity",
+                   "perplexity on a held-out text through the paged cache, as the engine flags set it"),
     "prefix": ("pagedllm.bench.prefix",
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
     "structured": ("pagedllm.bench.structured",
