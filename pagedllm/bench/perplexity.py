@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args, max_model_len=args.context_len))
     token_ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)[:args.max_tokens]
     started = time.perf_counter()
-    result = perplexity(engine.runner.model, engine.runner.kv_caches, engine.block_size, token_ids,
+    runner = engine.engine_core.runner
+    result = perplexity(runner.model, runner.kv_caches, engine.kv_plan.block_size, token_ids,
                         context_len=args.context_len, chunk_len=args.chunk_len)
     payload = {"model": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
                "quantization": engine.config.quantization, "weights": engine.weights_note,
