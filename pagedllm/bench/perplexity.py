@@ -79,19 +79,23 @@ def _window_nll(model, kv_caches, block_size: int, window: list[int], chunk_len:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.bench.common import add_threads_arg
+
     parser.add_argument("--context-len", type=int, default=1024, help="tokens per scored window")
     parser.add_argument("--chunk-len", type=int, default=256, help="tokens per prefill chunk")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="score only the text's first tokens (default: all of it)")
+    add_threads_arg(parser)
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     """`pagedllm bench perplexity`: the engine's model and KV cache, as configured by the engine
     flags (dtype, --quantization, the KV cache), on the held-out text."""
-    from pagedllm.bench.common import engine_config, write_json
+    from pagedllm.bench.common import apply_threads, engine_config, write_json
     from pagedllm.engine import LLMEngine
 
+    apply_threads(args)
     engine = LLMEngine(engine_config(args, max_model_len=args.context_len))
     token_ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)[:args.max_tokens]
     started = time.perf_counter()
