@@ -219,7 +219,12 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
 
 def quant_support(x: torch.Tensor) -> bool:
     """Whether the quantized-weight kernels can take this activation (builds them on first use)."""
-    return x.device.type == "cpu" and x.dtype in _DTYPES and available()
+    return quant_dtype_support(x.dtype, x.device)
+
+
+def quant_dtype_support(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the quantized-weight kernels work in this dtype on this device."""
+    return device.type == "cpu" and dtype in _DTYPES and available()
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -50,10 +50,6 @@ class QuantLinear(nn.Module):
             raise ValueError("the parts of a fused quantized weight must have the same input size")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if not cpu_kernel.quant_support(rows) or rows.stride(-1) != 1:
@@ -117,14 +113,9 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.weight_q.nbytes
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         picked = self.weight_q.select_rows(input_ids.reshape(-1))
-        probe = torch.empty(0, dtype=self.dtype)
-        if cpu_kernel.quant_support(probe):
+        if cpu_kernel.quant_dtype_support(self.dtype, picked.codes.device):
             rows = cpu_kernel.quant_dequantize(picked, self.dtype)
         else:
             rows = picked.dequantize(self.dtype)
