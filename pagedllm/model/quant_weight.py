@@ -1,5 +1,5 @@
 """A weight matrix kept quantized: integer codes in groups along the input features, each group
-with a float32 scale (and optionally a min), in the two layouts the CPU kernels read
+with a scale (and optionally a min), in the two layouts the CPU kernels read
 (pagedllm/attention/csrc/quant_matmul.cpp). GGUF's block types are repacked into them
 (gguf_repack.py); float weights are quantized into them here (`quantize`, for `--quantization
 int8 / int4` on Hugging Face folders).
@@ -10,8 +10,9 @@ Layouts, for a matrix [out_features N, in_features K] and group size G:
   `codebook` (16 float32 values: 0..15, -8..7, IQ4_NL's table). G is 16 or a multiple of 32.
 - bits=8: `codes` int8 [N, K]; the code is the value. G is a multiple of 16.
 - `scales`, `mins`: [N, K/G], float16 where that holds them exactly (the GGUF types whose blocks
-  store fp16 scales, and int8 / int4 here: a decode step then reads no more bytes than the file
-  holds) or float32 (the K-quants' products of a super-block scale and a sub-block one).
+  store fp16 scales: a decode step then reads no more bytes than the file holds; and int8 / int4
+  here where float16 keeps their precision) or float32 (the K-quants' products of a super-block
+  scale and a sub-block one).
   Weight = scale * value + min (min absent: scale * value).
 
 For every GGUF type repacked here, scale * value is exact in float32 (an fp16 scale times a small
