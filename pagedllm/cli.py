@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pagedllm.config import KV_CACHE_DTYPES, KV_LAYOUTS, EngineConfig, engine_defaults
+from pagedllm.config import KV_CACHE_DTYPES, KV_LAYOUTS, QUANTIZATION_CHOICES, EngineConfig, engine_defaults
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=default["seed"])
     parser.add_argument("--device", default=default["device"],
                         help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=default["quantization"],
+                        help="auto: a GGUF's quantized weights stay quantized (default); none: "
+                             "dequantize at load; int8/int4: quantize a HF folder's weights at load")
+    parser.add_argument("--quantization-group-size", type=int, default=default["quantization_group_size"],
+                        help="inputs per scale for --quantization int8/int4")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +47,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
-                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device)
+                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
+                        quantization=args.quantization,
+                        quantization_group_size=args.quantization_group_size)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ def canonical_kv_cache_dtype(name: str) -> str:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
     return KV_CACHE_DTYPE_ALIASES.get(name, name)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
 def check_device_name(device: str) -> None:
@@ -83,6 +84,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # or int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
     seed: int = 0
     device: str = "auto"  # "auto": CUDA where available, else the CPU
+    # auto: a GGUF's quantized weights stay quantized, float checkpoints stay float; none:
+    # dequantize at load; int8 / int4: quantize a Hugging Face folder's matmul weights at load.
+    quantization: str = "auto"
+    quantization_group_size: int = 32  # inputs per scale, for int8 / int4
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -103,6 +108,14 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
         check_device_name(self.device)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
+                             f"got {self.quantization!r}")
+        group = self.quantization_group_size
+        if not isinstance(group, int) or group < 16 or group % 16 or (
+                self.quantization == "int4" and group != 16 and group % 32):
+            raise ValueError(f"quantization_group_size must be a multiple of 16 (int8) or 16 or a "
+                             f"multiple of 32 (int4); got {group!r}")
 
 
 def engine_defaults() -> dict:

@@ -35,18 +35,22 @@ class LLMEngine:
         self.config = config or EngineConfig(**kwargs)
         started = time.monotonic()
         self.device = resolve_device(self.config.device)
-        loaded = load_model(self.config.model, self.config.dtype, self.device)
+        loaded = load_model(self.config.model, self.config.dtype, self.device, self.config.quantization,
+                            self.config.quantization_group_size)
+        self.weights_note = loaded.weights_note  # what stayed quantized, what is float
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype)
+        self.weight_bytes = loaded.model.weight_bytes()  # after the runner's prepacking
         plan = self.engine_core.kv_plan
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size, plan.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
-        logger.info("%s; start-up %.2fs", describe_plan(plan, self.engine_core.kv_cache_dtype,
-                                                         self.config.kv_layout), self.startup_s)
+        logger.info("%s; weights %.1f MiB (%s); start-up %.2fs",
+                    describe_plan(plan, self.engine_core.kv_cache_dtype, self.config.kv_layout),
+                    self.weight_bytes / 2**20, self.weights_note, self.startup_s)
 
     @property
     def kv_plan(self) -> KVPlan:
@@ -100,5 +104,6 @@ class LLMEngine:
         return self.engine_core.block_map()
 
     def memory_stats(self) -> dict:
-        """The core's figures as one flat dict (blocks, slots, waste, preemptions, counters)."""
-        return self.stats().to_dict()
+        """The core's figures as one flat dict (blocks, slots, waste, preemptions, counters), and
+        the bytes the model's weights take."""
+        return {**self.stats().to_dict(), "weight_bytes": self.weight_bytes}

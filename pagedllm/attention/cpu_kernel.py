@@ -1,7 +1,8 @@
-"""The compiled CPU kernels: paged attention (csrc/paged_attention.cpp) and the elementwise fusions
+"""The compiled CPU kernels: paged attention (csrc/paged_attention.cpp), the elementwise fusions
 around it in a layer (csrc/fused_ops.cpp: RMSNorm with the residual add, rotary in place,
-SiLU-and-mul). Built on first use with the local C++ compiler, cached per machine kind, and skipped
-(with one log line) where they cannot be: callers then take the portable torch path.
+SiLU-and-mul) and matmuls over quantized weights (csrc/quant_matmul.cpp). Built on first use with
+the local C++ compiler, cached per machine kind, and skipped (with one log line) where they cannot
+be: callers then take the portable torch path.
 
 The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
 torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes.
@@ -31,14 +32,15 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
-_HEADERS = ("vec.h",)
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp")
+_HEADERS = ("vec.h", "quant_packed.h")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-# Compiled in where the CPU has it: bf16 dot products for bf16 attention scores.
-_OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16"}
+# Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls), AMX
+# tiles (quantized matmuls over many rows).
+_OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16", "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # compressed caches (kv_quant)
 _HEAD_DIMS = (16, 32, 64, 128, 256)  # the sizes compiled in
@@ -232,3 +234,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
     """Rotary embedding in place on the first num_heads heads of each row of qkv [T, width]."""
     torch.ops.pagedllm_cpu.rotary_(qkv, cos, sin, num_heads, head_dim)
+
+
+def quant_support(x: torch.Tensor) -> bool:
+    """Whether the quantized-weight kernels can take this activation (builds them on first use)."""
+    return quant_dtype_support(x.dtype, x.device)
+
+
+def quant_dtype_support(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the quantized-weight kernels work in this dtype on this device."""
+    return device.type == "cpu" and dtype in _DTYPES and available()
+
+
+def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = x @ weight^T (+ bias, float32) for a QuantizedWeight; out [M, N] may be a column slice."""
+    torch.ops.pagedllm_cpu.quant_linear.default(x, *weight.kernel_args, bias, out)
+
+
+def quant_amx_available() -> bool:
+    """Whether quant_linear_amx runs here (AMX-BF16 compiled in, and the OS lets us use it)."""
+    return available() and torch.ops.pagedllm_cpu.quant_amx_available()
+
+
+def quant_linear_amx(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = x @ weight^T (+ bias) with AMX tiles, for bf16 x of many rows (K a multiple of 32)."""
+    torch.ops.pagedllm_cpu.quant_linear_amx.default(x, *weight.kernel_args, bias, out)
+
+
+def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
+    """A QuantizedWeight dequantized to dtype (float32 or bfloat16), [N, K]."""
+    return torch.ops.pagedllm_cpu.quant_dequantize.default(*weight.kernel_args, dtype)

@@ -10,7 +10,8 @@ from pagedllm.cli import add_engine_args
 # name -> (module, help); each module has add_args(parser) that sets `func`.
 BENCHES = {
     "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
-    "throughput": ("pagedllm.bench.throughput", "offline throughput, start-up, peak RSS; --baseline hf"),
+    "throughput": ("pagedllm.bench.throughput",
+                   "offline throughput, start-up, RSS; --baseline hf or llama.cpp on the same requests"),
     "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
     "attention": ("pagedllm.bench.attention",
                   "the price of paging: attention over paged blocks vs contiguous KV, and prepare_inputs"),
@@ -18,6 +19,8 @@ BENCHES = {
                    "sweep block sizes on one workload: waste, throughput, attention time share"),
     "kv-dtype": ("pagedllm.bench.kv_dtype",
                  "compressed KV (int8, fp8): capacity, decode attention, tok/s, perplexity, agreement"),
+    "perplexity": ("pagedllm.bench.perplexity",
+                   "perplexity on a held-out text through the paged cache, as the engine flags set it"),
     "prefix": ("pagedllm.bench.prefix",
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
     "structured": ("pagedllm.bench.structured",

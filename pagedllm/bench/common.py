@@ -133,18 +133,18 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 @contextlib.contextmanager
 def shared_model_loads():
-    """Engines made inside load each (path, dtype, device) once: a bench that builds one engine per
-    setting (layout, block size) reuses the weights. The model holds no per-engine state; the
+    """Engines made inside load each (path, dtype, device, quantization) once: a bench that builds
+    one engine per setting (layout, block size) reuses the weights. The model holds no per-engine state; the
     KV cache belongs to each engine's runner."""
     import pagedllm.engine as engine_module
 
     original = engine_module.load_model
     loaded: dict = {}
 
-    def load_once(path=None, dtype="auto", device="cpu"):
-        key = (str(path), str(dtype), str(device))
+    def load_once(path=None, dtype="auto", device="cpu", *quantization):
+        key = (str(path), str(dtype), str(device), *quantization)
         if key not in loaded:
-            loaded[key] = original(path, dtype, device)
+            loaded[key] = original(path, dtype, device, *quantization)
         return loaded[key]
 
     engine_module.load_model = load_once
@@ -196,3 +196,18 @@ def timed_functions(*functions):
     finally:
         for module, name, value in patched:
             setattr(module, name, value)
+
+
+def device_name(device) -> str:
+    """"cpu", or the GPU's name (what a tokens/s figure on a GPU means depends on it)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def peak_gpu_memory(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}

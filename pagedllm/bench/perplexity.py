@@ -13,8 +13,10 @@ is tuned on it.
 
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from importlib import resources
 
 import torch
@@ -74,3 +76,37 @@ def _window_nll(model, kv_caches, block_size: int, window: list[int], chunk_len:
         logits = model.compute_logits(hidden[:len(targets)])
         nll -= torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None]).sum().item()
     return nll
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.bench.common import add_threads_arg
+
+    parser.add_argument("--context-len", type=int, default=1024, help="tokens per scored window")
+    parser.add_argument("--chunk-len", type=int, default=256, help="tokens per prefill chunk")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="score only the text's first tokens (default: all of it)")
+    add_threads_arg(parser)
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`pagedllm bench perplexity`: the engine's model and KV cache, as configured by the engine
+    flags (dtype, --quantization, the KV cache), on the held-out text."""
+    from pagedllm.bench.common import apply_threads, engine_config, write_json
+    from pagedllm.engine import LLMEngine
+
+    apply_threads(args)
+    engine = LLMEngine(engine_config(args, max_model_len=args.context_len))
+    token_ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)[:args.max_tokens]
+    started = time.perf_counter()
+    runner = engine.engine_core.runner
+    result = perplexity(runner.model, runner.kv_caches, engine.kv_plan.block_size, token_ids,
+                        context_len=args.context_len, chunk_len=args.chunk_len)
+    payload = {"model": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
+               "quantization": engine.config.quantization, "weights": engine.weights_note,
+               "weight_bytes": engine.weight_bytes, **asdict(result),
+               "elapsed_s": round(time.perf_counter() - started, 1)}
+    print(f"perplexity {result.perplexity:.4f} over {result.num_scored_tokens} tokens "
+          f"({payload['dtype']}, quantization {payload['quantization']}: {payload['weights']})")
+    write_json(args.output_json, payload)
+    return 0

@@ -1,5 +1,10 @@
-"""`pagedllm bench throughput`: offline throughput, start-up time and peak memory, with an
-optional Hugging Face transformers baseline (static batching) run on the same workload."""
+"""`pagedllm bench throughput`: offline throughput, start-up time and memory, with an optional
+baseline (bench/baselines.py: transformers, llama.cpp) run on the same requests in the same run.
+
+pagedllm always runs the workload batched (every request at once). A baseline adds the scenarios
+it takes part in (bench/scenarios.py), and pagedllm runs those too, request by request in turn
+with the baseline (A, B, A, B, ...), so load on the machine falls on both alike.
+"""
 
 from __future__ import annotations
 
@@ -8,113 +13,169 @@ import time
 
 import psutil
 
+from pagedllm.bench import baselines
 from pagedllm.bench.common import (
+    add_threads_arg,
+    apply_threads,
+    device_name,
     engine_config,
+    peak_gpu_memory,
     peak_rss_bytes,
     print_table,
     run_workload,
     serve_one,
     write_json,
 )
+from pagedllm.bench.scenarios import (
+    single_stream_requests,
+    stream_one,
+    summarize_run,
+    summarize_streams,
+)
 from pagedllm.bench.workload import BenchRequest, load_workload, summarize
 from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
-    parser.add_argument("--hf-batch-size", type=int, default=None,
-                        help="static batch size for the HF baseline (default: every request at once)")
+    baselines.add_args(parser)
+    add_threads_arg(parser)  # a baseline runs with as many threads as torch
+    parser.add_argument("--single-stream-runs", type=int, default=3,
+                        help="requests timed one by one in the single-stream scenario")
+    parser.add_argument("--single-stream-len", default="128:256", metavar="PROMPT:OUTPUT",
+                        help="prompt and generated tokens of each single-stream request")
+    parser.add_argument("--no-sequential", action="store_true",
+                        help="skip the workload run one request at a time (long: minutes)")
+    parser.add_argument("--lockstep-with", default=None, metavar="FIELD=VALUE",
+                        help="also run the batched workload on a second engine with this engine setting "
+                             "changed (e.g. quantization=none), stepped in turn with the first, so load "
+                             "on the machine falls on both alike; reports the ratio")
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256")
 
 
 def main(args: argparse.Namespace) -> int:
     process_started = psutil.Process().create_time()
+    apply_threads(args)
     engine = LLMEngine(engine_config(args))
     serve_one(engine)  # start-up counts until a first request is served, as a user sees it
     startup_s = time.time() - process_started
+    rss_mib = round(psutil.Process().memory_info().rss / 2**20, 1)
     workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts, args.input_len,
                              args.output_len, args.seed)
-    result = run_workload(engine, workload)
+    prompt_tokens, output_tokens = (int(n) for n in args.single_stream_len.split(":"))
+    streams = single_stream_requests(engine.tokenizer, args.single_stream_runs, prompt_tokens, output_tokens,
+                                     args.seed)
+    baseline = None if args.baseline == "none" else baselines.load(args.baseline)
+    session = baseline.start(engine, args, workload + streams) if baseline else None
     ours = {"system": "pagedllm", "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": _device_name(engine.device),
+            "device": device_name(engine.device), "quantization": engine.config.quantization,
+            "weights_mib": round(engine.weight_bytes / 2**20, 1),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
-            "peak_rss_mib": round(peak_rss_bytes() / 2**20, 1), "num_preemptions": result.num_preemptions,
-            "kv_cache_mib": round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
-            **result.rates(), **_peak_gpu_memory(engine.device)}
-    payload = {"workload": summarize(workload), "pagedllm": ours}
-    rows = [_row(ours)]
-    if args.baseline == "hf":
-        hf = run_hf_baseline(engine, workload, args.hf_batch_size)
-        payload["hf"] = hf
-        payload["ratio_output_tokens_per_s"] = round(
-            ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
-        rows.append(_row(hf))
-    print_table(f"Offline throughput: {payload['workload']}",
-                ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "start-up s",
-                 "peak RSS MiB"], rows)
-    if "ratio_output_tokens_per_s" in payload:
-        print(f"\npagedllm / transformers generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
+            "rss_after_startup_mib": rss_mib}
+    payload = {"workload": summarize(workload), "single_stream_len": args.single_stream_len, "pagedllm": ours}
+    try:
+        result = run_workload(engine, workload)
+        ours.update(peak_rss_mib=round(peak_rss_bytes() / 2**20, 1), num_preemptions=result.num_preemptions,
+                    kv_cache_mib=round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
+                    **result.rates(), **peak_gpu_memory(engine.device))
+        if args.lockstep_with:
+            payload["lockstep"] = _lockstep(engine, args, workload)
+        if session is not None:
+            payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args)
+    finally:
+        final = session.close() if session is not None else {}
+    if baseline is not None:
+        payload[baseline.SYSTEM].update(final)
+    _report(payload, baseline.SYSTEM if baseline else None)
     write_json(args.output_json, payload)
     return 0
 
 
-def _row(r: dict) -> list:
-    return [r["system"], r["device"], r["dtype"], r["requests_per_s"], r["output_tokens_per_s"],
-            r["total_tokens_per_s"], r["elapsed_s"], r.get("startup_s", "-"), r.get("peak_rss_mib", "-")]
+def _run_baseline(baseline, session, engine: LLMEngine, workload: list[BenchRequest],
+                  streams: list[BenchRequest], ours: dict, args) -> dict:
+    theirs = {"system": baseline.SYSTEM, **session.info}
+    if "batched" in baseline.SCENARIOS:
+        elapsed = session.batched(workload)
+        theirs.update(summarize_run(elapsed, workload))
+    if "single_stream" in baseline.SCENARIOS:
+        ours["single_stream"], theirs["single_stream"] = _interleaved(engine, session, streams)
+    if "sequential" in baseline.SCENARIOS and not args.no_sequential:
+        mine, rival = _interleaved(engine, session, workload, summarize=False)
+        ours["sequential"] = summarize_run(sum(t.ttft_s + t.decode_s for t in mine), workload)
+        theirs["sequential"] = summarize_run(sum(t.ttft_s + t.decode_s for t in rival), workload)
+    return theirs
 
 
-def run_hf_baseline(engine: LLMEngine, workload: list[BenchRequest], batch_size: int | None) -> dict:
-    """transformers `generate` on the engine's device, static batches with left padding: a batch
-    runs until its longest request is done, and only each request's own max_tokens count as
-    useful output."""
-    import torch
-
-    from pagedllm.bench.hf_model import load_hf_model
-
-    started = time.time()
-    model = load_hf_model(engine.model_path, engine.dtype).to(engine.device)
-    if engine.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    load_s = time.time() - started
-    batch_size = batch_size or len(workload)
-    pad_id = engine.tokenizer.eos_token_id or 0
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for start in range(0, len(workload), batch_size):
-            batch = workload[start:start + batch_size]
-            width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(batch):
-                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[i, width - len(r.prompt_token_ids):] = 1
-            longest = max(r.max_tokens for r in batch)
-            model.generate(ids.to(engine.device), attention_mask=mask.to(engine.device),
-                           max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                           pad_token_id=pad_id)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    elapsed = time.perf_counter() - t0
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-    output_tokens = sum(r.max_tokens for r in workload)
-    return {"system": "transformers", "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": _device_name(engine.device), **_peak_gpu_memory(engine.device),
-            "batch_size": batch_size, "load_s": round(load_s, 2), "elapsed_s": round(elapsed, 3),
-            "requests_per_s": round(len(workload) / elapsed, 3),
-            "output_tokens_per_s": round(output_tokens / elapsed, 2),
-            "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 2)}
+def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
+    """The workload on engine and on a twin with one setting changed, one step of each in turn;
+    each engine's time is the sum of its own steps."""
+    field, _, value = args.lockstep_with.partition("=")
+    if not hasattr(engine.config, field) or not value:
+        raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
+                         f"got {args.lockstep_with!r}")
+    default = getattr(engine.config, field)
+    twin = LLMEngine(engine_config(args, **{field: type(default)(value) if default is not None else value}))
+    serve_one(twin)
+    engines = {"this": engine, args.lockstep_with: twin}
+    for e in engines.values():
+        for i, r in enumerate(workload):
+            e.add_request(f"lockstep-{i}", {"prompt_token_ids": r.prompt_token_ids},
+                          SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    elapsed = dict.fromkeys(engines, 0.0)
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, e in engines.items():
+            if e.has_unfinished_requests():
+                started = time.perf_counter()
+                e.step()
+                elapsed[name] += time.perf_counter() - started
+    rates = {name: summarize_run(seconds, workload) for name, seconds in elapsed.items()}
+    return {**rates, "ratio_output_tokens_per_s": round(
+        rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3)}
 
 
-def _device_name(device) -> str:
-    """"cpu", or the GPU's name (what a tokens/s figure on a GPU means depends on it)."""
-    import torch
+def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summarize: bool = True):
+    """Each request served alone by pagedllm, then by the baseline, in turn."""
+    mine, rival = [], []
+    for i, request in enumerate(requests):
+        mine.append(stream_one(engine, request, f"stream-{i}"))
+        rival.append(session.stream(request))
+    return (summarize_streams(mine), summarize_streams(rival)) if summarize else (mine, rival)
 
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
-
-def _peak_gpu_memory(device) -> dict:
-    import torch
-
-    if device.type != "cuda":
-        return {}
-    return {"peak_gpu_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+def _report(payload: dict, rival: str | None) -> None:
+    ours, theirs = payload["pagedllm"], payload.get(rival, {})
+    columns = ("system", "device", "dtype", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+               "elapsed_s", "startup_s", "peak_rss_mib")
+    rows = [[ours[c] for c in columns]]
+    if "output_tokens_per_s" in theirs:
+        rows.append([theirs.get(c, "-") for c in columns])
+        payload["ratio_output_tokens_per_s"] = round(
+            ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2)
+    print_table(f"Offline throughput, all requests at once: {payload['workload']}",
+                ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "start-up s",
+                 "peak RSS MiB"], rows)
+    if "ratio_output_tokens_per_s" in payload:
+        print(f"\npagedllm / {rival} generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
+    if "lockstep" in payload:
+        lockstep = payload["lockstep"]
+        print_table("The same workload on a twin engine, steps in turn",
+                    ["engine", "out tok/s", "total tok/s", "time s"],
+                    [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"]]
+                     for name, r in lockstep.items() if isinstance(r, dict)])
+        print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x")
+    if "single_stream" in theirs:
+        print_table(f"Single stream: {payload['single_stream_len']} tokens (prompt:generated), one "
+                    "request at a time (each run: pagedllm, then the baseline)",
+                    ["system", "decode tok/s best", "median", "each run", "TTFT ms best", "median",
+                     "RSS after load MiB"],
+                    [[s["system"], s["single_stream"]["decode_tokens_per_s_best"],
+                      s["single_stream"]["decode_tokens_per_s_median"],
+                      s["single_stream"]["decode_tokens_per_s_each"], s["single_stream"]["ttft_ms_best"],
+                      s["single_stream"]["ttft_ms_median"],
+                      s.get("rss_after_startup_mib", s.get("rss_mib", "-"))] for s in (ours, theirs)])
+    if "sequential" in theirs:
+        print_table("The workload one request at a time (in turn with the baseline)",
+                    ["system", "out tok/s", "total tok/s", "time s"],
+                    [[s["system"], s["sequential"]["output_tokens_per_s"],
+                      s["sequential"]["total_tokens_per_s"], s["sequential"]["elapsed_s"]]
+                     for s in (ours, theirs)])

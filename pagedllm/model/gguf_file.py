@@ -1,5 +1,6 @@
-"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized under Hugging Face names, with
-what llama.cpp's converter changed in them undone (the q/k row order of Llama, Gemma's norm offset).
+"""Reading a llama.cpp GGUF file: metadata, and tensors under Hugging Face names (dequantized, or
+repacked quantized by gguf_repack), with what llama.cpp's converter changed in them undone (the
+q/k row order of Llama, Gemma's norm offset).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import CorruptCheckpointError, UnsupportedModelError
+from pagedllm.model.gguf_repack import REPACKERS, repack
+from pagedllm.model.quant_weight import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({
@@ -116,13 +119,22 @@ class GGUFCheckpoint:
                     f"{tensor.tensor_type.name}, which is not supported; supported: "
                     f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
 
-    def get_hf_tensor(self, hf: str) -> torch.Tensor:
-        """The tensor stored for Hugging Face name hf, dequantized to float32 and in the
-        row order transformers uses."""
+    def get_hf_tensor(self, hf: str, keep_quantized: bool = False) -> torch.Tensor | QuantizedWeight:
+        """The tensor stored for Hugging Face name hf, in the row order transformers uses:
+        dequantized to float32, or (keep_quantized) repacked quantized where gguf_repack can."""
         name = self.hf_names[hf]
-        weights = self.get_raw(name)
+        weights = self.get_repacked(name) if keep_quantized and self.can_repack(name) else self.get_raw(name)
         undo = _CONVERTER_CHANGES.get(self.architecture)
         return weights if undo is None else undo(weights, name, self.metadata)
+
+    def can_repack(self, name: str) -> bool:
+        tensor = self.tensors[name]
+        return tensor.tensor_type in REPACKERS and len(tensor.shape) == 2
+
+    def get_repacked(self, name: str) -> QuantizedWeight:
+        tensor = self.tensors[name]
+        in_features, out_features = (int(d) for d in tensor.shape)
+        return repack(tensor.tensor_type, tensor.data, (out_features, in_features))
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Llama 3.1 files carry their rope scaling as per-frequency divisors, not metadata."""
@@ -147,8 +159,8 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
 
 
 def _undo_rotary_permutation(
-    weights: torch.Tensor, name: str, metadata: dict[str, Any]
-) -> torch.Tensor:
+    weights: torch.Tensor | QuantizedWeight, name: str, metadata: dict[str, Any]
+) -> torch.Tensor | QuantizedWeight:
     """llama.cpp's converter reorders q/k rows per head from the two-halves rotary layout to
     interleaved pairs (row j of half h goes to 2j+h). Put them back in halves."""
     if ".attn_q." in name:
@@ -159,8 +171,10 @@ def _undo_rotary_permutation(
     else:
         return weights
     rows = weights.shape[0]
-    paired = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
-    return paired.transpose(1, 2).reshape(weights.shape).contiguous()
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+    if isinstance(weights, QuantizedWeight):
+        return weights.select_rows(order)
+    return weights.index_select(0, order)
 
 
 def _undo_norm_offset(weights: torch.Tensor, name: str, metadata: dict[str, Any]) -> torch.Tensor:

@@ -27,6 +27,8 @@ from pagedllm.attention import AttentionMetadata, KVCache, cpu_kernel, paged_att
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
+from pagedllm.model.quant_weight import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -347,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
-        packed = getattr(self, "_packed_lm_head", None)
+        packed = getattr(self, "_packed_lm_head", None)  # prepacked bf16, or quantized
         if packed is not None:
             logits = packed(hidden).float()
         else:
@@ -362,16 +364,37 @@ class LlamaForCausalLM(nn.Module):
         same results but for an element now and then one bf16 step apart, as oneDNN's kernel for
         the packed layout sums in another order). Only for bfloat16 on CPU; returns whether it
         packed."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _can_pack(max_num_tokens):
             return False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, PackedLinear(child.weight, child.bias, max_num_tokens))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_lm_head = PackedLinear(head, None, max_num_tokens)
+        if isinstance(getattr(self, "_packed_lm_head", None), QuantLinear):
+            pass  # a quantized head stays as it is
+        elif self.lm_head is not None:
+            self._packed_lm_head = self.lm_head  # packed by the loop above
+        else:
+            self._packed_lm_head = PackedLinear(self.embed_tokens.weight, None, max_num_tokens)
         return True
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds (quantized, float, prepacked copies), each once."""
+        seen: dict[int, int] = {}
+        for module in self.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if isinstance(module, QuantLinear):
+                tensors += [t for p in module.parts for t in (p.codes, p.scales, p.mins, p.codebook)]
+            elif isinstance(module, QuantEmbedding):
+                w = module.weight_q
+                tensors += [w.codes, w.scales, w.mins, w.codebook]
+            elif isinstance(module, PackedLinear):
+                tensors.append(module.packed_weight)
+            for t in tensors:
+                if t is not None and t.device.type != "meta":
+                    seen[t.data_ptr() if t.layout == torch.strided else id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
 
     @classmethod
     def from_hf_tensors(
@@ -399,15 +422,38 @@ class LlamaForCausalLM(nn.Module):
 
         offset = config.arch.norm_offset
 
-        def load(name: str) -> torch.Tensor:
+        def load(name: str) -> torch.Tensor | QuantizedWeight:
             tensor = get_tensor(name)
+            if isinstance(tensor, QuantizedWeight):
+                return tensor
             if offset and name.endswith("norm.weight"):  # stored as offsets (Gemma): fold them in
                 tensor = tensor.float() + offset
             return tensor.to(device=device, dtype=dtype)
 
         state = fused_state_dict(config, load)
+        model._install_quantized({name: state.pop(name) for name in list(state)
+                                  if isinstance(state[name], list)}, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         return model.requires_grad_(False).eval()
+
+    def _install_quantized(self, weights: dict[str, list[QuantizedWeight]], dtype: torch.dtype) -> None:
+        """Swap in quantized modules for the weights kept quantized (their tensors are not in the
+        state dict, so the float ones then load strictly). A tied LM head multiplies by the
+        embedding's own quantized table."""
+        for name, parts in weights.items():
+            path = name.removesuffix(".weight")
+            parent_path, _, attr = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            if attr == "embed_tokens":
+                module = QuantEmbedding(parts[0], dtype)
+                if self.lm_head is None:
+                    self._packed_lm_head = QuantLinear(parts)
+            else:
+                old = getattr(parent, attr)
+                module = QuantLinear(parts, None if old.bias is None else torch.empty_like(old.bias))
+                if attr == "lm_head":
+                    self._packed_lm_head = module
+            setattr(parent, attr, module)
 
 
 def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -461,12 +507,21 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 
 
 def fused_state_dict(
-    config: ModelConfig, load: Callable[[str], torch.Tensor]
-) -> dict[str, torch.Tensor]:
+    config: ModelConfig, load: Callable[[str], torch.Tensor | QuantizedWeight]
+) -> dict[str, torch.Tensor | list[QuantizedWeight]]:
+    """Our parameters from the loaded tensors; a weight kept quantized comes as the list of its
+    quantized parts (fused later by QuantLinear), unless some part of it is float: then all are
+    dequantized to the float parts' dtype and concatenated."""
     state = {}
     for ours, parts in _parameter_sources(config).items():
         tensors = [load(name) for name in parts]
-        state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        quantized = [t for t in tensors if isinstance(t, QuantizedWeight)]
+        if len(quantized) == len(tensors):
+            state[ours] = quantized
+        else:
+            dtype = next(t.dtype for t in tensors if not isinstance(t, QuantizedWeight))
+            tensors = [t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t for t in tensors]
+            state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     return state
 
 

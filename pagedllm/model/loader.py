@@ -1,7 +1,10 @@
 """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
 
-Weights are read without pickle: safetensors through memory maps, GGUF through gguf's reader,
-dequantized once at load time. Every failure a user can cause (a wrong path, a missing or
+Weights are read without pickle: safetensors through memory maps, GGUF through gguf's reader.
+`quantization` decides what stays quantized: "auto" keeps a GGUF's quantized matrices quantized
+(repacked for the kernels; types without a repacker are dequantized) and leaves float checkpoints
+float; "none" dequantizes everything at load; "int8" / "int4" quantize a Hugging Face folder's
+matmul weights group-wise at load. Every failure a user can cause (a wrong path, a missing or
 truncated file, an architecture or quantization we do not run) raises a ModelLoadError, a
 ValueError, whose message names the file and the problem.
 """
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.model.config import ModelConfig, parse_dtype_name
 from pagedllm.model.errors import (
     CorruptCheckpointError,
@@ -28,6 +32,7 @@ from pagedllm.model.errors import (
 )
 from pagedllm.model.gguf_file import GGUFCheckpoint
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.utils import cpu_flags
 
@@ -37,12 +42,16 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _RUNNABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+DEFAULT_GROUP_SIZE = 32
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
+    weights_note: str = ""  # what was kept quantized and what is float, for the start-up line
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -69,7 +78,8 @@ def _cpu_has_native_bf16() -> bool:
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str = "auto",
+               group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
     """The model at path (a Hugging Face folder or a .gguf file; None: the default model), its
     weights on `device` (streamed there one tensor at a time)."""
     if path is None:
@@ -78,50 +88,116 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto"
         path = default_model_path()
     path = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype, device)
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
     started = time.perf_counter()
     if not path.exists():
         raise ModelFileNotFoundError(f"{path}: no such model file or folder")
+    weights = _WeightPolicy(quantization, group_size, torch_dtype, torch.device(device))
     if path.is_dir():
-        loaded = _load_hf_folder(path, torch_dtype, device)
+        loaded = _load_hf_folder(path, torch_dtype, device, weights)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path, torch_dtype, device)
+        loaded = _load_gguf(path, torch_dtype, device, weights)
     else:
         raise ModelLoadError(
             f"{path}: expected a .gguf file or a Hugging Face model folder (with config.json)")
     loaded.model.to(device)  # the buffers made on the CPU (rotary frequencies); weights are there
-    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture,
-                torch_dtype, time.perf_counter() - started)
+    loaded.weights_note = weights.note()
+    logger.info("loaded %s (%s, %s) in %.2f s; weights: %s", path, loaded.config.architecture,
+                torch_dtype, time.perf_counter() - started, loaded.weights_note)
     return loaded
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+class _WeightPolicy:
+    """Which weights stay or become quantized, and a tally of what each became."""
+
+    # Hugging Face names of the matmul weights (the rest, norms and biases, stay float).
+    _MATMUL_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+    def __init__(self, quantization: str, group_size: int, dtype: torch.dtype, device: torch.device):
+        self.quantization = quantization
+        self.group_size = group_size
+        self.dtype = dtype
+        self.tally: dict[str, int] = {}
+        # The quantized kernels are CPU kernels: elsewhere a GGUF's weights are dequantized.
+        self.on_cpu = device.type == "cpu"
+        if quantization in QUANTIZATION_BITS and not self.on_cpu:
+            raise ValueError(f"quantization={quantization} runs on the CPU; {device} takes auto or none")
+
+    def gguf_getter(self, checkpoint: GGUFCheckpoint, path: Path):
+        if self.quantization in QUANTIZATION_BITS:
+            raise ValueError(
+                f"{path}: quantization={self.quantization} quantizes a Hugging Face folder's float "
+                "weights; a GGUF file keeps its own quantization (auto) or is dequantized (none)")
+        keep = self.quantization == "auto" and self.on_cpu
+
+        def get(hf: str):
+            weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep)
+            type_name = checkpoint.tensors[checkpoint.hf_names[hf]].tensor_type.name
+            self._count(weight, type_name)
+            return weight
+        return get
+
+    def safetensors_getter(self, weights: SafetensorsWeights):
+        bits = QUANTIZATION_BITS.get(self.quantization)
+
+        def get(name: str):
+            tensor = weights.get(name)
+            if bits is None or tensor.dim() != 2 or not name.endswith(self._MATMUL_SUFFIXES):
+                self._count(tensor, str(tensor.dtype).removeprefix("torch."))
+                return tensor
+            # The embedding and LM head take 8 bits even at int4, as llama.cpp's Q4 files keep them.
+            head_bits = 8 if name.endswith(("lm_head.weight", "embed_tokens.weight")) else bits
+            why = check_quantizable(tuple(tensor.shape), head_bits, self.group_size)
+            if why:
+                self._count(tensor, f"{str(tensor.dtype).removeprefix('torch.')} ({why})")
+                return tensor
+            weight = quantize(tensor, head_bits, self.group_size)
+            self._count(weight, f"float -> {weight.source} g{self.group_size}")
+            return weight
+        return get
+
+    def _count(self, weight, source: str) -> None:
+        kept = "quantized" if isinstance(weight, QuantizedWeight) else \
+            f"as {str(self.dtype).removeprefix('torch.')}"
+        key = f"{source} {kept}"
+        self.tally[key] = self.tally.get(key, 0) + 1
+
+    def note(self) -> str:
+        return ", ".join(f"{count} x {key}" for key, count in self.tally.items())
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
+               weights: _WeightPolicy) -> LoadedModel:
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.model_config()
     checkpoint.check_types()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
+    get = weights.gguf_getter(checkpoint, path)
     with _naming(path):
-        model = LlamaForCausalLM.from_hf_tensors(
-            config, set(checkpoint.hf_names), checkpoint.get_hf_tensor, dtype, device)
+        model = LlamaForCausalLM.from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
     return LoadedModel(model, model.config, tokenizer, path)
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device,
+                    weights: _WeightPolicy) -> LoadedModel:
     config_file = folder / "config.json"
     if not config_file.is_file():
         ggufs = sorted(folder.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device)
+            return _load_gguf(ggufs[0], dtype, device, weights)
         raise ModelFileNotFoundError(f"{config_file}: no config.json in the model folder")
     config = ModelConfig.from_hf_config(
         _read_json(config_file), _read_json(folder / "generation_config.json", required=False))
     if not (folder / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
-    with SafetensorsWeights(folder) as weights, _naming(folder):
-        model = LlamaForCausalLM.from_hf_tensors(config, weights.names, weights.get, dtype, device)
+    with SafetensorsWeights(folder) as tensors, _naming(folder):
+        model = LlamaForCausalLM.from_hf_tensors(
+            config, tensors.names, weights.safetensors_getter(tensors), dtype, device)
     return LoadedModel(model, model.config, tokenizer, folder)
 
 

@@ -19,7 +19,7 @@ class PagedSequences:
         config = model.config
         self.model = model
         self.block_size = block_size
-        self.device = model.embed_tokens.weight.device  # the cache and each step's inputs go there
+        self.device = model.norm.weight.device  # the cache and each step's inputs go there
         self.kv_caches = allocate_kv_cache(
             config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
             config.head_dim, config.dtype, self.device, kv_cache_dtype=kv_cache_dtype)

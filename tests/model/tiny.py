@@ -118,8 +118,11 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
     Phi-3's LongRoPE factors as tensors.
 
     raw_types maps a GGUF tensor name to a quantization type whose bytes are written as zeros,
-    to test how unsupported types are refused; quantize, to a type gguf.quants can quantize to."""
+    to test how unsupported types are refused; quantize, to a quantization type it is stored in
+    (quant_blocks.quantized_blocks: quantized by gguf where it can, else random blocks)."""
     import gguf
+
+    from tests.model.quant_blocks import quantized_blocks
 
     config = hf_model.config
     arch = GGUF_ARCHS[config.model_type]
@@ -130,8 +133,7 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
         array = tensor.detach().numpy().astype(np.float32)
         qtype = (raw_types or {}).get(name)
         if name in (quantize or {}):
-            writer.add_tensor(name, gguf.quants.quantize(array, quantize[name]),
-                              raw_dtype=quantize[name])
+            writer.add_tensor(name, quantized_blocks(array, quantize[name]), raw_dtype=quantize[name])
         elif qtype is None:
             writer.add_tensor(name, array)
         else:

@@ -1,0 +1,65 @@
+"""The llama.cpp baseline: llama-cpp-python serving the same GGUF, one request at a time, in a
+subprocess of its own interpreter (its own venv, never a dependency of this project:
+../shared/tools/llama-cpp/setup.sh builds one). bench/llama_cpp_worker.py runs there and speaks
+JSON lines; it uses as many threads as torch does here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.scenarios import StreamTiming
+from pagedllm.bench.workload import BenchRequest
+
+SYSTEM = "llama.cpp"
+SCENARIOS = ("single_stream", "sequential")
+_WORKER = Path(__file__).with_name("llama_cpp_worker.py")
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--llama-cpp-python", default=None, metavar="PATH",
+                        help="the python interpreter of a venv with llama-cpp-python, for "
+                             "--baseline llama.cpp")
+
+
+class Session:
+    def __init__(self, python: str, model: Path, threads: int, n_ctx: int):
+        self.process = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.info = self._ask({"model": str(model), "threads": threads, "n_ctx": n_ctx})
+        self.info.update(threads=threads, model=str(model))
+        self.token_ids: list[list[int]] = []  # what it generated, request by request
+
+    def _ask(self, message: dict) -> dict:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the llama.cpp worker exited (code {self.process.wait()}); "
+                               "its error is above")
+        return json.loads(reply)
+
+    def stream(self, request: BenchRequest) -> StreamTiming:
+        reply = self._ask({"prompt_token_ids": request.prompt_token_ids,
+                           "max_tokens": request.max_tokens})
+        self.token_ids.append(reply["token_ids"])
+        return StreamTiming(reply["ttft_s"], reply["decode_s"], len(reply["token_ids"]))
+
+    def close(self) -> dict:
+        self.process.stdin.close()
+        final = json.loads(self.process.stdout.readline() or "{}")
+        self.process.wait()
+        return {k: v for k, v in final.items() if k != "done"}
+
+
+def start(engine, args, requests: list[BenchRequest]) -> Session:
+    if not args.llama_cpp_python:
+        raise ValueError("--baseline llama.cpp needs --llama-cpp-python PATH (a venv's python with "
+                         "llama-cpp-python; ../shared/tools/llama-cpp/setup.sh builds one)")
+    if Path(engine.model_path).suffix != ".gguf":
+        raise ValueError(f"--baseline llama.cpp runs GGUF files; {engine.model_path} is not one")
+    n_ctx = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + 8
+    return Session(args.llama_cpp_python, engine.model_path, torch.get_num_threads(), n_ctx)

@@ -1,0 +1,58 @@
+"""Serve requests with llama.cpp (llama-cpp-python) for `bench throughput --baseline llama.cpp`.
+
+Run by that interpreter, in its own venv: this file imports only the standard library and
+llama_cpp, never pagedllm. It speaks JSON lines on stdin / stdout:
+  in:  {"model": PATH, "threads": N, "n_ctx": N}    out: {"ready": true, "load_s", "rss_mib", ...}
+  in:  {"prompt_token_ids": [...], "max_tokens": N} out: {"ttft_s", "decode_s", "token_ids"}
+and exits at the end of its input. Greedy decoding, exactly max_tokens tokens (EOS ignored).
+"""
+
+import json
+import resource
+import sys
+import time
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def serve(llm, request: dict) -> dict:
+    llm.reset()  # no reuse of the previous request's KV cache: every request prefills its prompt
+    started = time.perf_counter()
+    first = None
+    tokens = []
+    for token in llm.generate(request["prompt_token_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                              repeat_penalty=1.0):
+        first = first or time.perf_counter()
+        tokens.append(token)
+        if len(tokens) == request["max_tokens"]:
+            break
+    ended = time.perf_counter()
+    return {"ttft_s": first - started, "decode_s": ended - first, "token_ids": tokens}
+
+
+def main() -> int:
+    import llama_cpp
+
+    config = json.loads(sys.stdin.readline())
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=config["model"], n_ctx=config["n_ctx"], n_threads=config["threads"],
+                          n_threads_batch=config["threads"], n_batch=512, verbose=False)
+    ready = {"ready": True, "load_s": time.perf_counter() - started, "rss_mib": rss_mib(),
+             "version": llama_cpp.__version__}
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(serve(llm, json.loads(line))), flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"done": True, "peak_rss_mib": peak, "rss_mib": rss_mib()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

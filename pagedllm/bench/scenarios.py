@@ -1,0 +1,79 @@
+"""The ways `bench throughput` drives a system over requests, each run the same way for pagedllm
+and for every baseline that takes part in it:
+
+- batched: every request of the workload added at once (a server's view: throughput);
+- sequential: the same workload one request at a time (a single user's session);
+- single_stream: a few requests (by default a 128-token prompt and 256 generated tokens) one at
+  a time, each timed on its own: time to first token and decode tokens/s (llama.cpp's home
+  ground).
+
+All greedy, every request generating exactly its max_tokens (EOS ignored).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from pagedllm.bench.common import run_workload
+from pagedllm.bench.workload import BenchRequest, random_workload
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+SCENARIOS = ("batched", "sequential", "single_stream")
+
+
+def single_stream_requests(tokenizer, runs: int, prompt_tokens: int, output_tokens: int,
+                           seed: int) -> list[BenchRequest]:
+    """One request per run, each with its own prompt (so no run hits a cache another filled)."""
+    return random_workload(tokenizer, runs, prompt_tokens, output_tokens, seed + 1)
+
+
+@dataclass
+class StreamTiming:
+    """One request served alone: seconds to its first token, and for the rest."""
+
+    ttft_s: float
+    decode_s: float
+    output_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.output_tokens - 1) / max(self.decode_s, 1e-9)
+
+
+def summarize_streams(timings: list[StreamTiming]) -> dict:
+    rates = [t.decode_tokens_per_s for t in timings]
+    ttfts = [t.ttft_s * 1000 for t in timings]
+    return {"runs": len(timings), "decode_tokens_per_s_best": round(max(rates), 2),
+            "decode_tokens_per_s_median": round(statistics.median(rates), 2),
+            "decode_tokens_per_s_each": [round(r, 2) for r in rates],
+            "ttft_ms_best": round(min(ttfts), 1), "ttft_ms_median": round(statistics.median(ttfts), 1)}
+
+
+def summarize_run(elapsed_s: float, requests: list[BenchRequest]) -> dict:
+    """Rates of serving requests in elapsed_s (all at once or one by one alike)."""
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    output = sum(r.max_tokens for r in requests)
+    return {"elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(requests) / elapsed_s, 3),
+            "output_tokens_per_s": round(output / elapsed_s, 2),
+            "total_tokens_per_s": round((prompt + output) / elapsed_s, 2)}
+
+
+def stream_one(engine: LLMEngine, request: BenchRequest, request_id: str) -> StreamTiming:
+    """Serve one request alone, timing its first token and the rest."""
+    params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        first = first or time.perf_counter()
+    ended = time.perf_counter()
+    return StreamTiming(first - started, ended - first, request.max_tokens)
+
+
+def run_sequential(engine: LLMEngine, requests: list[BenchRequest]) -> dict:
+    elapsed = sum(run_workload(engine, [r], tag=f"seq-{i}").elapsed_s for i, r in enumerate(requests))
+    return summarize_run(elapsed, requests)

@@ -1,0 +1,133 @@
+"""Linear layers and embeddings over quantized weights (quant_weight.QuantizedWeight).
+
+A QuantLinear picks its kernel by the number of rows it multiplies:
+- a few rows (decode steps of a few requests): pagedllm's own kernel (csrc/quant_matmul.cpp) reads
+  each quantized weight once per block of up to 8 rows and decodes it in registers: a decode step
+  streams a third of the bf16 bytes;
+- more rows of bf16 (prefill chunks, decode batches) where the CPU has AMX: csrc/quant_amx.cpp
+  dequantizes the weights to bf16 a panel of 32 output features at a time and multiplies them with
+  the tile unit;
+- more rows otherwise (float32, no AMX): the weight is dequantized a tile of output rows at a time
+  into the activations' dtype and multiplied with torch's GEMM, so only one tile of float weights
+  exists at a time;
+- without the compiled kernels (no AVX-512, no compiler, PAGEDLLM_ATTENTION=torch): the portable
+  torch path, dequantize then F.linear, which is also the reference the kernels are tested against.
+Weight-only: activations stay in the model's dtype and products are summed in float32 over the
+weights gguf's dequantizer gives (in float32 exactly those; in bf16 rounded to bf16 as the
+dequantized model holds them, or exact in the few-rows kernel), so the results match the
+dequantized model's up to the order of the sums.
+
+A fused projection (q/k/v, gate/up) whose parts came in different layouts (a GGUF may store v in
+Q6_K and q, k in Q4_K) keeps one QuantizedWeight per run of equal layouts and writes each part's
+columns of one output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import cpu_kernel
+from pagedllm.model.quant_weight import QuantizedWeight, stack_rows
+
+# Up to this many rows the few-rows kernel runs; above it AMX where it can, else dequantized tiles
+# and a GEMM. Measured on the development machine (docs/benchmarks.md, Quantized weights): with
+# AMX the tile kernel is faster from 5 rows on, without it the few-rows kernel up to 16.
+MAX_KERNEL_ROWS = 16
+MAX_KERNEL_ROWS_BEFORE_AMX = 4
+# Output rows dequantized at once on the GEMM path: a tile of about 1 MiB of bf16 weights.
+TILE_ELEMENTS = 1 << 19
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = merge_layouts(parts)
+        self.in_features = self.parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        if any(p.shape[1] != self.in_features for p in self.parts):
+            raise ValueError("the parts of a fused quantized weight must have the same input size")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if not cpu_kernel.quant_support(rows) or rows.stride(-1) != 1:
+            out = F.linear(rows, self.dequantize(rows.dtype), self.bias)
+        elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX:
+            out = self._kernel(rows, cpu_kernel.quant_linear)
+        elif rows.dtype == torch.bfloat16 and self.in_features % 32 == 0 and cpu_kernel.quant_amx_available():
+            out = self._kernel(rows, cpu_kernel.quant_linear_amx)
+        elif rows.shape[0] <= MAX_KERNEL_ROWS:
+            out = self._kernel(rows, cpu_kernel.quant_linear)
+        else:
+            out = self._dequantized_tiles(rows)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole float weight [out_features, in_features] (the portable path)."""
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def _kernel(self, rows: torch.Tensor, kernel) -> torch.Tensor:
+        # A decode step calls this some hundred times: the Python around the kernel is kept short.
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        if len(self.parts) == 1:
+            kernel(rows, self.parts[0], self._float_bias(), out)
+            return out
+        bias, start = self._float_bias(), 0
+        for part in self.parts:
+            end = start + part.shape[0]
+            kernel(rows, part, None if bias is None else bias[start:end], out[:, start:end])
+            start = end
+        return out
+
+    def _float_bias(self) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return self.bias if self.bias.dtype == torch.float32 else self.bias.float()
+
+    def _dequantized_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        tile_rows = max(16, TILE_ELEMENTS // self.in_features)
+        start = 0
+        for part in self.parts:
+            for lo in range(0, part.shape[0], tile_rows):
+                hi = min(lo + tile_rows, part.shape[0])
+                weight = cpu_kernel.quant_dequantize(part.rows(lo, hi), rows.dtype)
+                bias = None if self.bias is None else self.bias[start + lo:start + hi].to(rows.dtype)
+                out[:, start + lo:start + hi] = F.linear(rows, weight, bias)
+            start += part.shape[0]
+        return out
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(dict.fromkeys(p.source for p in self.parts))
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={kinds}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows looked up in a quantized table and dequantized to dtype."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        picked = self.weight_q.select_rows(input_ids.reshape(-1))
+        if cpu_kernel.quant_dtype_support(self.dtype, picked.codes.device):
+            rows = cpu_kernel.quant_dequantize(picked, self.dtype)
+        else:
+            rows = picked.dequantize(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def merge_layouts(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Adjacent parts of one layout stacked into one (one kernel call for q/k/v when they agree)."""
+    merged: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if merged and merged[-1][0].layout() == part.layout():
+            merged[-1].append(part)
+        else:
+            merged.append([part])
+    return [group[0] if len(group) == 1 else stack_rows(group) for group in merged]

@@ -1,0 +1,105 @@
+"""`bench throughput --baseline llama.cpp`: the worker protocol and the bench's scenarios, run
+against a stand-in llama_cpp module (the real one lives in its own venv, never a dependency)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from pagedllm.bench import baselines
+from pagedllm.cli import main
+from tests.model.tiny import make_hf_model, save_checkpoint, write_gguf
+
+FAKE_LLAMA_CPP = textwrap.dedent('''
+    __version__ = "fake"
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+            assert model_path.endswith(".gguf") and n_ctx > 0 and n_threads >= 1
+            self.prefills = 0
+
+        def reset(self):
+            pass
+
+        def generate(self, tokens, top_k, top_p, min_p, temp, repeat_penalty):
+            assert top_k == 1 and temp == 0.0  # greedy
+            self.prefills += 1
+            token = tokens[-1]
+            while True:  # never stops by itself: the worker stops at max_tokens
+                token = (token + 1) % 256
+                yield token
+''')
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    package = tmp_path / "fake_site"
+    (package / "llama_cpp").mkdir(parents=True)
+    (package / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", str(package))
+    return sys.executable
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_hf_model("llama_gqa_untied")
+
+
+@pytest.fixture
+def tiny_gguf(tiny_model, tmp_path):
+    return write_gguf(tiny_model, tmp_path / "tiny.gguf")
+
+
+def run_bench(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "out.json"
+    code = main(["bench", "throughput", "--num-prompts", "3", "--input-len", "4-8", "--output-len", "2-5",
+                 "--dtype", "float32", "--kv-cache-memory", "4MiB", "--threads", "1",
+                 "--output-json", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_llama_cpp, capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--baseline", "llama.cpp",
+                       "--llama-cpp-python", fake_llama_cpp, "--single-stream-runs", "2",
+                       "--single-stream-len", "6:4")
+    ours, theirs = result["pagedllm"], result["llama.cpp"]
+    assert theirs["version"] == "fake" and theirs["threads"] == 1 and theirs["peak_rss_mib"] > 0
+    for system in (ours, theirs):
+        assert system["single_stream"]["runs"] == 2
+        assert len(system["single_stream"]["decode_tokens_per_s_each"]) == 2
+        assert system["sequential"]["output_tokens_per_s"] > 0
+    assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
+    printed = capsys.readouterr().out
+    assert "Single stream" in printed and "one request at a time" in printed
+
+
+def test_llama_cpp_baseline_needs_its_interpreter_and_a_gguf(tmp_path, tiny_model, tiny_gguf, capsys):
+    common = ["--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--kv-cache-memory", "4MiB"]
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--baseline", "llama.cpp", *common]) == 2
+    assert "--llama-cpp-python" in capsys.readouterr().err
+    folder = save_checkpoint(tiny_model, tmp_path / "folder")
+    assert main(["bench", "throughput", "--model", str(folder), "--baseline", "llama.cpp",
+                 "--llama-cpp-python", sys.executable, *common]) == 2
+    assert "runs GGUF files" in capsys.readouterr().err
+
+
+def test_every_baseline_declares_its_shape():
+    for name in baselines.BASELINES:
+        module = baselines.load(name)
+        assert module.SYSTEM and set(module.SCENARIOS) <= {"batched", "sequential", "single_stream"}
+        assert callable(module.add_args) and callable(module.start)
+
+
+def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--lockstep-with", "block_size=8")
+    lockstep = result["lockstep"]
+    assert set(lockstep) == {"this", "block_size=8", "ratio_output_tokens_per_s"}
+    assert lockstep["this"]["output_tokens_per_s"] > 0 and lockstep["ratio_output_tokens_per_s"] > 0
+    assert "twin engine" in capsys.readouterr().out
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
+                 "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
+    assert "FIELD=VALUE" in capsys.readouterr().err
