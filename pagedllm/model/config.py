@@ -99,6 +99,18 @@ class ModelConfig:
         return self.sliding_window is not None and (
             self.sliding_layers is None or layer_index in self.sliding_layers)
 
+    def layer_window(self, layer_index: int) -> int | None:
+        """How far back layer layer_index attends, in tokens (None: to the first token)."""
+        return self.sliding_window if self.uses_sliding_window(layer_index) else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer at once: keys further back than this are read by no layer,
+        so the KV manager may give their blocks back as a request advances. None where any layer
+        attends to everything (Gemma's global layers, Qwen2's layers below max_window_layers)."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return None if None in windows else max(windows)
+
     def uses_local_rope(self, layer_index: int) -> bool:
         return self.local_rope_theta is not None and self.uses_sliding_window(layer_index)
 
