@@ -67,13 +67,13 @@ class Case:
 
 
 def parse_int_list(text: str) -> list[int]:
-    """"256,1k,32k" -> [256, 1024, 32768]."""
+    """"256,1k,32k,1m" -> [256, 1024, 32768, 1048576]."""
     values = []
     for item in str(text).split(","):
         item = item.strip().lower()
-        factor = 1024 if item.endswith("k") else 1
+        factor = {"k": 1024, "m": 1024**2}.get(item[-1:], 1)
         try:
-            value = int(item.removesuffix("k")) * factor
+            value = int(item.rstrip("km")) * factor
         except ValueError:
             raise ValueError(f"expected a comma-separated list of positive integers like 256,1k,32k; "
                              f"got {text!r}") from None

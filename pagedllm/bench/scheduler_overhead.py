@@ -31,11 +31,17 @@ from pagedllm.scheduler import Scheduler
 from pagedllm.utils import cdiv
 
 
+def setup_max_model_len(context_len: int, steps: int) -> int:
+    """The max_model_len _setup gives its scheduler: room for the decode steps and a few more."""
+    return context_len + steps + 5
+
+
 def _setup(num_requests: int, context_len: int, block_size: int, steps: int,
-           prefix_caching: bool) -> Scheduler:
-    max_model_len = context_len + steps + 5
+           prefix_caching: bool, sliding_window: int | None = None) -> Scheduler:
+    max_model_len = setup_max_model_len(context_len, steps)
     num_blocks = num_requests * cdiv(max_model_len, block_size)
-    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                             sliding_window=sliding_window)
     config = SchedulerConfig(max_num_seqs=num_requests,
                              max_num_batched_tokens=num_requests * context_len,
                              max_model_len=max_model_len)
