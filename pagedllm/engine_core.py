@@ -75,7 +75,7 @@ class EngineCore:
             self.kv_manager)
         self.runner = ModelRunner(
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
             kv_cache_dtype=config.kv_cache_dtype)
         self.sampler = Sampler(config.seed, self.device)

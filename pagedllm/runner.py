@@ -38,9 +38,8 @@ class StepInputs(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_dtype: torch.dtype, device: str | torch.device = "cpu",
-                 kv_cache_dtype: str = "auto") -> None:
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
+                 device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.device = torch.device(device)

@@ -31,10 +31,10 @@ class RecordingModel(torch.nn.Module):
         return hidden * torch.ones(1, 100)
 
 
-def make_runner(max_num_seqs: int = 4, max_model_len: int = 32, num_blocks: int = 16):
+def make_runner(max_model_len: int = 32, num_blocks: int = 16):
     model = RecordingModel()
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=64, max_model_len=max_model_len, kv_dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
+                         max_model_len=max_model_len, kv_dtype=torch.float32)
     return runner, model
 
 

@@ -30,7 +30,6 @@ import gc
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ import torch
 from pagedllm import attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.bench import scheduler_overhead
-from pagedllm.bench.attention import parse_int_list, time_call
+from pagedllm.bench.attention import parse_int_list, stub_runner, time_call
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, write_json
 from pagedllm.config import parse_size
 from pagedllm.runner import ModelRunner
@@ -51,16 +50,6 @@ DENSE_TABLE_ROWS = 256  # EngineConfig's default max_num_seqs: the rows the old 
 
 
 # -- per-step upkeep --------------------------------------------------------------------------------
-
-def stub_runner(batch: int, block_size: int, max_model_len: int) -> ModelRunner:
-    """A runner whose prepare_inputs builds every step tensor; its model is never called, so it
-    gets one layer of one KV block."""
-    stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
-                                                  head_dim=1))
-    return ModelRunner(stub, num_blocks=1, block_size=block_size, max_num_seqs=batch,
-                       max_num_batched_tokens=batch, max_model_len=max_model_len,
-                       kv_dtype=torch.float32)
-
 
 def timed_step(scheduler: Scheduler, runner: ModelRunner, sampled: dict[str, int]) -> tuple[int, ...]:
     """One decode step: schedule, the runner's metadata, update. Nanoseconds of each."""
@@ -109,7 +98,7 @@ def measure_upkeep(batch: int, context_len: int, block_size: int, steps: int,
     scheduler = scheduler_overhead._setup(batch, context_len, block_size, steps, prefix_caching,
                                           sliding_window)
     max_model_len = scheduler_overhead.setup_max_model_len(context_len, steps)
-    runner = stub_runner(batch, block_size, max_model_len)
+    runner = stub_runner(block_size, batch, max_model_len)
     setup_s = time.perf_counter() - started
     sampled = {r.request_id: 1 for r in scheduler.running}
     # The first step after the prefill does its deferred work once: the rows are filled, the
