@@ -40,6 +40,7 @@ from pagedllm.bench import scheduler_overhead
 from pagedllm.bench.attention import parse_int_list, stub_runner, time_call
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, write_json
 from pagedllm.config import parse_size
+from pagedllm.kv.manager import NULL_BLOCK
 from pagedllm.runner import ModelRunner
 from pagedllm.scheduler import Scheduler
 from pagedllm.utils import cdiv
@@ -78,25 +79,25 @@ def old_table_copy_ns(runner: ModelRunner, batch: int, context_len: int, block_s
 
 
 def table_bytes(scheduler: Scheduler, runner: ModelRunner) -> dict:
-    """Bytes of block-table state per request, measured on the live objects (the first request)."""
-    manager = scheduler.kv_manager
+    """Bytes of block-table state per request, measured on the live objects (the first request).
+    The KV manager keeps two lists of the table's length: the block objects and their ids."""
     request = scheduler.running[0]
-    table = manager._tables[request.request_id]
+    ids = scheduler.kv_manager.block_ids(request)
     hashes = request.block_hashes
     return {
-        "manager": sys.getsizeof(table.blocks) + sys.getsizeof(table.ids),
+        "manager": 2 * sys.getsizeof(ids),
         "prefix_hashes": sys.getsizeof(hashes) + sum(sys.getsizeof(h) for h in hashes),
         "runner_row": runner.block_table.table[0].nbytes,
         "token_ids": sys.getsizeof(request.token_ids),
-        "held_blocks": len(table.held),
+        "held_blocks": len(ids) - ids.count(NULL_BLOCK),
     }
 
 
 def measure_upkeep(batch: int, context_len: int, block_size: int, steps: int,
                    sliding_window: int | None, prefix_caching: bool) -> dict:
     started = time.perf_counter()
-    scheduler = scheduler_overhead._setup(batch, context_len, block_size, steps, prefix_caching,
-                                          sliding_window)
+    scheduler = scheduler_overhead.setup(batch, context_len, block_size, steps, prefix_caching,
+                                         sliding_window)
     max_model_len = scheduler_overhead.setup_max_model_len(context_len, steps)
     runner = stub_runner(block_size, batch, max_model_len)
     setup_s = time.perf_counter() - started
