@@ -19,7 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=default["block_size"])
     parser.add_argument("--kv-cache-memory", default=default["kv_cache_memory"],
                         help="bytes or e.g. 512MiB, 2GiB (default: a share of free RAM)")
-    parser.add_argument("--max-model-len", type=int, default=default["max_model_len"])
+    parser.add_argument("--max-model-len", type=int, default=default["max_model_len"],
+                        help="default: the model's limit, or the longest request the KV cache "
+                             "memory holds where that is less")
     parser.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"])
     parser.add_argument("--kv-layout", choices=list(KV_LAYOUTS), default=default["kv_layout"])

@@ -74,7 +74,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
     num_kv_blocks: int | None = None  # the budget in blocks instead of bytes (overrides memory)
-    max_model_len: int | None = None  # None: the model's own limit (max_position_embeddings)
+    # None: the model's own limit (max_position_embeddings), cut to the longest request the KV
+    # budget holds where that is less (pagedllm.kv.plan)
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_layout: str = "paged"  # or "contiguous"

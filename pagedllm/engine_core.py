@@ -59,22 +59,23 @@ class StepError(RuntimeError):
 class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
                  dtype: torch.dtype) -> None:
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.device = next(model.parameters()).device  # where the loader put the weights
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
             model_config.head_dim, dtype, config.kv_cache_dtype)
         self.kv_cache_dtype = stored_dtype_name(config.kv_cache_dtype, dtype)
-        self.kv_plan: KVPlan = plan_kv_cache(config, bytes_per_block, max_model_len,
-                                              free_device_bytes=_free_device_bytes(self.device))
+        self.kv_plan: KVPlan = plan_kv_cache(
+            config, bytes_per_block, model_config.max_position_embeddings,
+            sliding_window=model_config.kv_window, free_device_bytes=_free_device_bytes(self.device))
+        max_model_len = self.kv_plan.max_model_len
         self.kv_manager = make_kv_manager(config, self.kv_plan)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
             self.kv_manager)
         self.runner = ModelRunner(
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
             kv_cache_dtype=config.kv_cache_dtype)
         self.sampler = Sampler(config.seed, self.device)

@@ -1,7 +1,9 @@
 """Turns a scheduler output into the model's flat batch, runs the model, returns logits.
 
-Owns the KV cache tensors and a persistent block table: a request's row is filled once and then
-only its newest blocks are written, so per-step upkeep does not grow with context length.
+Owns the KV cache tensors and a persistent block table (pagedllm.block_table): a request's row is
+filled once and then only its newest blocks are written, the batch is ordered by row so that the
+kernels read the table's first rows in place, and off the CPU a copy of the table on the device
+receives only the changed entries. Per-step upkeep thus does not grow with context length.
 """
 
 from __future__ import annotations
@@ -14,52 +16,12 @@ import torch
 
 from pagedllm.attention import allocate_kv_cache, copy_blocks
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.block_table import BlockTable
 from pagedllm.kv.slots import slot_mapping
 from pagedllm.request import Request
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-
-class BlockTable:
-    """Rows of physical block ids, one per live request, kept across steps (host memory: each
-    step sends the rows it uses to the device with the rest of its metadata)."""
-
-    def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
-        self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
-        self._row_of: dict[str, int] = {}
-        self._num_synced: dict[str, int] = {}
-        self._free_rows = list(range(num_rows - 1, -1, -1))
-
-    def drop(self, request_id: str) -> None:
-        row = self._row_of.pop(request_id, None)
-        if row is not None:
-            self._num_synced.pop(request_id)
-            self._free_rows.append(row)
-
-    def sync(self, request_id: str, block_ids: list[int]) -> int:
-        """Bring the request's row up to date and return its index. Rewrites from the last
-        synced block on, because copy-on-write may have replaced the block being filled."""
-        row = self._row_of.get(request_id)
-        if row is None:
-            row = self._take_row()
-            self._row_of[request_id] = row
-            self._num_synced[request_id] = 0
-        start = max(self._num_synced[request_id] - 1, 0)
-        if len(block_ids) > self.table.shape[1]:
-            raise ValueError(f"request {request_id} needs {len(block_ids)} blocks; the table holds "
-                             f"{self.table.shape[1]} per request (max_model_len too small)")
-        if len(block_ids) > start:
-            self.table[row, start:len(block_ids)] = block_ids[start:]
-        self._num_synced[request_id] = len(block_ids)
-        return row
-
-    def _take_row(self) -> int:
-        if not self._free_rows:  # more live requests than rows (forks): grow by doubling
-            old = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self._free_rows = list(range(2 * old - 1, old - 1, -1))
-        return self._free_rows.pop()
 
 
 class StepInputs(NamedTuple):
@@ -69,14 +31,15 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int64: the row of each sampling request's last new token
-    sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
+    # [S]: those requests' indices in the scheduled list (the batch runs them in block-table row
+    # order, which need not be the scheduled order)
+    sample_indices: list[int]
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_dtype: torch.dtype, device: str | torch.device = "cpu",
-                 kv_cache_dtype: str = "auto") -> None:
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
+                 device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
@@ -86,14 +49,17 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
                                            kv_cache_dtype)
-        max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq)
         # A step's integers (token ids, positions, slots, sampled rows, and off the CPU the
-        # lengths and block-table rows too) are laid end to end in one host packet, kept across
-        # steps. On the CPU the model reads views of it (valid until the next step); elsewhere it
-        # goes to the device in one copy, from pinned memory where CUDA is really there (a fake
-        # device in tests has none), and the next step waits for that copy before rewriting it.
+        # lengths and the block table's changed entries too) are laid end to end in one host
+        # packet, kept across steps. On the CPU the model reads views of it (valid until the next
+        # step); elsewhere it goes to the device in one copy, from pinned memory where CUDA is
+        # really there (a fake device in tests has none), and the next step waits for that copy
+        # before rewriting it.
         self._uploads = self.device.type != "cpu"
+        self.block_table = BlockTable(cdiv(max_model_len, block_size), track_changes=self._uploads)
+        # The device's copy of the block table, following the host's by its changed entries.
+        self._device_table = (torch.zeros(self.block_table.table.shape, dtype=torch.int32,
+                                          device=self.device) if self._uploads else None)
         self._pinned = self._uploads and self.device.type == "cuda" and torch.cuda.is_available()
         self._copied = torch.cuda.Event() if self._pinned else None
         self._host = np.zeros(0, dtype=np.int64)
@@ -121,19 +87,21 @@ class ModelRunner:
     def prepare_inputs(self, scheduled: list) -> StepInputs:
         """The step's flat batch, built with numpy in buffers kept across steps: Python loops go
         over requests only (decodes: one list lookup each), never over tokens."""
+        scheduled, order = self._in_row_order(scheduled)
         n = len(scheduled)
         counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
-        rows = np.fromiter((self.block_table.sync(s.request.request_id, s.block_ids) for s in scheduled),
-                           np.int64, n)
+        rows = np.arange(n)  # _in_row_order put request i in row i
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         seq_lens = starts + counts
-        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        sample_indices = [i for i, s in enumerate(scheduled) if s.samples]
+        sampled = [i for i, s in enumerate(scheduled) if s.samples]  # batch positions
+        sample_indices = [order[i] for i in sampled]
         num_samples = len(sample_indices)
-        tail = 2 * n + 1 + n * max_blocks if self._uploads else 0
+        changes = self.block_table.take_changes() if self._uploads else []
+        num_changed = sum(end - start for _, start, end in changes)
+        tail = 2 * n + 1 + 2 * num_changed if self._uploads else 0
         self._reserve(3 * num_tokens + num_samples + tail, num_tokens)
 
         host = self._host
@@ -152,22 +120,24 @@ class ModelRunner:
         slot_mapping(table, np.repeat(rows, counts), positions, self.block_size,
                      out=host[2 * num_tokens:3 * num_tokens])
         sample_end = 3 * num_tokens + num_samples
-        np.subtract(query_start_loc[1:][sample_indices], 1, out=host[3 * num_tokens:sample_end])
+        np.subtract(query_start_loc[1:][sampled], 1, out=host[3 * num_tokens:sample_end])
 
+        # The kernels read the table's first n rows in place (every column: they index by
+        # position, and a wider row costs nothing).
         if self._uploads:
             host[sample_end:sample_end + n] = seq_lens
             host[sample_end + n:sample_end + 2 * n + 1] = query_start_loc
-            host[sample_end + 2 * n + 1:sample_end + tail].reshape(n, max_blocks)[:] = \
-                table[rows, :max_blocks]
+            changed_at = sample_end + 2 * n + 1
+            self._pack_changes(changes, host[changed_at:changed_at + 2 * num_changed])
             packet = self._upload(sample_end + tail)
-            ints = packet[sample_end:].to(torch.int32)
+            ints = packet[sample_end:changed_at].to(torch.int32)
             seq_lens_t, query_start_loc_t = ints[:n], ints[n:2 * n + 1]
-            block_tables = ints[2 * n + 1:].view(n, max_blocks)
+            block_tables = self._update_device_table(packet[changed_at:changed_at + 2 * num_changed])[:n]
         else:
             packet = torch.from_numpy(host[:sample_end])
             seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
             query_start_loc_t = torch.from_numpy(query_start_loc.astype(np.int32))
-            block_tables = torch.from_numpy(table[rows, :max_blocks])
+            block_tables = torch.from_numpy(table[:n])
         meta = AttentionMetadata(
             slot_mapping=packet[2 * num_tokens:3 * num_tokens],
             block_tables=block_tables,
@@ -178,6 +148,44 @@ class ModelRunner:
         )
         return StepInputs(packet[:num_tokens], packet[num_tokens:2 * num_tokens], meta,
                           packet[3 * num_tokens:sample_end], sample_indices)
+
+    def _in_row_order(self, scheduled: list) -> tuple[list, list[int]]:
+        """The scheduled requests in block-table row order, in rows 0 .. n - 1, and each one's
+        index in `scheduled`. Rows follow the running order except where a request finished
+        (the last row moved into its place), so this is usually already the order."""
+        table = self.block_table
+        rows = [table.sync(s.request.request_id, s.block_ids) for s in scheduled]
+        if rows == list(range(len(rows))):
+            return scheduled, rows
+        order = sorted(range(len(scheduled)), key=rows.__getitem__)
+        table.place_first([scheduled[i].request.request_id for i in order])
+        return [scheduled[i] for i in order], order
+
+    def _pack_changes(self, changes: list[tuple[int, int, int]], out: np.ndarray) -> None:
+        """The changed entries of the host table as flat indices, then their values."""
+        table = self.block_table.table
+        width = table.shape[1]
+        count = len(out) // 2
+        if not count:
+            return
+        index = np.concatenate([np.arange(row * width + start, row * width + end)
+                                for row, start, end in changes])
+        out[:count] = index
+        out[count:] = table.reshape(-1)[index]
+
+    def _update_device_table(self, changes: torch.Tensor) -> torch.Tensor:
+        """The device's block table with this step's changed entries (flat indices, then
+        values, on the device) written in; reallocated (contents kept) when the host's grew."""
+        shape = self.block_table.table.shape
+        if self._device_table.shape != shape:
+            grown = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            rows, cols = self._device_table.shape
+            grown[:rows, :cols] = self._device_table
+            self._device_table = grown
+        count = changes.numel() // 2
+        if count:
+            self._device_table.view(-1).index_copy_(0, changes[:count], changes[count:].to(torch.int32))
+        return self._device_table
 
     def _upload(self, length: int) -> torch.Tensor:
         """The first `length` integers of the host packet, on the device, in one copy."""

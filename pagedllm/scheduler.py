@@ -35,7 +35,8 @@ class KVManager(Protocol):
 
     block_size: int
 
-    def max_tokens_per_request(self) -> int: ...
+    # The longest request that runs alone in the empty cache, in steps of at most max_chunk_tokens.
+    def max_tokens_per_request(self, max_chunk_tokens: int) -> int: ...
     def find_cached_prefix(self, request: Request) -> PrefixHit: ...
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool: ...  # sets no request state
@@ -125,7 +126,7 @@ class Scheduler:
         # Anything that could not run alone in an empty cache would wait (or preempt) forever.
         max_tokens = request.sampling_params.max_tokens or max_model_len
         needed = min(request.num_prompt_tokens + max_tokens, max_model_len)
-        capacity = self.kv_manager.max_tokens_per_request()
+        capacity = self.kv_manager.max_tokens_per_request(self.config.max_num_batched_tokens)
         if needed > capacity:
             raise ValueError(f"the request needs up to {needed} tokens of KV cache (prompt "
                              f"{request.num_prompt_tokens} + max_tokens {max_tokens}, capped at "

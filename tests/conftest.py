@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,28 @@ def build_attn_metadata(
         query_start_loc_cpu=query_start_loc,
     )
     return metadata, torch.tensor(positions, dtype=torch.int64)
+
+
+def punch_window_holes(metadata: AttentionMetadata, sliding_window: int,
+                       block_size: int) -> AttentionMetadata:
+    """A copy of metadata whose block-table entries before each request's window (that of its
+    first new token) are holes (-1), as the KV manager leaves them once it gave those blocks
+    back: attention must read the same without them."""
+    table = metadata.block_tables.clone()
+    starts = metadata.query_start_loc_cpu
+    for b, seq_len in enumerate(metadata.seq_lens_cpu):
+        first_new = seq_len - (starts[b + 1] - starts[b])
+        table[b, :max(0, first_new - sliding_window + 1) // block_size] = -1
+    return dataclasses.replace(metadata, block_tables=table)
+
+
+def after_nan_block(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache, laid right after a block of NaNs in memory: a kernel that reads a hole's
+    block id (-1) reads NaNs, which no masking hides (0 * NaN is NaN)."""
+    storage = torch.full((cache.shape[0] + 1, *cache.shape[1:]), float("nan"), dtype=cache.dtype,
+                         device=cache.device)
+    storage[1:] = cache
+    return storage[1:]
 
 
 @pytest.fixture

@@ -125,7 +125,7 @@ def fake_device_runner(checkpoint) -> ModelRunner:
     model = load_model(checkpoint, "float32", device=DEVICE).model
     assert {t.device for t in [*model.parameters(), *model.buffers()]} == {DEVICE}
     with fake_device():
-        return ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, max_num_seqs=8,
+        return ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE,
                            max_num_batched_tokens=64, max_model_len=128, kv_dtype=torch.float32,
                            device=DEVICE)
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from pagedllm.runner import BlockTable, ModelRunner
+from pagedllm.runner import ModelRunner
 from pagedllm.scheduler import ScheduledRequest
 
 BLOCK_SIZE = 4
@@ -32,10 +31,10 @@ class RecordingModel(torch.nn.Module):
         return hidden * torch.ones(1, 100)
 
 
-def make_runner(max_num_seqs: int = 4, max_model_len: int = 32, num_blocks: int = 16):
+def make_runner(max_model_len: int = 32, num_blocks: int = 16):
     model = RecordingModel()
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=64, max_model_len=max_model_len, kv_dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
+                         max_model_len=max_model_len, kv_dtype=torch.float32)
     return runner, model
 
 
@@ -43,32 +42,6 @@ def scheduled(request_id: str, token_ids: list[int], num_computed: int, num_new:
               block_ids: list[int]) -> ScheduledRequest:
     request = SimpleNamespace(request_id=request_id, token_ids=token_ids, num_tokens=len(token_ids))
     return ScheduledRequest(request, num_new, num_computed, block_ids, BLOCK_SIZE)
-
-
-# -- the block table -----------------------------------------------------------------------------
-
-def test_a_row_is_rewritten_from_its_last_synced_block_after_copy_on_write():
-    table = BlockTable(num_rows=2, max_blocks_per_seq=4)
-    blocks = [3, 5]
-    row = table.sync("a", blocks)
-    assert table.table[row, :2].tolist() == [3, 5]
-    blocks[1] = 9  # copy-on-write gave the request its own copy of the block it writes into
-    blocks.append(7)
-    assert table.sync("a", blocks) == row
-    assert table.table[row, :3].tolist() == [3, 9, 7]
-
-
-def test_rows_are_reused_after_drop_and_grow_past_max_num_seqs():
-    table = BlockTable(num_rows=2, max_blocks_per_seq=3)
-    rows = {rid: table.sync(rid, [i, i + 10]) for i, rid in enumerate("abc")}  # a fork: 3 live
-    assert sorted(rows.values()) == [0, 1, 2] and table.table.shape == (4, 3)
-    for i, rid in enumerate("abc"):  # growing kept every row's contents
-        assert table.table[rows[rid], :2].tolist() == [i, i + 10]
-    table.drop("b")
-    assert table.sync("d", [8]) == rows["b"]  # the freed row, rewritten from its start
-    assert table.table[rows["b"], 0] == 8
-    with pytest.raises(ValueError, match="needs 4 blocks"):
-        table.sync("e", [1, 2, 3, 4])
 
 
 # -- the flat batch --------------------------------------------------------------------------------
@@ -86,7 +59,9 @@ def test_a_mixed_batch_of_prefill_chunks_and_decodes_matches_a_hand_computation(
     # slot = block id * 4 + position % 4, each through its own request's table
     assert meta.slot_mapping.tolist() == [6 * 4 + 1, 1 * 4 + 0, 1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3,
                                           4 * 4 + 0, 0, 1, 2]
-    assert meta.block_tables.tolist() == [[2, 6, 0], [9, 1, 4], [0, 0, 0]]  # up to the longest
+    # The table's first rows, read in place: every column, the longest request's blocks first.
+    assert meta.block_tables[:, :3].tolist() == [[2, 6, 0], [9, 1, 4], [0, 0, 0]]
+    assert meta.block_tables.data_ptr() == runner.block_table.table.ctypes.data
     assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [6, 9, 3]
     assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 1, 6, 9]
 
@@ -101,7 +76,7 @@ def test_decodes_only_reuse_the_rows_and_follow_new_blocks():
     blocks.append(3)  # the fifth token starts a new block
     _, positions, meta, *_ = runner.prepare_inputs([scheduled("a", tokens, 4, 1, blocks)])
     assert positions.tolist() == [4] and meta.slot_mapping.tolist() == [3 * 4]
-    assert meta.block_tables.tolist() == [[5, 3]]
+    assert meta.block_tables[:, :2].tolist() == [[5, 3]]
 
 
 def test_block_copies_are_done_in_every_layer_at_once():
@@ -127,4 +102,23 @@ def test_execute_returns_the_logits_of_requests_that_reached_their_last_token():
     assert sample_idx == [1, 2]
     assert logits[:, 0].tolist() == [9.0, 42.0]  # each one's last new token
     runner.drop_requests([SimpleNamespace(request_id="chunk")])
-    assert runner.block_table.sync("next", [8]) == 0  # chunk's row, free again
+    assert runner.block_table.row_of("prompt") == 0  # the last row took chunk's place
+    assert runner.block_table.sync("next", [8]) == 2
+
+
+def test_a_step_that_skips_a_live_request_runs_in_row_order_and_maps_its_logits_back():
+    runner, model = make_runner()
+    a = scheduled("a", [1, 2, 3], 0, 3, [0])
+    b = scheduled("b", [4, 5, 6], 0, 3, [1])
+    c = scheduled("c", [7, 8, 9], 0, 3, [2])
+    runner.execute([a, b, c])  # rows a 0, b 1, c 2
+    for item, token in ((a, 11), (c, 13)):
+        item.request.token_ids.append(token)
+    # b skips this step; c, scheduled first, sits below it.
+    logits, sample_idx = runner.execute([scheduled("c", c.request.token_ids, 3, 1, [2]),
+                                         scheduled("a", a.request.token_ids, 3, 1, [0])])
+    input_ids, _, meta = model.calls[-1]
+    assert input_ids.tolist() == [11, 13]  # row order: a, then c moved up into row 1
+    assert meta.block_tables[:, 0].tolist() == [0, 2]
+    assert sample_idx == [1, 0] and logits[:, 0].tolist() == [11.0, 13.0]
+    assert runner.block_table.row_of("b") == 2

@@ -218,16 +218,16 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
     # Keys this block's queries can see: up to its last token's position, and with a sliding
-    # window none before its first token's window.
+    # window none before its first token's window. The table entries of blocks before that may be
+    # holes (the KV manager gave them back), so a tile starting earlier does not load them.
     key_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
-    key_start = 0
+    key_first = 0
     if USE_WINDOW:
-        key_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
-        key_start = key_start // TILE_SIZE * TILE_SIZE
+        key_first = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
     table_row = block_tables_ptr + seq * stride_table_row
-    for tile_start in range(key_start, key_end, TILE_SIZE):
+    for tile_start in range(key_first // TILE_SIZE * TILE_SIZE, key_end, TILE_SIZE):
         key_pos = tile_start + tl.arange(0, TILE_SIZE)
-        key_valid = key_pos < key_end
+        key_valid = (key_pos >= key_first) & (key_pos < key_end)
         block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slots = key_pos % BLOCK_SIZE
         k = tl.load(key_cache_ptr + block_ids[None, :] * stride_k_block + slots[None, :] * stride_k_slot

@@ -67,13 +67,13 @@ class Case:
 
 
 def parse_int_list(text: str) -> list[int]:
-    """"256,1k,32k" -> [256, 1024, 32768]."""
+    """"256,1k,32k,1m" -> [256, 1024, 32768, 1048576]."""
     values = []
     for item in str(text).split(","):
         item = item.strip().lower()
-        factor = 1024 if item.endswith("k") else 1
+        factor = {"k": 1024, "m": 1024**2}.get(item[-1:], 1)
         try:
-            value = int(item.removesuffix("k")) * factor
+            value = int(item.rstrip("km")) * factor
         except ValueError:
             raise ValueError(f"expected a comma-separated list of positive integers like 256,1k,32k; "
                              f"got {text!r}") from None
@@ -238,18 +238,24 @@ def overhead_pct(paged_s: float, contiguous_s: float) -> float:
 
 # -- the runner's per-step metadata ---------------------------------------------------------
 
-def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
-    """A ModelRunner whose prepare_inputs builds the step tensors for batch requests at context_len,
-    plus the scheduled items for one step. prepare_inputs touches no KV memory, so the runner gets a
-    stub model with one single-block layer."""
+def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int):
+    """A ModelRunner whose prepare_inputs builds every step tensor; its model is never called (and
+    prepare_inputs touches no KV memory), so it gets a stub with one layer of one block."""
     from pagedllm.runner import ModelRunner
-    from pagedllm.scheduler import ScheduledRequest
 
     stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
                                                   head_dim=1))
-    runner = ModelRunner(stub, num_blocks=1, block_size=block_size, max_num_seqs=batch,
-                         max_num_batched_tokens=batch * query_len, max_model_len=context_len,
-                         kv_dtype=torch.float32)
+    return ModelRunner(stub, num_blocks=1, block_size=block_size,
+                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                       kv_dtype=torch.float32)
+
+
+def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
+    """A stub runner (stub_runner) for batch requests at context_len, plus the scheduled items for
+    one step."""
+    from pagedllm.scheduler import ScheduledRequest
+
+    runner = stub_runner(block_size, batch * query_len, context_len)
     tables = shuffled_block_tables(batch, cdiv(context_len, block_size), seed=1).tolist()
     scheduled = []
     for b in range(batch):

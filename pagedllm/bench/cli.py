@@ -25,6 +25,8 @@ BENCHES = {
                "sharing KV blocks: multi-turn TTFT, shared system prompt, n=4 and beam search peaks"),
     "structured": ("pagedllm.bench.structured",
                    "grammar constraints: bitmask fill, apply and accept per decode step at 1/16/64"),
+    "long-context": ("pagedllm.bench.long_context",
+                     "paging at 1k-1M tokens: per-step upkeep, block-table bytes, attention, by block size"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

@@ -31,11 +31,19 @@ from pagedllm.scheduler import Scheduler
 from pagedllm.utils import cdiv
 
 
-def _setup(num_requests: int, context_len: int, block_size: int, steps: int,
-           prefix_caching: bool) -> Scheduler:
-    max_model_len = context_len + steps + 5
+def setup_max_model_len(context_len: int, steps: int) -> int:
+    """The max_model_len setup() gives its scheduler: room for the decode steps and a few more."""
+    return context_len + steps + 5
+
+
+def setup(num_requests: int, context_len: int, block_size: int, steps: int,
+          prefix_caching: bool, sliding_window: int | None = None) -> Scheduler:
+    """A scheduler whose num_requests requests have context_len tokens computed (the prompts
+    prefilled in one step), each with room for `steps` more decodes."""
+    max_model_len = setup_max_model_len(context_len, steps)
     num_blocks = num_requests * cdiv(max_model_len, block_size)
-    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                             sliding_window=sliding_window)
     config = SchedulerConfig(max_num_seqs=num_requests,
                              max_num_batched_tokens=num_requests * context_len,
                              max_model_len=max_model_len)
@@ -81,7 +89,7 @@ def _summary(ns: list[int]) -> dict:
 def measure(num_requests: int, context_len: int, block_size: int, steps: int,
             prefix_caching: bool = False) -> dict:
     started = time.perf_counter()
-    scheduler = _setup(num_requests, context_len, block_size, steps, prefix_caching)
+    scheduler = setup(num_requests, context_len, block_size, steps, prefix_caching)
     setup_s = time.perf_counter() - started
     warmup_step_ms = _warmup_step_ms(scheduler)
     schedule_ns, update_ns = _time_steps(scheduler, steps)

@@ -51,7 +51,8 @@ class ContiguousKVManager:
         self._used_slots = 0
         self._pending_copies = PendingCopies()
 
-    def max_tokens_per_request(self) -> int:
+    def max_tokens_per_request(self, max_chunk_tokens: int) -> int:
+        """Whatever the steps, a request reserves its whole length up front."""
         if self.reserve == "max" and cdiv(self.max_model_len, self.block_size) > self.num_blocks:
             return 0  # every request reserves max_model_len, which never fits
         return self.num_blocks * self.block_size

@@ -1,4 +1,5 @@
-"""KV memory planning: how many blocks the budget buys, whether a max_model_len request fits,
+"""KV memory planning: how many blocks the budget buys, the longest request it holds (max_model_len:
+as asked, checked to fit; or, left unset, the model's limit cut down to what the budget holds),
 the start-up line that says so, and the KV manager the layout asks for.
 
 No torch: the bytes one block takes (every layer's keys and values) come from the caller.
@@ -12,8 +13,7 @@ import psutil
 
 from pagedllm.config import EngineConfig, parse_size
 from pagedllm.kv.contiguous import ContiguousKVManager
-from pagedllm.kv.manager import KVCacheManager
-from pagedllm.utils import cdiv
+from pagedllm.kv.manager import KVCacheManager, peak_blocks
 
 # With no budget given: a share of the RAM free at start-up, capped.
 DEFAULT_KV_SHARE_OF_FREE_RAM = 0.2
@@ -29,6 +29,16 @@ class KVPlan:
     block_size: int  # tokens
     bytes_per_block: int
     max_model_len: int
+    model_max_len: int  # the model's own limit (max_position_embeddings)
+    # Keys further back are read by no layer, and the paged manager frees their blocks (None: no
+    # window, or a layout that cannot free).
+    sliding_window: int | None
+    blocks_per_request: int  # the most blocks one max_model_len request holds at once
+
+    @property
+    def fitted(self) -> bool:
+        """Whether max_model_len was cut below the model's limit to fit the budget."""
+        return self.max_model_len < self.model_max_len
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -39,20 +49,38 @@ class KVPlan:
         return self.num_blocks * self.block_size
 
 
-def plan_kv_cache(config: EngineConfig, bytes_per_block: int, max_model_len: int,
+def plan_kv_cache(config: EngineConfig, bytes_per_block: int, model_max_len: int,
+                  sliding_window: int | None = None,
                   free_device_bytes: int | None = None) -> KVPlan:
-    """The blocks config's budget buys; ValueError if one max_model_len request cannot fit.
+    """The blocks config's budget buys and the max_model_len they hold. An explicit
+    config.max_model_len that one request cannot fit is refused (ValueError); left unset, it is
+    the model's limit, or the longest request the budget holds where that is less (a whole number
+    of blocks). sliding_window: the model's (ModelConfig.kv_window); the paged layout frees what
+    falls out of it, so a request holds a bounded number of blocks however long it gets.
     free_device_bytes: a GPU's free memory (None on the CPU), for the default budget."""
     budget = _budget_bytes(config, bytes_per_block, free_device_bytes)
-    plan = KVPlan(budget // bytes_per_block, config.block_size, bytes_per_block, max_model_len)
-    blocks_per_request = cdiv(max_model_len, plan.block_size)
-    if plan.num_blocks < blocks_per_request:
+    num_blocks, block_size = budget // bytes_per_block, config.block_size
+    window = sliding_window if config.kv_layout == "paged" else None
+
+    def blocks_for(num_tokens: int) -> int:
+        return peak_blocks(num_tokens, block_size, window, config.max_num_batched_tokens)
+
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({bytes_per_block} "
+                             f"bytes for {block_size} tokens): raise kv_cache_memory")
+        fits_model = blocks_for(model_max_len) <= num_blocks
+        max_model_len = model_max_len if fits_model else num_blocks * block_size
+    blocks_per_request = blocks_for(max_model_len)
+    if num_blocks < blocks_per_request:
         raise ValueError(
             f"max_model_len={max_model_len} needs {blocks_per_request} blocks of "
-            f"{plan.block_size} tokens ({blocks_per_request * bytes_per_block} bytes), but "
-            f"kv_cache_memory={budget} bytes holds only {plan.num_blocks} blocks "
-            f"({plan.num_slots} tokens): raise kv_cache_memory or lower max_model_len")
-    return plan
+            f"{block_size} tokens ({blocks_per_request * bytes_per_block} bytes), but "
+            f"kv_cache_memory={budget} bytes holds only {num_blocks} blocks "
+            f"({num_blocks * block_size} tokens): raise kv_cache_memory or lower max_model_len")
+    return KVPlan(num_blocks, block_size, bytes_per_block, max_model_len, model_max_len, window,
+                  blocks_per_request)
 
 
 def _budget_bytes(config: EngineConfig, bytes_per_block: int, free_device_bytes: int | None) -> int:
@@ -74,13 +102,20 @@ def make_kv_manager(config: EngineConfig, plan: KVPlan) -> KVCacheManager | Cont
                                    bytes_per_block=plan.bytes_per_block)
     return KVCacheManager(plan.num_blocks, plan.block_size,
                           enable_prefix_caching=config.enable_prefix_caching,
-                          bytes_per_block=plan.bytes_per_block)
+                          bytes_per_block=plan.bytes_per_block, sliding_window=plan.sliding_window)
 
 
 def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str) -> str:
-    """The start-up log line: what the cache holds and how many long requests fit at once."""
+    """The start-up log line: what the cache holds, the max_model_len it chose and why, and how
+    many requests that long fit at once."""
+    length = f"max_model_len={plan.max_model_len}"
+    if plan.fitted:
+        length += (f" (the longest request this KV budget holds; the model allows "
+                   f"{plan.model_max_len}: raise kv_cache_memory for more)")
+    if plan.sliding_window is not None:
+        length += (f", its {plan.sliding_window}-token sliding window holding at most "
+                   f"{plan.blocks_per_request} blocks of a request,")
     return (f"KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens, "
             f"{plan.bytes_per_block} bytes per block, {plan.num_slots} token slots "
             f"({plan.kv_cache_bytes / 2**20:.1f} MiB, KV dtype {kv_dtype_name}, {kv_layout} layout); "
-            f"max_model_len={plan.max_model_len} fits {plan.num_slots // plan.max_model_len} "
-            "requests at once")
+            f"{length} fits {plan.num_blocks // plan.blocks_per_request} requests at once")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import KVBlock
 
@@ -35,8 +35,11 @@ class BlockMap:
     states: bytes  # one code per block (FREE, USED, ...)
     ref_counts: bytes  # owners per block, saturating at 255
     filled: bytes  # slots holding K/V per block (0 for a free block)
-    # request id -> its block table as runs of consecutive block ids: (first block, count)
+    # request id -> the blocks it holds as runs of consecutive block ids: (first block, count)
     owners: dict[str, list[tuple[int, int]]]
+    # request id -> the leading entries of its block table it has given back (sliding window:
+    # holes no layer reads again); requests with none are left out
+    freed: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -53,13 +56,15 @@ class BlockMap:
 
         return {"block_size": self.block_size, "states": b64(self.states),
                 "ref_counts": b64(self.ref_counts), "filled": b64(self.filled),
-                "owners": {rid: [list(run) for run in runs] for rid, runs in self.owners.items()}}
+                "owners": {rid: [list(run) for run in runs] for rid, runs in self.owners.items()},
+                "freed": dict(self.freed)}
 
     @classmethod
     def from_dict(cls, data: dict) -> BlockMap:
         return cls(data["block_size"], base64.b64decode(data["states"]),
                    base64.b64decode(data["ref_counts"]), base64.b64decode(data["filled"]),
-                   {rid: [tuple(run) for run in runs] for rid, runs in data["owners"].items()})
+                   {rid: [tuple(run) for run in runs] for rid, runs in data["owners"].items()},
+                   dict(data.get("freed", {})))
 
 
 def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -79,10 +84,11 @@ def runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def paged_block_map(blocks: Sequence[KVBlock], block_size: int,
-                    tables: Iterable[tuple[str, Sequence[int]]],
+                    tables: Iterable[tuple[str, Sequence[int], int]],
                     copy_destinations: Iterable[int]) -> BlockMap:
     """The picture of a block pool: state from each block's ref count and hash, owners from the
-    requests' block tables, copying from the copy-on-write destinations of this step."""
+    requests' tables, each given as (request id, the blocks it holds, how many leading entries
+    of its table it has given back), copying from the copy-on-write destinations of this step."""
     num_blocks = len(blocks)
     states = bytearray(num_blocks)
     ref_counts = bytearray(num_blocks)
@@ -99,8 +105,12 @@ def paged_block_map(blocks: Sequence[KVBlock], block_size: int,
     for block_id in copy_destinations:
         if ref_counts[block_id]:
             states[block_id] = COPYING
-    owners = {request_id: runs(ids) for request_id, ids in tables}
-    return BlockMap(block_size, bytes(states), bytes(ref_counts), bytes(filled), owners)
+    owners, freed = {}, {}
+    for request_id, held, num_freed in tables:
+        owners[request_id] = runs(held)
+        if num_freed:
+            freed[request_id] = num_freed
+    return BlockMap(block_size, bytes(states), bytes(ref_counts), bytes(filled), owners, freed)
 
 
 def contiguous_block_map(num_blocks: int, block_size: int,

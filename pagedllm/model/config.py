@@ -17,7 +17,7 @@ from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # The rope types model/llama.py's ROPE_TYPES implements.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "float": torch.float32,
@@ -98,6 +98,18 @@ class ModelConfig:
     def uses_sliding_window(self, layer_index: int) -> bool:
         return self.sliding_window is not None and (
             self.sliding_layers is None or layer_index in self.sliding_layers)
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """How far back layer layer_index attends, in tokens (None: to the first token)."""
+        return self.sliding_window if self.uses_sliding_window(layer_index) else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer at once: keys further back than this are read by no layer,
+        so the KV manager may give their blocks back as a request advances. None where any layer
+        attends to everything (Gemma's global layers, Qwen2's layers below max_window_layers)."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return None if None in windows else max(windows)
 
     def uses_local_rope(self, layer_index: int) -> bool:
         return self.local_rope_theta is not None and self.uses_sliding_window(layer_index)
@@ -252,10 +264,13 @@ def _hf_rope(
         local_theta = arch.local_rope_theta
     if rope_type == "default":
         return float(theta), None, local_theta
-    if rope_type in ("llama3", "longrope"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings",
                           config.get("original_max_position_embeddings")
                           or config.get("max_position_embeddings", 2048))
+    if rope_type == "yarn" and params.get("factor") is None:  # stretched from the original length
+        params["factor"] = (config.get("max_position_embeddings", 2048)
+                            / params["original_max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **params}, local_theta
 
 
@@ -341,6 +356,7 @@ def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None
     required = {"linear": ["factor"], "dynamic": ["factor"],
                 "llama3": ["factor", "low_freq_factor", "high_freq_factor",
                            "original_max_position_embeddings"],
+                "yarn": ["factor", "original_max_position_embeddings"],
                 "longrope": ["short_factor", "long_factor", "original_max_position_embeddings"],
                 }.get(rope_type, [])
     missing = [name for name in required if name not in scaling]

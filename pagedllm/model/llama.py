@@ -94,6 +94,43 @@ def longrope_attention_factor(config: ModelConfig, scaling: dict) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
 
 
+def yarn_inv_freq(base: float, dim: int, scaling: dict) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by `factor`), those that turn more than beta_fast times kept, and a
+    linear ramp over the dimensions between blends the two (as transformers writes it)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_turning(num_rotations: float) -> float:
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def yarn_attention_factor(config: ModelConfig, scaling: dict) -> float:
+    """How much YaRN scales cos and sin: 0.1 ln(factor) + 1 unless given (DeepSeek's mscale and
+    mscale_all_dim give it as a ratio of two such terms)."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
 def dynamic_ntk_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
     """Dynamic NTK: past the trained length, stretch the base by the request's length."""
     limit, dim, factor = rope.length_limit, rope.dim, rope.scaling["factor"]
@@ -130,6 +167,7 @@ ROPE_TYPES = {
     "dynamic": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim),
                         length_limit=lambda config, scaling: config.max_position_embeddings,
                         inv_freq_past_limit=dynamic_ntk_inv_freq),
+    "yarn": RopeType(yarn_inv_freq, attention_factor=yarn_attention_factor),
     "longrope": RopeType(
         lambda base, dim, scaling: longrope_inv_freq(base, dim, scaling["short_factor"]),
         attention_factor=longrope_attention_factor,
@@ -210,8 +248,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
-        self.sliding_window = (
-            config.sliding_window if config.uses_sliding_window(layer_index) else None)
+        self.sliding_window = config.layer_window(layer_index)
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)

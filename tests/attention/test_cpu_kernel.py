@@ -13,7 +13,7 @@ import torch
 from pagedllm import attention
 from pagedllm.attention import allocate_kv_cache, cpu_kernel, torch_ref, write_kv
 from pagedllm.utils import cdiv
-from tests.conftest import build_attn_metadata
+from tests.conftest import after_nan_block, build_attn_metadata, punch_window_holes
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason=f"CPU kernel unavailable: {cpu_kernel._state.get('why')}")
@@ -165,3 +165,24 @@ def test_write_kv_from_strided_rows_matches_torch(dtype):
     torch_ref.write_kv(key, value, *caches[1], slots)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert cpu_kernel.write_kv_supports(key, caches[0][0])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_blocks_before_the_window_are_never_read(block_size):
+    """The KV manager gives back blocks that fell out of the window (holes, -1, in the table):
+    the torch path and the kernel read the same as with every block still there."""
+    window = 10
+    query, key_cache, value_cache, meta = make_case(MIXED, block_size=block_size, num_heads=4,
+                                                     num_kv_heads=2, head_dim=32,
+                                                     dtype=torch.float32, seed=5)
+    holed = punch_window_holes(meta, window, block_size)
+    assert (holed.block_tables == -1).any()
+    expected = torch_ref.paged_attention(query, key_cache, value_cache, meta, 0.2, window)
+    key_cache, value_cache = after_nan_block(key_cache), after_nan_block(value_cache)
+    torch.testing.assert_close(
+        torch_ref.paged_attention(query, key_cache, value_cache, holed, 0.2, window), expected,
+        atol=1e-6, rtol=1e-6)
+    if cpu_kernel.available():
+        torch.testing.assert_close(
+            cpu_kernel.paged_attention(query, key_cache, value_cache, holed, 0.2, window), expected,
+            **TOLERANCE[torch.float32])

@@ -21,6 +21,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="triton is not installed: pip install triton (make test does)")
 from pagedllm.attention import torch_ref, triton_attention  # noqa: E402
 from tests.attention.test_cpu_kernel import make_case  # noqa: E402
+from tests.conftest import after_nan_block, punch_window_holes  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -166,3 +167,20 @@ def test_a_tiny_model_through_the_kernel_matches_the_torch_path(shape, tmp_path,
 
     for got, expected in zip(run(triton_attention.paged_attention), run(torch_ref.paged_attention)):
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("block_size,tile_size", [(4, 32), (16, 16)])
+def test_blocks_before_the_window_are_never_read(block_size, tile_size):
+    """Holes (-1) where the KV manager gave back blocks out of the window: a key tile that starts
+    before the window (tiles are aligned to their size, wider than a block here) must not load
+    them."""
+    window = 10
+    query, key_cache, value_cache, meta = on_device(*make_case(
+        MIXED, block_size=block_size, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+        seed=6))
+    expected = torch_ref.paged_attention(query, key_cache, value_cache, meta, 0.2, window)
+    holed = punch_window_holes(meta, window, block_size)
+    key_cache, value_cache = after_nan_block(key_cache), after_nan_block(value_cache)
+    got = triton_attention.paged_attention(query, key_cache, value_cache, holed, 0.2, window,
+                                           tile_size=tile_size)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])

@@ -5,7 +5,9 @@ The simulated K/V of a token is what real K/V depends on: the whole prefix up to
 including it (plus the cache salt, so a cross-salt hit shows up as wrong content). After
 every write the runner reads each scheduled request's whole context back through its block
 table, so a wrong prefix hit, a missed copy-on-write or a block handed to two writers shows
-up as a content mismatch.
+up as a content mismatch. With a sliding window it reads what attention reads: the window of
+the step's first new token on; the entries before it must be holes (given back), those in it
+real blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.kv.contiguous import ContiguousKVManager
-from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.manager import NULL_BLOCK, KVCacheManager, peak_blocks
 from pagedllm.kv.slots import request_slots
 from pagedllm.kv.snapshot import CACHED, COPYING, FREE, SHARED, USED, BlockMap, runs
 from pagedllm.request import Request, RequestStatus
@@ -31,8 +33,9 @@ def new_token_slots(item: ScheduledRequest) -> list[int]:
 
 
 class SimRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
 
     def execute(self, output: SchedulerOutput) -> None:
@@ -47,17 +50,29 @@ class SimRunner:
                                  new_token_slots(item), strict=True):
                 self.slots[slot] = kv_content(item.request, pos)
         for item in output.scheduled:
-            context = request_slots(item.block_ids, 0, item.num_context_tokens, bs)
-            for pos, slot in enumerate(context):
+            first = self.first_read(item)
+            first_block = first // bs
+            ids = item.block_ids
+            assert all(i == NULL_BLOCK for i in ids[:first_block]), "a block before the window is held"
+            assert NULL_BLOCK not in ids[first_block:], "a hole in the window"
+            context = request_slots(ids, first, item.num_context_tokens, bs)
+            for pos, slot in enumerate(context, start=first):
                 got = self.slots[slot]
                 want = kv_content(item.request, pos)
                 assert got == want, (f"{item.request.request_id} position {pos}: "
                                      f"read {got}, expected {want}")
 
+    def first_read(self, item: ScheduledRequest) -> int:
+        """The first position attention reads this step, rounded down to its block."""
+        if self.sliding_window is None:
+            return 0
+        first = max(0, item.num_computed_tokens - self.sliding_window + 1)
+        return first - first % self.block_size
+
 
 def check_paged_manager(manager: KVCacheManager) -> None:
     pool = manager.pool
-    owners = Counter(b.block_id for t in manager._tables.values() for b in t.blocks)
+    owners = Counter(b.block_id for t in manager._tables.values() for b in t.held)
     num_free = 0
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], block
@@ -75,8 +90,10 @@ def check_paged_manager(manager: KVCacheManager) -> None:
     assert sum(len(pool.cached_blocks(h)) for h in list(pool._cached)) == \
         sum(1 for b in pool.blocks if b.is_cached)
     for table in manager._tables.values():
-        assert table.ids == [b.block_id for b in table.blocks]
-        assert len(set(table.ids)) == len(table.ids)
+        assert table.ids == [NULL_BLOCK] * table.num_freed + [b.block_id for b in table.held]
+        assert None not in table.held and not any(table.blocks[:table.num_freed])
+        assert len(set(table.ids[table.num_freed:])) == len(table.held)
+        assert manager.sliding_window is not None or not table.num_freed
     if not manager.enable_prefix_caching:
         assert not any(b.is_cached for b in pool.blocks)
 
@@ -114,9 +131,11 @@ def check_block_map(manager) -> None:
     in_use = [i for i, state in enumerate(picture.states) if state not in (FREE, CACHED)]
     assert len(in_use) == stats.num_used_blocks
     assert sum(picture.filled[i] for i in in_use) == stats.used_slots
-    tables = ({rid: t.ids for rid, t in manager._tables.items()}
+    tables = ({rid: t.ids[t.num_freed:] for rid, t in manager._tables.items()}
               if isinstance(manager, KVCacheManager)
               else {rid: r.ids for rid, r in manager._reservations.items()})
+    if isinstance(manager, KVCacheManager):
+        assert picture.freed == {rid: t.num_freed for rid, t in manager._tables.items() if t.num_freed}
     assert set(picture.owners) == set(tables)
     owners = Counter()
     for request_id, request_runs in picture.owners.items():
@@ -165,6 +184,10 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
         if isinstance(manager, KVCacheManager):
             for block_id in {slot // manager.block_size for slot in slots}:
                 assert manager.pool.blocks[block_id].ref_cnt == 1, "write to a shared block"
+            # A window bounds what a request holds, however long it is.
+            held = len(item.block_ids) - item.block_ids.count(NULL_BLOCK)
+            assert held <= peak_blocks(item.num_context_tokens, manager.block_size,
+                                       manager.sliding_window, config.max_num_batched_tokens)
     srcs = [src for src, _ in output.block_copies]
     dsts = [dst for _, dst in output.block_copies]
     assert len(set(dsts)) == len(dsts) and not set(srcs) & set(dsts), output.block_copies

@@ -82,9 +82,9 @@ def test_fork_reserves_a_run_and_copies_the_used_blocks():
 
 
 def test_a_max_reserve_that_cannot_fit_holds_nothing():
-    assert ContiguousKVManager(4, 4, max_model_len=17).max_tokens_per_request() == 0
-    assert ContiguousKVManager(4, 4, max_model_len=16).max_tokens_per_request() == 16
-    assert ContiguousKVManager(4, 4, 17, reserve="request").max_tokens_per_request() == 16
+    assert ContiguousKVManager(4, 4, max_model_len=17).max_tokens_per_request(max_chunk_tokens=8) == 0
+    assert ContiguousKVManager(4, 4, max_model_len=16).max_tokens_per_request(max_chunk_tokens=8) == 16
+    assert ContiguousKVManager(4, 4, 17, reserve="request").max_tokens_per_request(max_chunk_tokens=8) == 16
 
 
 def test_outgrowing_a_reservation_is_an_error_not_a_silent_overwrite():

@@ -165,5 +165,5 @@ def test_stats_figures():
     assert stats["allocated_slots"] == 8 and stats["used_slots"] == 6
     assert stats["waste_slots"] == 2 and stats["waste_pct"] == pytest.approx(25.0)
     assert stats["allocated_bytes"] == 800 and stats["used_bytes"] == 600
-    assert manager.max_tokens_per_request() == 40
+    assert manager.max_tokens_per_request(max_chunk_tokens=8) == 40
 

@@ -19,14 +19,17 @@ from pagedllm.utils import cdiv
 from tests.kv.sim import SimRunner, check_output, check_scheduler
 
 EOS = 0
-LAYOUTS = ["paged", "paged+prefix", "contiguous-max", "contiguous-request"]
+LAYOUTS = ["paged", "paged+prefix", "paged+window", "paged+prefix+window", "contiguous-max",
+           "contiguous-request"]
 
 
-def make_manager(layout: str, num_blocks: int, block_size: int, max_model_len: int):
+def make_manager(layout: str, num_blocks: int, block_size: int, max_model_len: int,
+                 sliding_window: int | None):
     if layout.startswith("contiguous"):
         return ContiguousKVManager(num_blocks, block_size, max_model_len,
                                    reserve=layout.removeprefix("contiguous-"))
-    return KVCacheManager(num_blocks, block_size, enable_prefix_caching=layout.endswith("prefix"))
+    return KVCacheManager(num_blocks, block_size, enable_prefix_caching="prefix" in layout,
+                          sliding_window=sliding_window)
 
 
 class Harness:
@@ -43,9 +46,12 @@ class Harness:
             max_num_seqs=self.draw(st.integers(1, 5), "max_num_seqs"),
             max_num_batched_tokens=self.draw(st.integers(1, 40), "max_num_batched_tokens"),
             max_model_len=max_model_len)
-        self.manager = make_manager(layout, num_blocks, block_size, max_model_len)
+        # Windows from one token (every block but the newest freed) to wider than the longest
+        # request (nothing freed).
+        window = self.draw(st.integers(1, max_model_len + 2), "window") if "window" in layout else None
+        self.manager = make_manager(layout, num_blocks, block_size, max_model_len, window)
         self.scheduler = Scheduler(self.config, self.manager)
-        self.runner = SimRunner(num_blocks, block_size)
+        self.runner = SimRunner(num_blocks, block_size, window)
         self.ids = itertools.count()
         self.prompts: list[list[int]] = []
         self.arrival: dict[str, int] = {}  # request id -> add order, for FCFS checks
@@ -59,7 +65,7 @@ class Harness:
             ignore_eos=self.draw(st.booleans(), "ignore_eos"))
         request = Request(f"r{next(self.ids)}", prompt, params, eos_token_id=EOS,
                           cache_salt=self.draw(st.sampled_from([None, None, "s"]), "salt"))
-        capacity = self.manager.max_tokens_per_request()
+        capacity = self.manager.max_tokens_per_request(self.config.max_num_batched_tokens)
         needed = min(len(prompt) + (params.max_tokens or self.config.max_model_len),
                      self.config.max_model_len)
         if len(prompt) > self.config.max_model_len or needed > capacity:

@@ -143,6 +143,18 @@ def test_phi3_longrope_older_keys():
     assert config.rotary_dim == 6
 
 
+def test_yarn_keys_as_qwen2_5_writes_them():
+    """Qwen2.5's long-context recipe: "type": "yarn" with the original length inside; a missing
+    factor is the stretch from the original length to max_position_embeddings."""
+    config = ModelConfig.from_hf_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}})
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 1024}
+    stretched = ModelConfig.from_hf_config({**BASE, "original_max_position_embeddings": 512,
+                                            "rope_scaling": {"rope_type": "yarn"}})
+    assert stretched.rope_scaling["factor"] == 4096 / 512
+
+
 def test_bidirectional_attention_refused():
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
         ModelConfig.from_hf_config({**BASE, "architectures": ["Gemma3ForCausalLM"],

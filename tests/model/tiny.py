@@ -33,6 +33,10 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "llama3_rope": ("LlamaConfig", dict(rope_scaling={
         "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16})),
+    # YaRN over an original context of 2048: the ramp between kept and interpolated frequencies
+    # covers dimensions 2 to 6 of 8, and cos/sin are scaled by 0.1 ln 4 + 1.
+    "qwen2_yarn_rope": ("Qwen2Config", dict(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
     "mistral_linear_rope_window": ("MistralConfig", dict(
         sliding_window=6, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_dynamic_rope": ("LlamaConfig", dict(

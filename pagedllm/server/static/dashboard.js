@@ -22,13 +22,18 @@ function decode(b64) {
 
 function decodeBlocks(blocks) {
   return {blockSize: blocks.block_size, states: decode(blocks.states),
-          refs: decode(blocks.ref_counts), filled: decode(blocks.filled), owners: blocks.owners};
+          refs: decode(blocks.ref_counts), filled: decode(blocks.filled), owners: blocks.owners,
+          freed: blocks.freed || {}};
 }
 
 function ownersOf(map, block) {
   const names = [];
   for (const [request, runs] of Object.entries(map.owners)) {
-    if (runs.some(([start, length]) => block >= start && block < start + length)) names.push(request);
+    if (runs.some(([start, length]) => block >= start && block < start + length)) {
+      // A request whose sliding window has let go of older blocks says how many.
+      const freed = map.freed[request];
+      names.push(freed ? `${request} (${freed} older blocks freed by its window)` : request);
+    }
   }
   return names;
 }
