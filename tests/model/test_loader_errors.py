@@ -51,9 +51,9 @@ def test_unknown_architecture(folder):
 
 def test_unsupported_rope_type(folder):
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    config["rope_parameters"] = {"rope_type": "mrope", "factor": 2.0, "rope_theta": 1e4}
     (folder / "config.json").write_text(json.dumps(config))
-    with expect(UnsupportedModelError, "yarn"):
+    with expect(UnsupportedModelError, "mrope"):
         load_model(folder, dtype="float32")
 
 
