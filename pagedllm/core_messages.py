@@ -23,7 +23,9 @@ class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    # Every id that ends a generation (Tokenizer.eos_token_ids: the tokenizer's EOS, the model's
+    # and generation config's eos ids, GGUF end-of-turn ids); the first is the tokenizer's EOS.
+    eos_token_ids: tuple[int, ...]
     arrival_time: float
     cache_salt: str | None = None
 

@@ -62,7 +62,7 @@ class InputProcessor:
         if max_tokens_must_fit:
             params = self._fit_max_tokens(params, len(token_ids))
         request = EngineCoreRequest(
-            request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+            request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt)
         return text, request

@@ -33,7 +33,7 @@ class CoreSequence:
 class RequestGroup:
     request_id: str
     request: EngineCoreRequest
-    # Banned while fewer than min_tokens are out: the stop token ids and EOS (unless ignored).
+    # Banned while fewer than min_tokens are out: the stop token ids and every EOS id.
     early_stop_ids: tuple[int, ...]
     # One seeded generator per output index, so output i is reproducible on its own.
     generators: list[torch.Generator | None]
@@ -45,15 +45,16 @@ class RequestGroup:
     def start(cls, request: EngineCoreRequest, device: torch.device) -> RequestGroup:
         """The group with its first sequence, the one that prefills the prompt."""
         params = request.sampling_params
-        eos = (request.eos_token_id,) if request.eos_token_id is not None and not params.ignore_eos else ()
         generators: list[torch.Generator | None] = [None] * params.n
         if params.seed is not None:
             generators = [torch.Generator(device=device).manual_seed((params.seed + i) % 2**63)
                           for i in range(params.n)]
-        group = cls(request.request_id, request, tuple(params.stop_token_ids) + eos, generators,
+        # vLLM's and transformers' rule: before min_tokens, no way to stop, ignore_eos or not.
+        early_stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *request.eos_token_ids]))
+        group = cls(request.request_id, request, early_stop_ids, generators,
                     fan_out=params.n)
         first = Request(request.request_id, request.prompt_token_ids, params,
-                        eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
+                        eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time,
                         cache_salt=request.cache_salt)
         group._add(first)
         return group

@@ -79,9 +79,11 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_text(config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        generation = _read_json(folder / "generation_config.json")
-        return cls(backend, special, _hf_chat_template(folder, config),
-                   extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")))
+        # Every id the model ends a generation with: the model config's and the generation
+        # config's (Llama 3 lists <|eot_id|> and <|eom_id|> there) join the tokenizer's EOS.
+        extra_eos = [*_as_id_list(_read_json(folder / "config.json").get("eos_token_id")),
+                     *_as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))]
+        return cls(backend, special, _hf_chat_template(folder, config), extra_eos_token_ids=extra_eos)
 
     @classmethod
     def from_gguf(cls, reader_or_metadata: Any) -> Tokenizer:

@@ -33,7 +33,7 @@ def core(engine) -> EngineCore:
 
 
 def request(request_id: str, prompt=PROMPT, **params) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, list(prompt), SamplingParams(**params), None, 0.0)
+    return EngineCoreRequest(request_id, list(prompt), SamplingParams(**params), (), 0.0)
 
 
 def run(core: EngineCore, choose=None) -> dict[tuple[str, int], EngineCoreOutput]:
@@ -186,3 +186,24 @@ def test_a_request_id_in_use_is_refused_and_nothing_is_kept(core):
         core.add_request(request("dup", prompt=[1], max_tokens=2))
     assert core.unfinished_request_ids() == ["dup"] and core.stats().num_prompt_tokens >= len(PROMPT)
     assert run(core)[("dup", 0)].new_token_ids.__len__() == 2
+
+
+def greedy_tokens(core: EngineCore, max_tokens: int, eos=(), **params) -> list[int]:
+    core.add_request(dataclasses.replace(request("g", max_tokens=max_tokens, temperature=0, **params),
+                                         eos_token_ids=tuple(eos)))
+    return run(core)[("g", 0)].new_token_ids
+
+
+def test_every_eos_id_stops_and_min_tokens_bans_them_whatever_ignore_eos_says(core):
+    free = greedy_tokens(core, 6)
+    eos = tuple(dict.fromkeys(free[:3]))
+    # The model's first choices are all EOS ids: before min_tokens it must take others.
+    for ignore_eos in (False, True):
+        banned = greedy_tokens(core, 3, eos, min_tokens=3, ignore_eos=ignore_eos)
+        assert len(banned) == 3 and not set(banned) & set(eos), (ignore_eos, banned, eos)
+    # Either id ends the request, once min_tokens are out.
+    assert greedy_tokens(core, 6, (free[0],)) == free[:1]
+    later = next(t for t in free[1:] if t != free[0])
+    assert greedy_tokens(core, 6, (99999, later)) == free[:free.index(later) + 1]
+    # min_tokens also bans the stop token ids.
+    assert free[0] not in greedy_tokens(core, 1, stop_token_ids=[free[0]], min_tokens=1)

@@ -32,7 +32,7 @@ def test_every_prompt_form_becomes_the_same_core_request(processor):
         text, request = processor.process("r", prompt, params, arrival_time=5.0, cache_salt="s")
         assert request.prompt_token_ids == [104, 105] and request.sampling_params is params
         assert (request.request_id, request.arrival_time, request.cache_salt) == ("r", 5.0, "s")
-        assert request.eos_token_id == 257
+        assert request.eos_token_ids == (257,)
         assert text == (None if isinstance(prompt, list) else "hi")
     assert processor.process("r", "hi")[1].sampling_params == SamplingParams()
 

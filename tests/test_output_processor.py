@@ -21,7 +21,7 @@ KINDS = list(RequestOutputKind)
 
 
 def add(processor: OutputProcessor, request_id: str, params: SamplingParams) -> None:
-    processor.add_request(EngineCoreRequest(request_id, PROMPT, params, 257, 0.0), "Say: ")
+    processor.add_request(EngineCoreRequest(request_id, PROMPT, params, (257,), 0.0), "Say: ")
 
 
 def feed(processor: OutputProcessor, request_id: str, tokens: list[int], index: int = 0,
