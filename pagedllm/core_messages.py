@@ -28,6 +28,8 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     cache_salt: str | None = None
+    # SamplingParams.bad_words as token sequences (the input processor tokenizes them).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)

@@ -78,7 +78,7 @@ def test_stop_token_ids_out_of_vocabulary(processor):
     with pytest.raises(InvalidInput) as caught:
         processor.process("r", "hi", SamplingParams(stop_token_ids=[5, 300]))
     assert caught.value.param == "stop_token_ids"
-    assert str(caught.value) == ("stop_token_ids must be in [0, 300) (the vocabulary); out of "
+    assert str(caught.value) == ("stop_token_ids must be integers in [0, 300) (the vocabulary); out of "
                                  "vocabulary: [300]")
 
 
