@@ -7,7 +7,8 @@ by reference count (the first write into a shared partial block copies it). Beam
 the same way, choosing the tokens itself. The group ends when every sequence it has ended.
 
 Everything a sequence's sampling needs that does not change from step to step (its sampling
-row, the stop ids banned before min_tokens) is made here once, not rebuilt every step.
+row, the stop ids banned before min_tokens, the token rules' tensors) is made here once, not
+rebuilt every step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.request import Request
-from pagedllm.sampler import SamplingRow
+from pagedllm.sampler import SamplingRow, TokenRules
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class RequestGroup:
     early_stop_ids: tuple[int, ...]
     # One seeded generator per output index, so output i is reproducible on its own.
     generators: list[torch.Generator | None]
+    rules: TokenRules | None  # allowed_token_ids, bad_words, logit_bias: shared by every sequence
     seqs: list[CoreSequence] = field(default_factory=list)
     fan_out: int = 1  # tokens the next sample of sequence 0 draws: n until the prompt's first
     num_finished: int = 0
@@ -51,8 +53,8 @@ class RequestGroup:
                           for i in range(params.n)]
         # vLLM's and transformers' rule: before min_tokens, no way to stop, ignore_eos or not.
         early_stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *request.eos_token_ids]))
-        group = cls(request.request_id, request, early_stop_ids, generators,
-                    fan_out=params.n)
+        rules = TokenRules.build(params, request.bad_words_token_ids, device)
+        group = cls(request.request_id, request, early_stop_ids, generators, rules, fan_out=params.n)
         first = Request(request.request_id, request.prompt_token_ids, params,
                         eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time,
                         cache_salt=request.cache_salt)
@@ -78,7 +80,7 @@ class RequestGroup:
     def _add(self, request: Request) -> CoreSequence:
         index = len(self.seqs)
         generator = self.generators[index] if index < len(self.generators) else None
-        row = SamplingRow(request.sampling_params, request, self.early_stop_ids, generator)
+        row = SamplingRow(request.sampling_params, request, self.early_stop_ids, generator, self.rules)
         seq = CoreSequence(self, index, request, row)
         self.seqs.append(seq)
         return seq
