@@ -55,6 +55,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     first_scheduled_time: float | None = None  # time.monotonic() when the request first ran
     num_preemptions: int = 0  # times this sequence was preempted; set once it finished
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), sent once,
+    # with sequence 0's first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagedllm.core_messages import EngineCoreRequest
+from pagedllm.core_messages import EngineCoreRequest, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sampler import SamplingRow, TokenRules
 
@@ -42,6 +42,9 @@ class RequestGroup:
     seqs: list[CoreSequence] = field(default_factory=list)
     fan_out: int = 1  # tokens the next sample of sequence 0 draws: n until the prompt's first
     num_finished: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, filled as the prompt's chunks
+    # run (by position, so a recompute after preemption rewrites the same entries).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def start(cls, request: EngineCoreRequest, device: torch.device) -> RequestGroup:
@@ -55,6 +58,8 @@ class RequestGroup:
         early_stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *request.eos_token_ids]))
         rules = TokenRules.build(params, request.bad_words_token_ids, device)
         group = cls(request.request_id, request, early_stop_ids, generators, rules, fan_out=params.n)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(request.prompt_token_ids)
         first = Request(request.request_id, request.prompt_token_ids, params,
                         eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time,
                         cache_salt=request.cache_salt)

@@ -204,20 +204,30 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
-        logp = torch.log_softmax(raw[index], dim=-1)
-        chosen = token_ids[index]
-        chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
-        max_n = max(rows[i].params.logprobs for i in wanted)
-        top_vals, top_ids = logp.topk(max(max_n, 1), dim=-1)
-        # To the host once, not per row.
-        chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
-        top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = list(zip(top_ids[j][:n], top_vals[j][:n]))
-            result[i] = TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], top)
+        found = _token_logprobs(raw[index], token_ids[index], [rows[i].params.logprobs for i in wanted])
+        for i, entry in zip(wanted, found):
+            result[i] = entry
         return result
+
+    @staticmethod
+    def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+        """Each row's log-probability of a given token (a prompt's next token), its rank and the
+        num_top best, from the raw logits [len(token_ids), vocab]."""
+        chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return _token_logprobs(logits.float(), chosen, [num_top] * len(token_ids))
+
+
+def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]) -> list[TokenLogprobs]:
+    """Log-softmax of each row of raw: the chosen token's value and rank, and the row's top-n."""
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
+    top_vals, top_ids = logp.topk(max(max(nums_top), 1), dim=-1)
+    # To the host once, not per row.
+    chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
+    top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
+    return [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+            for j, n in enumerate(nums_top)]
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -98,7 +98,7 @@ def test_execute_returns_the_logits_of_requests_that_reached_their_last_token():
         scheduled("decode", [7, 8, 9], 2, 1, [0]),
         scheduled("prompt", [40, 41, 42], 0, 3, [4]),
     ]
-    logits, sample_idx = runner.execute(batch)
+    logits, sample_idx, _ = runner.execute(batch)
     assert sample_idx == [1, 2]
     assert logits[:, 0].tolist() == [9.0, 42.0]  # each one's last new token
     runner.drop_requests([SimpleNamespace(request_id="chunk")])
