@@ -403,3 +403,13 @@ def test_pagedllm_serve_model_answers(model_dir):
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_the_readme_names_every_field_the_server_declares_or_refuses():
+    from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## API"):readme.index("## Watch the KV cache")]
+    names = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *NOT_IMPLEMENTED_FIELDS}
+    missing = sorted(name for name in names if f"`{name}`" not in section)
+    assert not missing, f"document these in the README's API section: {missing}"
