@@ -627,6 +627,7 @@ class _Format:
         created = int(time.time())
         generated: dict[int, int] = {}  # tokens sent per choice
         cached: dict[int, int] = {}  # prefix-cache hits per prompt
+        prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
 
         def chunk(choices: list[dict]) -> str:
@@ -638,12 +639,15 @@ class _Format:
                 yield chunk(first)
             async for i, output in _merge(streams):
                 cached[i] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 choices = []
                 for out in output.outputs:
                     index = i * self.n + out.index
                     first = index not in generated
                     generated[index] = generated.get(index, 0) + len(out.token_ids)
-                    choices.append(self.delta_choice(index, out, prompts[i], output if first else None))
+                    choices.append(self.delta_choice(index, out, prompts[i], first,
+                                                     prompt_logprobs.get(i)))
                 if choices:
                     yield chunk(choices)
             if include_usage:
@@ -663,10 +667,9 @@ class _Format:
     def full_choice(self, index: int, out: CompletionOutput, prompt, final: RequestOutput) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, out: CompletionOutput, prompt,
-                     first: RequestOutput | None) -> dict:
-        """A chunk's choice from a DELTA output; first: the request's output that brought this
-        choice's first chunk (None for the later ones)."""
+    def delta_choice(self, index: int, out: CompletionOutput, prompt, first: bool,
+                     prompt_logprobs: PromptLogprobs | None) -> dict:
+        """A chunk's choice from a DELTA output; first: this choice's first chunk."""
         raise NotImplementedError
 
 
@@ -687,10 +690,10 @@ class _CompletionFormat(_Format):
                 "prompt_logprobs": _prompt_logprobs_json(final.prompt_logprobs)
                 if self.body.prompt_logprobs is not None else None}
 
-    def delta_choice(self, index, out, prompt, first) -> dict:
-        echo = first is not None and self.body.echo
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
+        echo = first and self.body.echo
         text = self._echo_text(prompt) + out.text if echo else out.text
-        logprobs = self._logprobs(out, first.prompt_logprobs if echo else None, prompt[1],
+        logprobs = self._logprobs(out, prompt_logprobs if echo else None, prompt[1],
                                   self.chars_sent.get(index, 0))
         self.chars_sent[index] = self.chars_sent.get(index, 0) + len(text)
         return {"index": index, "text": text, "logprobs": logprobs,
@@ -753,7 +756,7 @@ class _ChatFormat(_Format):
             if self.body.prompt_logprobs is not None else None
         return response
 
-    def delta_choice(self, index, out, prompt, first) -> dict:
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
         delta = out.text
         return {"index": index, "delta": {"content": delta} if delta else {},
                 "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}

@@ -235,6 +235,14 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_of_a_separate_forward_pas
     streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     assert "".join(ch.text for c in chunks for ch in c.choices) == choice.text
+    # Every choice of n echoes the prompt with its logprobs, once.
+    chunks = list(client(server).completions.create(
+        model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=3, echo=True, logprobs=0, n=2, seed=5,
+        stream=True, extra_body={"top_k": -1, "ignore_eos": True}))
+    for index in (0, 1):
+        values = [v for c in chunks for ch in c.choices if ch.index == index
+                  for v in ch.logprobs.token_logprobs]
+        assert len(values) == len(PROMPT_IDS) + 3 and values[:len(PROMPT_IDS)] == lp.token_logprobs[:-1]
 
 
 def test_prompt_logprobs_in_completions_and_chat(server, forward_logprobs):
