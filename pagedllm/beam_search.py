@@ -6,7 +6,7 @@ candidates of a prompt the W best (by cumulative log-probability) live on. A bea
 continues itself and forks k - 1 new sequences that share all its blocks by reference count;
 the first write into a shared partial block is copied (copy-on-write). A beam not chosen gets no
 token, which ends it, so blocks only it held go straight back to the pool. A candidate ending in
-EOS becomes a finished hypothesis; a beam reaching max_tokens is finished by the core.
+an EOS id becomes a finished hypothesis; a beam reaching max_tokens is finished by the core.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class BeamSearch:
         self.width = beam_width
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
-        self.eos = tokenizer.eos_token_id
+        self.eos_ids = tuple(tokenizer.eos_token_ids)
         self._ids = itertools.count()
         self.peak_blocks_used = 0
 
@@ -111,7 +111,7 @@ class BeamSearch:
         try:
             for ids in prompts:
                 request_id = f"beam-{next(self._ids)}"
-                self.core.add_request(EngineCoreRequest(request_id, list(ids), params, self.eos,
+                self.core.add_request(EngineCoreRequest(request_id, list(ids), params, self.eos_ids,
                                                         time.monotonic()))
                 states[request_id] = _Prompt(request_id, list(ids), {0: _Beam([])})
             while any(p.beams for p in states.values()):
@@ -153,7 +153,7 @@ class BeamSearch:
             if len(new_beams) + len(forks) == self.width:
                 break
             beam = p.beams[rows[j][1]]
-            if token == self.eos and self.eos is not None:
+            if token in self.eos_ids:
                 p.finished.append(self._sequence(beam.token_ids + [token], cum, "stop"))
                 continue
             if choices[j]:

@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "dequantize at load; int8/int4: quantize a HF folder's weights at load")
     parser.add_argument("--quantization-group-size", type=int, default=default["quantization_group_size"],
                         help="inputs per scale for --quantization int8/int4")
+    parser.add_argument("--generation-config", default=default["generation_config"],
+                        help="sampling defaults for fields a request leaves unset: auto (the model's "
+                             "generation_config.json), vllm or none (the library's), or a folder")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -51,7 +54,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
                         kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
                         quantization=args.quantization,
-                        quantization_group_size=args.quantization_group_size)
+                        quantization_group_size=args.quantization_group_size,
+                        generation_config=args.generation_config)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -90,6 +90,9 @@ class EngineConfig:
     # dequantize at load; int8 / int4: quantize a Hugging Face folder's matmul weights at load.
     quantization: str = "auto"
     quantization_group_size: int = 32  # inputs per scale, for int8 / int4
+    # Sampling defaults for unset request fields: "auto" (the model's generation_config.json),
+    # "vllm" or "none" (SamplingParams' own), or a folder with a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -118,6 +121,9 @@ class EngineConfig:
                 self.quantization == "int4" and group != 16 and group % 32):
             raise ValueError(f"quantization_group_size must be a multiple of 16 (int8) or 16 or a "
                              f"multiple of 32 (int4); got {group!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
+                             f"a generation_config.json; got {self.generation_config!r}")
 
 
 def engine_defaults() -> dict:

@@ -23,9 +23,13 @@ class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    # Every id that ends a generation (Tokenizer.eos_token_ids: the tokenizer's EOS, the model's
+    # and generation config's eos ids, GGUF end-of-turn ids); the first is the tokenizer's EOS.
+    eos_token_ids: tuple[int, ...]
     arrival_time: float
     cache_salt: str | None = None
+    # SamplingParams.bad_words as token sequences (the input processor tokenizes them).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)
@@ -51,6 +55,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     first_scheduled_time: float | None = None  # time.monotonic() when the request first ran
     num_preemptions: int = 0  # times this sequence was preempted; set once it finished
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), sent once,
+    # with sequence 0's first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core_messages import EngineCoreStats
 from pagedllm.device import resolve_device
 from pagedllm.engine_core import EngineCore, StepError
+from pagedllm.generation_defaults import read_generation_defaults
 from pagedllm.input_processor import InputProcessor, PromptInput
 from pagedllm.kv.plan import KVPlan, describe_plan
 from pagedllm.kv.snapshot import BlockMap
@@ -45,7 +46,9 @@ class LLMEngine:
         self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype)
         self.weight_bytes = loaded.model.weight_bytes()  # after the runner's prepacking
         plan = self.engine_core.kv_plan
-        self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size, plan.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
+            sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; weights %.1f MiB (%s); start-up %.2fs",
@@ -61,7 +64,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     sampling_params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        """Queue a request. Bad input raises ValueError and leaves nothing behind."""
+        """Queue a request (sampling_params None: the model's defaults, as
+        InputProcessor.default_sampling_params). Bad input raises ValueError and leaves nothing
+        behind."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, sampling_params,

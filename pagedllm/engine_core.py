@@ -7,6 +7,12 @@ log-probabilities, finish reasons, and the core's figures (pagedllm.core_message
 strings and what a user sees are the output processor's. The core knows nothing about
 tokenizers or HTTP, so it can run in its own process behind a channel carrying those messages.
 
+Prompt logprobs (SamplingParams.prompt_logprobs) come from the hidden states of a prompt's own
+chunks: each position's logits give the next prompt token's log-probability. A step computes
+them only for the requests that ask, a slice of rows at a time, and the first output carries
+them. Such requests read nothing from the prefix cache (the scheduler's rule): a cached token's
+hidden state is not there to read.
+
 Parallel sampling (n > 1) stays here, because its outputs share the prompt's KV blocks: the
 first sample draws n tokens and forks the sequence (pagedllm.request_group). `step(choose=...)`
 lets a caller pick the tokens from the logits instead of the sampler, forking a sequence by
@@ -46,6 +52,9 @@ logger = logging.getLogger(__name__)
 # the request's last), and none ends the sequence (finished as aborted, with no output).
 Chooser = Callable[[torch.Tensor, list[tuple[str, int]]], list[list[int]]]
 
+# Prompt positions turned into logits at once for prompt logprobs: bounds the [rows, vocab] tensor.
+PROMPT_LOGPROB_ROWS = 256
+
 
 class StepError(RuntimeError):
     """A step failed. The requests it ran are finished (aborted, their blocks freed) already;
@@ -81,6 +90,8 @@ class EngineCore:
         self.sampler = Sampler(config.seed, self.device)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, CoreSequence] = {}  # by the scheduler's request id
+        # Groups whose prompt logprobs are still being computed or not yet sent, by request id.
+        self._collecting_prompt_logprobs: dict[str, RequestGroup] = {}
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_computed_tokens = 0
@@ -101,6 +112,8 @@ class EngineCore:
         self.scheduler.add_request(first.request)
         self._groups[request.request_id] = group
         self._seqs[first.request.request_id] = first
+        if group.prompt_logprobs is not None:
+            self._collecting_prompt_logprobs[request.request_id] = group
         self._num_prompt_tokens += len(request.prompt_token_ids)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -110,6 +123,7 @@ class EngineCore:
             group = self._groups.pop(request_id, None)
             if group is None:
                 continue
+            self._collecting_prompt_logprobs.pop(request_id, None)
             live = [s.request.request_id for s in group.seqs if not s.request.is_finished]
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
             for seq in group.seqs:
@@ -153,7 +167,9 @@ class EngineCore:
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
         self.runner.copy_blocks(out.block_copies)
-        logits, sample_idx = self.runner.execute(out.scheduled)
+        logits, sample_idx, hidden = self.runner.execute(out.scheduled)
+        if self._collecting_prompt_logprobs:
+            self._add_prompt_logprobs(out, hidden)
         seqs = [self._seqs[out.scheduled[i].request.request_id] for i in sample_idx]
         if not seqs:  # prompt chunks only: nothing to sample, but the update counts them
             choices, logprobs = [], []
@@ -165,6 +181,25 @@ class EngineCore:
                 raise ValueError(f"the chooser gave {len(choices)} choices for {len(seqs)} rows")
             logprobs = [[None] * len(tokens) for tokens in choices]
         return self._update(out, seqs, choices, logprobs)
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """The prompt logprobs this step's chunks give, for the groups that ask: position p's
+        logits hold the log-probability of prompt token p + 1."""
+        row = 0  # where each scheduled request's tokens start in the flat batch
+        for s in out.scheduled:
+            group = self._collecting_prompt_logprobs.get(s.request.request_id)
+            first = s.num_computed_tokens
+            count = min(s.num_new_tokens, s.request.num_prompt_tokens - 1 - first)
+            if group is not None and count > 0:
+                prompt = group.request.prompt_token_ids
+                num_top = group.request.sampling_params.prompt_logprobs
+                for a in range(0, count, PROMPT_LOGPROB_ROWS):
+                    n = min(PROMPT_LOGPROB_ROWS, count - a)
+                    logits = self.runner.compute_logits(hidden[row + a:row + a + n])
+                    targets = prompt[first + a + 1:first + a + n + 1]
+                    group.prompt_logprobs[first + a + 1:first + a + n + 1] = \
+                        self.sampler.logprobs_of(logits, targets, num_top)
+            row += s.num_new_tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[CoreSequence]):
         """One token per sequence; n from a prompt's first logits (its fan-out)."""
@@ -194,7 +229,10 @@ class EngineCore:
             if not tokens:
                 continue
             self._num_generation_tokens += len(tokens)
-            outputs[seq.request.request_id] = _output(seq, tokens[0], lps[0])
+            outputs[seq.request.request_id] = output = _output(seq, tokens[0], lps[0])
+            if seq.index == 0 and self._collecting_prompt_logprobs:  # the prompt is done: send them
+                group = self._collecting_prompt_logprobs.pop(seq.group.request_id, None)
+                output.prompt_logprobs = group.prompt_logprobs if group is not None else None
             for token, lp in zip(tokens[1:], lps[1:]):
                 child, child_finished = self._fork(seq, token)
                 outputs[child.request.request_id] = _output(child, token, lp)
@@ -227,6 +265,7 @@ class EngineCore:
         group.num_finished += 1
         if group.finished:
             self._groups.pop(group.request_id, None)
+            self._collecting_prompt_logprobs.pop(group.request_id, None)
 
     def _fail(self, out: SchedulerOutput) -> list[str]:
         """Abort every request the failed step ran; their ids."""

@@ -5,6 +5,11 @@ here: a prompt as text, token ids or a dict (or a chat conversation, rendered by
 chat template), checked once, each kind of problem with one message, and tokenized. What comes
 out is an EngineCoreRequest: plain data, ready to cross into the core, in this process or
 another. Bad input raises InvalidInput, a ValueError naming the request field at fault.
+
+It also owns what a request leaves unset: the model's sampling defaults (generation_config.json,
+pagedllm.generation_defaults) fill the fields a caller does not give, and every token id a
+request names (prompt, stop_token_ids, logit_bias, allowed_token_ids) is checked against the
+vocabulary here, once, with all the bad ones named together.
 """
 
 from __future__ import annotations
@@ -40,44 +45,57 @@ def prompt_list(prompts) -> list:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 sampling_defaults: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # The model's defaults for SamplingParams fields a request leaves unset.
+        self.sampling_defaults: dict = dict(sampling_defaults or {})
         # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
         # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
         self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' own defaults under the model's (what a request that sets nothing gets)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                 *, arrival_time: float | None = None, cache_salt: str | None = None,
-                max_tokens_must_fit: bool = False) -> tuple[str | None, EngineCoreRequest]:
+                max_tokens_must_fit: bool = False,
+                add_special_tokens: bool = True) -> tuple[str | None, EngineCoreRequest]:
         """The prompt's text (None if given as ids only) and the core request.
 
-        max_tokens_must_fit (OpenAI's rule, the server's): prompt + max_tokens must fit in
-        max_model_len, and max_tokens=None means all the room left. Otherwise (vLLM's offline
-        rule) a request just stops at max_model_len."""
-        params = params or SamplingParams()
-        text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit)
-        self._check_stop_token_ids(params)
+        params None: default_sampling_params(). max_tokens_must_fit (OpenAI's rule, the
+        server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
+        the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
+        add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds."""
+        params = params or self.default_sampling_params()
+        text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
+                                        add_special_tokens=add_special_tokens)
+        self._check_sampling_token_ids(params)
         if max_tokens_must_fit:
             params = self._fit_max_tokens(params, len(token_ids))
         request = EngineCoreRequest(
-            request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+            request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         return text, request
 
-    def tokenize(self, prompt: PromptInput, room_for_output: bool = False) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptInput, room_for_output: bool = False,
+                 add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """The checked token ids of one prompt (and its text, if it has one)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             elif "prompt" in prompt:
-                return self.tokenize(prompt["prompt"], room_for_output)
+                return self.tokenize(prompt["prompt"], room_for_output, add_special_tokens)
             else:
                 raise InvalidInput("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, str):
-            text, token_ids = prompt, self.encode(prompt)
+            if not prompt:
+                raise InvalidInput(_EMPTY)
+            text, token_ids = prompt, self.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, prompt
         else:
@@ -87,8 +105,7 @@ class InputProcessor:
         return text, list(token_ids)
 
     def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-        if not text:
-            raise InvalidInput(_EMPTY, param)
+        """Token ids of text, refused untokenized if it is too long to fit any context."""
         if len(text) > self.max_prompt_chars:
             raise InvalidInput(
                 f"the prompt is {len(text)} characters, more than this model's maximum context "
@@ -96,29 +113,58 @@ class InputProcessor:
                 "characters): shorten it", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True) -> dict:
-        """A conversation as one prompt, through the model's chat template: {"prompt": text,
-        "prompt_token_ids": ids} (the template writes any BOS itself)."""
+    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
+                    chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                    continue_final_message: bool = False, add_special_tokens: bool = False) -> dict:
+        """A conversation as one prompt, through the chat template (the model's, or chat_template):
+        {"prompt": text, "prompt_token_ids": ids}. The template writes any BOS itself, so
+        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for.
+        chat_template_kwargs: more variables for the template (e.g. enable_thinking);
+        continue_final_message: the text ends inside the last message, for the model to go on."""
         if not messages:
             raise InvalidInput("messages is empty: send at least one message", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidInput("continue_final_message and add_generation_prompt cannot both be "
+                               "true: set add_generation_prompt to false to continue the last "
+                               "message", "continue_final_message")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "chat_template",
+                                            "continue_final_message"})
+        if reserved:
+            raise InvalidInput(f"chat_template_kwargs may not set {reserved}: they are request "
+                               "fields of their own", "chat_template_kwargs")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message, **kwargs)
         except ValueError as exc:  # no template, or the template refused the messages
             raise InvalidInput(str(exc), "messages") from exc
         except Exception as exc:  # the template itself failed (e.g. roles out of order)
             raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                "messages") from exc
-        return {"prompt": text, "prompt_token_ids": self.encode(text, "messages", add_special_tokens=False)}
+        return {"prompt": text,
+                "prompt_token_ids": self.encode(text, "messages", add_special_tokens=add_special_tokens)}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens written out), after the vocabulary check."""
+        self.check_token_ids(token_ids, "tokens", "tokens")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     # -- checks ---------------------------------------------------------------------------------
-    def _check_token_ids(self, token_ids, room_for_output: bool) -> None:
-        if len(token_ids) == 0:
-            raise InvalidInput(_EMPTY)
+    def check_token_ids(self, token_ids, param: str, what: str) -> None:
+        """InvalidInput (naming param) unless every id is an integer in the vocabulary; the
+        message names the bad ones, all of them up to a screenful."""
         vocab = self.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidInput(f"prompt token ids must be integers in [0, {vocab}) (the vocabulary); "
-                               f"out of vocabulary: {bad[:5]}")
+            shown = f"{bad[:_MAX_SHOWN]} and {len(bad) - _MAX_SHOWN} more" if len(bad) > _MAX_SHOWN else bad
+            raise InvalidInput(f"{what} must be integers in [0, {vocab}) (the vocabulary); "
+                               f"out of vocabulary: {shown}", param)
+
+    def _check_token_ids(self, token_ids, room_for_output: bool) -> None:
+        if len(token_ids) == 0:
+            raise InvalidInput(_EMPTY)
+        self.check_token_ids(token_ids, "prompt", "prompt token ids")
         limit = self.max_model_len - 1 if room_for_output else self.max_model_len
         if len(token_ids) > limit:
             leaves = ", which leaves no room for a completion" if len(token_ids) <= self.max_model_len else ""
@@ -126,11 +172,25 @@ class InputProcessor:
                                f"(max_model_len) and the prompt has {len(token_ids)}{leaves}: "
                                "shorten it")
 
-    def _check_stop_token_ids(self, params: SamplingParams) -> None:
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise InvalidInput(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary); "
-                               f"out of vocabulary: {bad[:5]}", "stop_token_ids")
+    def _check_sampling_token_ids(self, params: SamplingParams) -> None:
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias", "logit_bias keys")
+        if params.allowed_token_ids is not None:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids", "allowed_token_ids")
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as it would appear at the start of the text and after a
+        space (vLLM's rule: the spaced form only where it is one different token sequence of the
+        same length, i.e. where the tokenizer folds the space into the word)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in bad_words or ():
+            bare = tuple(self.encode(word.lstrip(), "bad_words", add_special_tokens=False))
+            spaced = tuple(self.encode(" " + word.lstrip(), "bad_words", add_special_tokens=False))
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return tuple(dict.fromkeys(sequences))
 
     def _fit_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
@@ -146,6 +206,7 @@ class InputProcessor:
 
 
 _EMPTY = "the prompt is empty: give at least one character or token id"
+_MAX_SHOWN = 20  # bad token ids named in one message
 
 
 def _longest_token_chars(tokenizer: Tokenizer) -> int:

@@ -26,20 +26,34 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no SamplingParams: the library's defaults under
+        the model's generation_config.json (unless generation_config="vllm" or "none")."""
+        return self.engine.input_processor.default_sampling_params()
+
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
         request_ids = self._add_all(prompts, params)
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Each conversation through the chat template (the model's, or chat_template; see
+        InputProcessor.chat_prompt for the options), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         processor = self.engine.input_processor
-        prompts = [processor.chat_prompt(c, add_generation_prompt) for c in conversations]
+        prompts = [processor.chat_prompt(c, add_generation_prompt, chat_template=chat_template,
+                                         chat_template_kwargs=chat_template_kwargs,
+                                         continue_final_message=continue_final_message)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], beam_width: int,
@@ -96,11 +110,9 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
-def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+def _params_per_prompt(params: SamplingParams | list[SamplingParams], count: int) -> list[SamplingParams]:
     """One SamplingParams per prompt, each asking for its final output only (all generate
     returns); the caller's objects are left as they are."""
-    if params is None:
-        params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * count
     elif len(params) != count:

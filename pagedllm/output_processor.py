@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.core_messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -112,6 +112,8 @@ class _RequestState:
     metrics: RequestMetrics
     seqs: list[_SequenceText | None]  # by index; None until the core starts that output
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # once the core sent them
+    prompt_logprobs_sent: bool = False  # in a DELTA output
     num_finished: int = 0
 
     @property
@@ -187,6 +189,9 @@ class OutputProcessor:
         state.seqs[output.index] = seq
         if output.index == 0:
             state.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_logprobs is not None:
+                state.prompt_logprobs = [None if lp is None else self._logprob_entry(lp)
+                                         for lp in output.prompt_logprobs]
         return seq
 
     def _add_tokens(self, seq: _SequenceText, output: EngineCoreOutput) -> bool:
@@ -204,10 +209,14 @@ class OutputProcessor:
     def _add_logprobs(self, seq: _SequenceText, lp: TokenLogprobs) -> None:
         if seq.logprobs is None:
             seq.logprobs = []
+        seq.logprobs.append(self._logprob_entry(lp))
+        seq.cumulative_logprob += lp.logprob
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """The top-N and the chosen (or given) token, by id, with their decoded text."""
         entry = {tid: Logprob(val, rank, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top, 1)}
         entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += lp.logprob
+        return entry
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -228,7 +237,11 @@ class OutputProcessor:
             outputs = [s.output(delta=False) for s in seqs]
         else:  # FINAL_ONLY, still running
             return None
+        prompt_logprobs = state.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:  # only in the first output
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = state.prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=finished, metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens, prompt_logprobs=prompt_logprobs)

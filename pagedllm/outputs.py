@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the chosen token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# The same for each prompt token; the first has none (nothing comes before it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -56,3 +58,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # if SamplingParams.prompt_logprobs asked

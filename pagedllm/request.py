@@ -31,7 +31,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # ids that end the request unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -78,7 +78,7 @@ class Request:
         if not self.num_output_tokens:
             raise ValueError(f"cannot fork {self.request_id}: it has no output token to replace")
         child = Request(request_id, self.prompt_token_ids, self.sampling_params,
-                        eos_token_id=self.eos_token_id, arrival_time=self.arrival_time,
+                        eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
                         cache_salt=self.cache_salt)
         child.token_ids.extend(self.token_ids[self.num_prompt_tokens:-1])
         child.append_token(last_token)

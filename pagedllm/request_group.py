@@ -7,7 +7,8 @@ by reference count (the first write into a shared partial block copies it). Beam
 the same way, choosing the tokens itself. The group ends when every sequence it has ended.
 
 Everything a sequence's sampling needs that does not change from step to step (its sampling
-row, the stop ids banned before min_tokens) is made here once, not rebuilt every step.
+row, the stop ids banned before min_tokens, the token rules' tensors) is made here once, not
+rebuilt every step.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagedllm.core_messages import EngineCoreRequest
+from pagedllm.core_messages import EngineCoreRequest, TokenLogprobs
 from pagedllm.request import Request
-from pagedllm.sampler import SamplingRow
+from pagedllm.sampler import SamplingRow, TokenRules
 
 
 @dataclass(eq=False)
@@ -33,27 +34,34 @@ class CoreSequence:
 class RequestGroup:
     request_id: str
     request: EngineCoreRequest
-    # Banned while fewer than min_tokens are out: the stop token ids and EOS (unless ignored).
+    # Banned while fewer than min_tokens are out: the stop token ids and every EOS id.
     early_stop_ids: tuple[int, ...]
     # One seeded generator per output index, so output i is reproducible on its own.
     generators: list[torch.Generator | None]
+    rules: TokenRules | None  # allowed_token_ids, bad_words, logit_bias: shared by every sequence
     seqs: list[CoreSequence] = field(default_factory=list)
     fan_out: int = 1  # tokens the next sample of sequence 0 draws: n until the prompt's first
     num_finished: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, filled as the prompt's chunks
+    # run (by position, so a recompute after preemption rewrites the same entries).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def start(cls, request: EngineCoreRequest, device: torch.device) -> RequestGroup:
         """The group with its first sequence, the one that prefills the prompt."""
         params = request.sampling_params
-        eos = (request.eos_token_id,) if request.eos_token_id is not None and not params.ignore_eos else ()
         generators: list[torch.Generator | None] = [None] * params.n
         if params.seed is not None:
             generators = [torch.Generator(device=device).manual_seed((params.seed + i) % 2**63)
                           for i in range(params.n)]
-        group = cls(request.request_id, request, tuple(params.stop_token_ids) + eos, generators,
-                    fan_out=params.n)
+        # vLLM's and transformers' rule: before min_tokens, no way to stop, ignore_eos or not.
+        early_stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *request.eos_token_ids]))
+        rules = TokenRules.build(params, request.bad_words_token_ids, device)
+        group = cls(request.request_id, request, early_stop_ids, generators, rules, fan_out=params.n)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(request.prompt_token_ids)
         first = Request(request.request_id, request.prompt_token_ids, params,
-                        eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
+                        eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time,
                         cache_salt=request.cache_salt)
         group._add(first)
         return group
@@ -77,7 +85,7 @@ class RequestGroup:
     def _add(self, request: Request) -> CoreSequence:
         index = len(self.seqs)
         generator = self.generators[index] if index < len(self.generators) else None
-        row = SamplingRow(request.sampling_params, request, self.early_stop_ids, generator)
+        row = SamplingRow(request.sampling_params, request, self.early_stop_ids, generator, self.rules)
         seq = CoreSequence(self, index, request, row)
         self.seqs.append(seq)
         return seq

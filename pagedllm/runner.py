@@ -36,6 +36,16 @@ class StepInputs(NamedTuple):
     sample_indices: list[int]
 
 
+class StepOutput(NamedTuple):
+    """What one model step gives back."""
+
+    logits: torch.Tensor  # [S, vocab]: of each request that reached the end of its known tokens
+    sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
+    # [T, hidden]: every new token's final hidden state, in the flat batch's order (the engine
+    # core turns a prompt's rows into prompt logprobs, for the requests that ask).
+    hidden: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
@@ -75,14 +85,21 @@ class ModelRunner:
         copy_blocks(self.kv_caches, [s for s, _ in copies], [d for _, d in copies])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list) -> tuple[torch.Tensor, list[int]]:
-        """Run one step over `scheduled` (ScheduledRequest items). Returns the logits of each
-        request that reached the end of its known tokens, and those requests' batch indices."""
+    def execute(self, scheduled: list) -> StepOutput:
+        """Run one step over `scheduled` (ScheduledRequest items): the logits of each request
+        that reached the end of its known tokens, those requests' batch indices, and the hidden
+        states of every token."""
         step = self.prepare_inputs(scheduled)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
         if not step.sample_indices:
-            return torch.empty(0, device=self.device), []
-        return self.model.compute_logits(hidden.index_select(0, step.sample_rows)), step.sample_indices
+            return StepOutput(torch.empty(0, device=self.device), [], hidden)
+        logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+        return StepOutput(logits, step.sample_indices, hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] of hidden states a step gave back."""
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, scheduled: list) -> StepInputs:
         """The step's flat batch, built with numpy in buffers kept across steps: Python loops go

@@ -31,6 +31,46 @@ class TokenHistory(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
 
+@dataclass(frozen=True, eq=False)
+class TokenRules:
+    """A request's fixed rules on which tokens may come: allowed_token_ids, bad_words and
+    logit_bias, as tensors made once (per request, shared by its sequences) on the logits' device."""
+
+    allowed_ids: torch.Tensor | None  # [k] long: sample only among these
+    bias_ids: torch.Tensor | None  # [b] long, with bias_values [b] float32 added to their logits
+    bias_values: torch.Tensor | None
+    banned_ids: torch.Tensor | None  # one-token bad words: never
+    # Longer bad words: (the tokens before the last, the last), banned right after the others.
+    bad_word_ends: tuple[tuple[tuple[int, ...], int], ...]
+
+    @classmethod
+    def build(cls, params: SamplingParams, bad_words_token_ids: tuple[tuple[int, ...], ...],
+              device: torch.device) -> TokenRules | None:
+        """The rules of a request; None when it has none (the sampler then does no work for it)."""
+        if params.allowed_token_ids is None and not params.logit_bias and not bad_words_token_ids:
+            return None
+
+        def ids(values) -> torch.Tensor | None:
+            return torch.tensor(list(values), dtype=torch.long, device=device) if values else None
+
+        bias = params.logit_bias or {}
+        singles = sorted({w[0] for w in bad_words_token_ids if len(w) == 1})
+        return cls(
+            allowed_ids=ids(sorted(set(params.allowed_token_ids or ()))),
+            bias_ids=ids(bias), bias_values=torch.tensor(list(bias.values()), dtype=torch.float32,
+                                                          device=device) if bias else None,
+            banned_ids=ids(singles),
+            bad_word_ends=tuple((tuple(w[:-1]), w[-1]) for w in bad_words_token_ids if len(w) > 1))
+
+    def bad_word_bans(self, history: TokenHistory) -> list[int]:
+        """The last tokens of the longer bad words whose other tokens the output ends with now
+        (vLLM's rule: only generated tokens count)."""
+        num_output = history.num_output_tokens
+        tokens = history.token_ids
+        return [last for before, last in self.bad_word_ends
+                if len(before) <= num_output and tuple(tokens[len(tokens) - len(before):]) == before]
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs for one row of logits. Made once per sequence and kept: history is
@@ -40,6 +80,7 @@ class SamplingRow:
     history: TokenHistory
     stop_ids_before_min_tokens: tuple[int, ...]  # ids banned while fewer than min_tokens are out
     generator: torch.Generator | None  # a seeded request's own, on the logits' device; None: the shared one
+    rules: TokenRules | None = None  # allowed_token_ids, bad_words, logit_bias
 
 
 @dataclass
@@ -54,13 +95,48 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()
-        logits = self._apply_penalties(raw, rows)
+        logits = self._apply_token_rules(raw, rows)
+        logits = self._apply_penalties(logits, rows)
         logits = self._ban_early_stops(logits, rows)
         token_ids = self._choose(logits, rows)
         logprobs = self._logprobs(raw, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     # -- logit processing -----------------------------------------------------------------
+    def _apply_token_rules(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """allowed_token_ids, bad_words and logit_bias: one masked fill and one indexed add over
+        the rows that have any (a step without them costs one pass over the rows)."""
+        ruled = [(i, r.rules) for i, r in enumerate(rows) if r.rules is not None]
+        if not ruled:
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        restricted = [(i, rules.allowed_ids) for i, rules in ruled if rules.allowed_ids is not None]
+        if restricted:
+            index = torch.tensor([i for i, _ in restricted], dtype=torch.long, device=device)
+            outside = torch.ones(len(restricted), logits.shape[1], dtype=torch.bool, device=device)
+            for j, (_, allowed) in enumerate(restricted):
+                outside[j].index_fill_(0, allowed, False)
+            logits[index] = logits[index].masked_fill(outside, float("-inf"))
+        ban_rows, ban_ids = [], []
+        for i, rules in ruled:
+            if rules.banned_ids is not None:
+                ban_ids.append(rules.banned_ids)
+                ban_rows.append(torch.full_like(rules.banned_ids, i))
+            if rules.bad_word_ends:
+                ends = rules.bad_word_bans(rows[i].history)
+                ban_ids.append(torch.tensor(ends, dtype=torch.long, device=device))
+                ban_rows.append(torch.full_like(ban_ids[-1], i))
+        if ban_ids:
+            logits.index_put_((torch.cat(ban_rows), torch.cat(ban_ids)),
+                              torch.tensor(float("-inf"), device=device))
+        biased = [(i, rules) for i, rules in ruled if rules.bias_ids is not None]
+        if biased:
+            row_index = torch.cat([torch.full_like(rules.bias_ids, i) for i, rules in biased])
+            logits.index_put_((row_index, torch.cat([rules.bias_ids for _, rules in biased])),
+                              torch.cat([rules.bias_values for _, rules in biased]), accumulate=True)
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         needs = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
         if not needs:
@@ -128,20 +204,30 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
-        logp = torch.log_softmax(raw[index], dim=-1)
-        chosen = token_ids[index]
-        chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
-        max_n = max(rows[i].params.logprobs for i in wanted)
-        top_vals, top_ids = logp.topk(max(max_n, 1), dim=-1)
-        # To the host once, not per row.
-        chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
-        top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = list(zip(top_ids[j][:n], top_vals[j][:n]))
-            result[i] = TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], top)
+        found = _token_logprobs(raw[index], token_ids[index], [rows[i].params.logprobs for i in wanted])
+        for i, entry in zip(wanted, found):
+            result[i] = entry
         return result
+
+    @staticmethod
+    def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+        """Each row's log-probability of a given token (a prompt's next token), its rank and the
+        num_top best, from the raw logits [len(token_ids), vocab]."""
+        chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return _token_logprobs(logits.float(), chosen, [num_top] * len(token_ids))
+
+
+def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]) -> list[TokenLogprobs]:
+    """Log-softmax of each row of raw: the chosen token's value and rank, and the row's top-n."""
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
+    top_vals, top_ids = logp.topk(max(max(nums_top), 1), dim=-1)
+    # To the host once, not per row.
+    chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
+    top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
+    return [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+            for j, n in enumerate(nums_top)]
 
 
 def _has_penalty(p: SamplingParams) -> bool:

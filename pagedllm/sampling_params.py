@@ -9,6 +9,8 @@ MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_BAD_WORDS = 128  # each one is checked against the output after every token
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 
 
 class RequestOutputKind(enum.Enum):
@@ -38,6 +40,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (with this many top alternatives each); the
+    # first token has none. Such a request reads nothing from the prefix cache.
+    prompt_logprobs: int | None = None
+    # Token id -> added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generate these words (as vLLM's bad_words)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -47,6 +56,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -81,6 +94,11 @@ class SamplingParams:
         logprobs_ok = self.logprobs is None or (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS)
         _check(logprobs_ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
+        prompt_logprobs_ok = self.prompt_logprobs is None or (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS)
+        _check(prompt_logprobs_ok, "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None",
+               self.prompt_logprobs)
+        self._validate_token_rules()
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
                f"{len(self.stop)} strings")
         for s in self.stop:
@@ -90,6 +108,34 @@ class SamplingParams:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative integers", t)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                "a RequestOutputKind", self.output_kind)
+
+    def _validate_token_rules(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words (their ids' vocabulary range is checked
+        by the input processor, which knows the vocabulary)."""
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "a dict of token id -> bias",
+                   type(self.logit_bias).__name__)
+            bad = [k for k in self.logit_bias if not (_is_int(k) and k >= 0)]
+            _check(not bad, "logit_bias", "keyed by token ids (non-negative integers)", bad[:10])
+            bad = {k: v for k, v in self.logit_bias.items()
+                   if not (_is_num(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)}
+            _check(not bad, "logit_bias", f"numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                   dict(list(bad.items())[:10]))
+        if self.allowed_token_ids is not None:
+            ok = self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            _check(bool(ok), "allowed_token_ids", "a non-empty list of token ids (non-negative "
+                   "integers)", self.allowed_token_ids[:10])
+        if self.bad_words is not None:
+            _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words",
+                   f"{len(self.bad_words)} words")
+            for word in self.bad_words:
+                _check(isinstance(word, str) and 0 < len(word.strip()) <= MAX_STOP_STRING_LEN,
+                       "bad_words", f"words of 1 to {MAX_STOP_STRING_LEN} characters (not only "
+                       "spaces)", repr(word)[:40])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_num(value: object) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.kv.manager import PrefixHit
+from pagedllm.kv.manager import NO_HIT, PrefixHit
 from pagedllm.kv.stats import KVStats
 from pagedllm.request import Request, RequestStatus
 
@@ -191,7 +191,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < max_num_seqs
                and len(scheduled) < max_num_seqs):
             request = self.waiting[0]
-            hit = self.kv_manager.find_cached_prefix(request)
+            # Prompt logprobs need every prompt position run: no cache read (its blocks are
+            # still written, and hashed, for others to hit).
+            hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
+                   else self.kv_manager.find_cached_prefix(request))
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if not self.kv_manager.allocate_slots(request, num_new, hit):
                 break  # first come first served: no one overtakes the head of the queue
@@ -240,7 +243,7 @@ class Scheduler:
         (a stop token id also becomes request.stop_reason)."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
+            if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +79,11 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_text(config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        generation = _read_json(folder / "generation_config.json")
-        return cls(backend, special, _hf_chat_template(folder, config),
-                   extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")))
+        # Every id the model ends a generation with: the model config's and the generation
+        # config's (Llama 3 lists <|eot_id|> and <|eom_id|> there) join the tokenizer's EOS.
+        extra_eos = [*_as_id_list(_read_json(folder / "config.json").get("eos_token_id")),
+                     *_as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))]
+        return cls(backend, special, _hf_chat_template(folder, config), extra_eos_token_ids=extra_eos)
 
     @classmethod
     def from_gguf(cls, reader_or_metadata: Any) -> Tokenizer:
@@ -129,37 +131,78 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, continue_final_message: bool = False, **extra: Any
     ) -> str:
-        """The prompt text for a conversation. It already holds any BOS the template writes,
-        so encode it with add_special_tokens=False.
+        """The prompt text for a conversation, through chat_template (default: the model's).
+        It already holds any BOS the template writes, so encode it with add_special_tokens=False.
+        extra: more template variables. continue_final_message: the text is cut right after the
+        last message's content (the template's end-of-turn dropped), for the model to go on.
 
         A template that refuses a system message (Gemma 1 and 2: "System role not supported")
         gets it folded into the first user message instead, as Gemma 3's own template does."""
-        if self.chat_template is None:
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        compiled = compile_chat_template(template)
         # Unset special tokens stay undefined (render as ""), not the text "None".
         context = {name: text for name, text in self.special_tokens.items() if text is not None}
         context.update(extra, add_generation_prompt=add_generation_prompt)
         try:
-            return self._compiled_template.render(messages=messages, **context)
+            text = compiled.render(messages=messages, **context)
         except jinja2.TemplateError as exc:
             folded = _system_folded_into_first_user(messages)
-            if folded is not None:
-                try:
-                    return self._compiled_template.render(messages=folded, **context)
-                except jinja2.TemplateError:
-                    pass  # the template's complaint is about something else: report the first
-            raise ValueError(f"the chat template rejected the messages: {exc}") from None
+            if folded is None:
+                raise ValueError(f"the chat template rejected the messages: {exc}") from None
+            try:
+                text = compiled.render(messages=folded, **context)
+            except jinja2.TemplateError:  # its complaint is about something else: report the first
+                raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+
+@lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template compiled in a Jinja sandbox (compiled once per distinct text); a syntax
+    error raises jinja2.TemplateSyntaxError."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the template itself (vLLM's --chat-template),
+    checked to compile."""
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(mark in value for mark in ("{{", "{%")):
+        template = value
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {value[:80]!r}: line {exc.lineno}: {exc.message}") from None
+    return template
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation up to the end of the last message's content (transformers' rule
+    for continue_final_message: what the template adds after it, such as the end of the turn,
+    goes; trailing spaces the template trimmed from the content stay trimmed)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    at = text.rfind(final.strip())
+    if at == -1:
+        raise ValueError("continue_final_message is set but the chat template does not write the "
+                         "last message's text as it is")
+    if text[at:at + len(final.lstrip())] == final.lstrip():
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
 
 
 def _system_folded_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -189,3 +189,37 @@ def test_phi3_like_template_ends_with_eos_without_generation_prompt():
     text = tokenizer_with(PHI3_LIKE).apply_chat_template(
         CONVERSATIONS["one turn"], add_generation_prompt=False)
     assert text.endswith(f"<|end|>\n{EOS}")
+
+
+@pytest.mark.parametrize("template", ["gemma3", "qwen3", "phi3"])
+@pytest.mark.parametrize("last", ["The answer is", "The answer is ", "  padded  "])
+def test_continue_final_message_cuts_as_transformers(template, last):
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": last}]
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_backend(), bos_token=BOS, eos_token=EOS)
+    expected = theirs.apply_chat_template(messages, chat_template=TEMPLATES[template], tokenize=False,
+                                          add_generation_prompt=False, continue_final_message=True)
+    got = tokenizer_with(TEMPLATES[template]).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected and got.rstrip().endswith(last.strip())
+
+
+def test_a_template_given_per_call_replaces_the_models():
+    tokenizer = tokenizer_with(PHI3_LIKE)
+    own = "{% for m in messages %}[{{ m['content'] }}|{{ flavour }}]{% endfor %}"
+    assert tokenizer.apply_chat_template(CONVERSATIONS["one turn"], chat_template=own,
+                                         flavour="x") == "[  Hi there!  |x]"
+    assert tokenizer.apply_chat_template(CONVERSATIONS["one turn"]).startswith("<|user|>")
+
+
+def test_load_chat_template_takes_a_file_or_the_text(tmp_path):
+    from pagedllm.tokenizer import load_chat_template
+
+    file = tmp_path / "t.jinja"
+    file.write_text(PHI3_LIKE)
+    assert load_chat_template(str(file)) == PHI3_LIKE
+    assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="line 1"):
+        load_chat_template("{% for m in messages %}")

@@ -133,7 +133,7 @@ def fake_device_runner(checkpoint) -> ModelRunner:
 def test_a_step_keeps_every_tensor_on_the_device_and_never_syncs(checkpoint, attention_on_device):
     runner = fake_device_runner(checkpoint)
     with fake_device():
-        logits, sample_indices = runner.execute(scheduled_step())
+        logits, sample_indices, _ = runner.execute(scheduled_step())
     assert sample_indices == [0, 2, 3]
     assert logits.device == DEVICE and logits.shape == (3, 300) and logits.dtype == torch.float32
 

@@ -33,7 +33,7 @@ def core(engine) -> EngineCore:
 
 
 def request(request_id: str, prompt=PROMPT, **params) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, list(prompt), SamplingParams(**params), None, 0.0)
+    return EngineCoreRequest(request_id, list(prompt), SamplingParams(**params), (), 0.0)
 
 
 def run(core: EngineCore, choose=None) -> dict[tuple[str, int], EngineCoreOutput]:
@@ -186,3 +186,54 @@ def test_a_request_id_in_use_is_refused_and_nothing_is_kept(core):
         core.add_request(request("dup", prompt=[1], max_tokens=2))
     assert core.unfinished_request_ids() == ["dup"] and core.stats().num_prompt_tokens >= len(PROMPT)
     assert run(core)[("dup", 0)].new_token_ids.__len__() == 2
+
+
+def greedy_tokens(core: EngineCore, max_tokens: int, eos=(), **params) -> list[int]:
+    core.add_request(dataclasses.replace(request("g", max_tokens=max_tokens, temperature=0, **params),
+                                         eos_token_ids=tuple(eos)))
+    return run(core)[("g", 0)].new_token_ids
+
+
+def test_every_eos_id_stops_and_min_tokens_bans_them_whatever_ignore_eos_says(core):
+    free = greedy_tokens(core, 6)
+    eos = tuple(dict.fromkeys(free[:3]))
+    # The model's first choices are all EOS ids: before min_tokens it must take others.
+    for ignore_eos in (False, True):
+        banned = greedy_tokens(core, 3, eos, min_tokens=3, ignore_eos=ignore_eos)
+        assert len(banned) == 3 and not set(banned) & set(eos), (ignore_eos, banned, eos)
+    # Either id ends the request, once min_tokens are out.
+    assert greedy_tokens(core, 6, (free[0],)) == free[:1]
+    later = next(t for t in free[1:] if t != free[0])
+    assert greedy_tokens(core, 6, (99999, later)) == free[:free.index(later) + 1]
+    # min_tokens also bans the stop token ids.
+    assert free[0] not in greedy_tokens(core, 1, stop_token_ids=[free[0]], min_tokens=1)
+
+
+def test_prompt_logprobs_under_chunked_prefill_match_transformers_and_skip_the_prefix_cache(engine):
+    transformers = pytest.importorskip("transformers")
+    chunked = LLMEngine(model=engine.model_path, dtype="float32", block_size=4, num_kv_blocks=64,
+                        max_num_batched_tokens=4, enable_prefix_caching=True).engine_core
+    hf = transformers.AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    chunked.add_request(request("warm", max_tokens=1))  # fills the prefix cache with PROMPT
+    run(chunked)
+    for name in ("a", "b"):  # the second would hit the cache, but must not read it
+        chunked.add_request(request(name, max_tokens=2, prompt_logprobs=3, temperature=0))
+        steps = []
+        while chunked.has_unfinished_requests():
+            steps.append(chunked.step())
+        outputs = [o for step in steps for o in step.outputs]
+        assert [o.prompt_logprobs is not None for o in outputs] == [True, False]
+        assert len(steps) == 3 + 1  # 10 prompt tokens in chunks of 4, then the second token
+        first = outputs[0]
+        assert first.num_cached_tokens == 0
+        entries = first.prompt_logprobs
+        assert len(entries) == len(PROMPT) and entries[0] is None
+        for position, entry in enumerate(entries[1:], 1):
+            row = expected[position - 1]
+            assert entry.token_id == PROMPT[position]
+            assert entry.logprob == pytest.approx(row[PROMPT[position]].item(), abs=1e-4)
+            assert entry.rank == int((row > row[PROMPT[position]]).sum()) + 1
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+    assert chunked.stats().kv.num_used_blocks == 0

@@ -32,7 +32,7 @@ def test_every_prompt_form_becomes_the_same_core_request(processor):
         text, request = processor.process("r", prompt, params, arrival_time=5.0, cache_salt="s")
         assert request.prompt_token_ids == [104, 105] and request.sampling_params is params
         assert (request.request_id, request.arrival_time, request.cache_salt) == ("r", 5.0, "s")
-        assert request.eos_token_id == 257
+        assert request.eos_token_ids == (257,)
         assert text == (None if isinstance(prompt, list) else "hi")
     assert processor.process("r", "hi")[1].sampling_params == SamplingParams()
 
@@ -78,7 +78,7 @@ def test_stop_token_ids_out_of_vocabulary(processor):
     with pytest.raises(InvalidInput) as caught:
         processor.process("r", "hi", SamplingParams(stop_token_ids=[5, 300]))
     assert caught.value.param == "stop_token_ids"
-    assert str(caught.value) == ("stop_token_ids must be in [0, 300) (the vocabulary); out of "
+    assert str(caught.value) == ("stop_token_ids must be integers in [0, 300) (the vocabulary); out of "
                                  "vocabulary: [300]")
 
 
@@ -135,3 +135,53 @@ def test_a_template_that_fails_is_a_bad_request():
     with pytest.raises(InvalidInput, match="the chat template") as caught:
         processor.chat_prompt([{"role": "user", "content": "hi"}])
     assert caught.value.param == "messages"
+
+
+def test_every_token_id_a_request_names_is_checked_against_the_vocabulary_all_bad_ones_together(processor):
+    cases = [
+        (SamplingParams(logit_bias={5: 1.0, 300: 2.0, 999: -1.0}), "logit_bias",
+         "logit_bias keys must be integers in [0, 300) (the vocabulary); out of vocabulary: [300, 999]"),
+        (SamplingParams(allowed_token_ids=[1, 301]), "allowed_token_ids",
+         "allowed_token_ids must be integers in [0, 300) (the vocabulary); out of vocabulary: [301]"),
+        (SamplingParams(stop_token_ids=list(range(290, 330))), "stop_token_ids",
+         f"out of vocabulary: {list(range(300, 320))} and 10 more"),
+    ]
+    for params, param, message in cases:
+        with pytest.raises(InvalidInput) as caught:
+            processor.process("r", "hi", params)
+        assert caught.value.param == param and str(caught.value).endswith(message)
+
+
+def test_bad_words_become_token_sequences_at_the_start_and_after_a_space(processor):
+    _, request = processor.process("r", "hi", SamplingParams(bad_words=["ab", " c"]))
+    # The byte tokenizer keeps a space its own token: only the bare forms (vLLM's rule).
+    assert request.bad_words_token_ids == ((97, 98), (99,))
+    assert processor.process("r", "hi")[1].bad_words_token_ids == ()
+
+
+def test_defaults_fill_what_the_caller_leaves_unset():
+    processor = InputProcessor(tokenizer(), VOCAB, MAX_MODEL_LEN, sampling_defaults={"top_k": 5})
+    assert processor.process("r", "hi")[1].sampling_params == SamplingParams(top_k=5)
+    given = SamplingParams(temperature=0)
+    assert processor.process("r", "hi", given)[1].sampling_params is given
+
+
+def test_chat_options(processor):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    continued = processor.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued["prompt"] == "<|bos|><user>hi<|eos|><assistant>Hel"
+    own = processor.chat_prompt(messages[:1], chat_template="{{ greeting }}{{ messages[0].content }}",
+                                chat_template_kwargs={"greeting": "Say "}, add_special_tokens=True)
+    assert own["prompt"] == "Say hi" and own["prompt_token_ids"] == list(b"Say hi")
+    for kwargs, param in [(dict(continue_final_message=True), "continue_final_message"),
+                          (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs")]:
+        with pytest.raises(InvalidInput) as caught:
+            processor.chat_prompt(messages, **kwargs)
+        assert caught.value.param == param
+
+
+def test_detokenize_checks_the_vocabulary_and_keeps_special_tokens(processor):
+    assert processor.detokenize([256, 104, 105]) == "<|bos|>hi"
+    with pytest.raises(InvalidInput) as caught:
+        processor.detokenize([1, 300])
+    assert caught.value.param == "tokens"

@@ -21,7 +21,7 @@ KINDS = list(RequestOutputKind)
 
 
 def add(processor: OutputProcessor, request_id: str, params: SamplingParams) -> None:
-    processor.add_request(EngineCoreRequest(request_id, PROMPT, params, 257, 0.0), "Say: ")
+    processor.add_request(EngineCoreRequest(request_id, PROMPT, params, (257,), 0.0), "Say: ")
 
 
 def feed(processor: OutputProcessor, request_id: str, tokens: list[int], index: int = 0,
@@ -151,3 +151,19 @@ def test_aborted_requests_are_forgotten():
     add(processor, "r", SamplingParams())
     assert "r" in processor and processor.abort_request("r") and not processor.abort_request("r")
     assert processor.process_outputs([EngineCoreOutput("r", 0, [104])]).request_outputs == []
+
+
+def test_prompt_logprobs_come_with_the_first_delta_and_with_every_cumulative_output():
+    sent = [None] + [TokenLogprobs(t, -0.5, 2, [(ord("x"), -0.1)]) for t in PROMPT[1:]]
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        processor = OutputProcessor(TOKENIZER)
+        add(processor, "r", SamplingParams(output_kind=kind, prompt_logprobs=1))
+        first = EngineCoreOutput("r", 0, [ord("a")], prompt_logprobs=sent)
+        outputs = processor.process_outputs([first]).request_outputs + feed(processor, "r", [ord("b")])
+        entries = outputs[0].prompt_logprobs
+        assert entries[0] is None and len(entries) == len(PROMPT)
+        assert entries[1] == {ord("a"): entries[1][ord("a")], ord("x"): entries[1][ord("x")]}
+        assert (entries[1][ord("a")].logprob, entries[1][ord("a")].rank) == (-0.5, 2)
+        assert entries[1][ord("x")].decoded_token == "x"
+        later = outputs[1].prompt_logprobs
+        assert later is None if kind is RequestOutputKind.DELTA else later == entries

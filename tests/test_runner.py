@@ -98,7 +98,7 @@ def test_execute_returns_the_logits_of_requests_that_reached_their_last_token():
         scheduled("decode", [7, 8, 9], 2, 1, [0]),
         scheduled("prompt", [40, 41, 42], 0, 3, [4]),
     ]
-    logits, sample_idx = runner.execute(batch)
+    logits, sample_idx, _ = runner.execute(batch)
     assert sample_idx == [1, 2]
     assert logits[:, 0].tolist() == [9.0, 42.0]  # each one's last new token
     runner.drop_requests([SimpleNamespace(request_id="chunk")])
@@ -115,8 +115,8 @@ def test_a_step_that_skips_a_live_request_runs_in_row_order_and_maps_its_logits_
     for item, token in ((a, 11), (c, 13)):
         item.request.token_ids.append(token)
     # b skips this step; c, scheduled first, sits below it.
-    logits, sample_idx = runner.execute([scheduled("c", c.request.token_ids, 3, 1, [2]),
-                                         scheduled("a", a.request.token_ids, 3, 1, [0])])
+    logits, sample_idx, _ = runner.execute([scheduled("c", c.request.token_ids, 3, 1, [2]),
+                                            scheduled("a", a.request.token_ids, 3, 1, [0])])
     input_ids, _, meta = model.calls[-1]
     assert input_ids.tolist() == [11, 13]  # row order: a, then c moved up into row 1
     assert meta.block_tables[:, 0].tolist() == [0, 2]

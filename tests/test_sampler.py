@@ -4,16 +4,18 @@ import pytest
 import torch
 
 from pagedllm.request import Request
-from pagedllm.sampler import Sampler, SamplingRow
+from pagedllm.sampler import Sampler, SamplingRow, TokenRules
 from pagedllm.sampling_params import SamplingParams
 
 
-def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None) -> SamplingRow:
+def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None,
+        bad_words=()) -> SamplingRow:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     history = Request("r", list(prompt), params)
     for token in output:
         history.append_token(token)
-    return SamplingRow(params, history, tuple(stops), generator)
+    rules = TokenRules.build(params, tuple(map(tuple, bad_words)), torch.device("cpu"))
+    return SamplingRow(params, history, tuple(stops), generator, rules)
 
 
 def test_greedy_takes_argmax():
@@ -104,6 +106,65 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
 def test_no_logprobs_unless_asked():
     out = Sampler()(torch.randn(1, 10), [row(SamplingParams(temperature=0))])
     assert out.logprobs == [None]
+
+
+def test_logit_bias_moves_the_choice_row_by_row():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40)
+    best = logits.argmax(-1).tolist()
+    rows = [row(SamplingParams(temperature=0, logit_bias={7: 100.0})),
+            row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=0, logit_bias={best[2]: -100.0, 9: 0.5}))]
+    raw = logits.clone()
+    out = Sampler()(logits, rows)
+    assert torch.equal(logits, raw)  # the caller's logits are left alone
+    second = logits[2].clone()
+    second[best[2]] -= 100
+    second[9] += 0.5
+    assert out.token_ids == [7, best[1], int(second.argmax())]
+    # Log-probabilities stay the model's own (vLLM's raw logprobs).
+    biased = Sampler()(logits, [row(SamplingParams(temperature=0, logprobs=0, logit_bias={7: 100.0}))])
+    assert math.isclose(biased.logprobs[0].logprob, torch.log_softmax(logits[0], -1)[7].item(), abs_tol=1e-5)
+
+
+def test_allowed_token_ids_limit_greedy_and_random_choices():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 50)
+    allowed = [3, 11, 29]
+    greedy = Sampler()(logits, [row(SamplingParams(temperature=0, allowed_token_ids=allowed)),
+                                row(SamplingParams(temperature=0))])
+    assert greedy.token_ids == [max(allowed, key=lambda t: logits[0, t]), int(logits[1].argmax())]
+    sampler = Sampler(seed=4)
+    hot = row(SamplingParams(temperature=2.0, allowed_token_ids=allowed))
+    seen = {sampler(logits[:1], [hot]).token_ids[0] for _ in range(200)}
+    assert seen == set(allowed)
+
+
+def test_bad_words_ban_one_token_always_and_a_longer_word_after_its_start():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    params = SamplingParams(temperature=0, bad_words=["x"])  # the ids below stand for its tokens
+    assert Sampler()(logits, [row(params, bad_words=[[0]])]).token_ids == [1]
+    word = [[3, 1]]  # token 1 is banned only right after a generated 3
+    assert Sampler()(logits, [row(params, bad_words=word)]).token_ids == [0]
+    assert Sampler()(logits, [row(params, output=[3], bad_words=word, prompt=[0])]).token_ids == [0]
+    logits = torch.tensor([[1.0, 5.0, 4.0]])
+    assert Sampler()(logits, [row(params, output=[3], bad_words=word)]).token_ids == [2]
+    assert Sampler()(logits, [row(params, output=[3, 0], bad_words=word)]).token_ids == [1]
+    # Only generated tokens count: a 3 at the end of the prompt does not start the word.
+    assert Sampler()(logits, [row(params, prompt=[3], bad_words=word)]).token_ids == [1]
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("logit_bias", {"5": 1.0}, "non-negative integers"), ("logit_bias", {5: 101}, "[-100, 100]"),
+    ("logit_bias", {-1: 1.0}, "non-negative"), ("logit_bias", {5: float("nan")}, "[-100, 100]"),
+    ("allowed_token_ids", [], "non-empty"), ("allowed_token_ids", [1, -2], "non-empty list"),
+    ("bad_words", ["  "], "not only spaces"), ("bad_words", ["a"] * 129, "at most 128"),
+    ("prompt_logprobs", 21, "[0, 20]"), ("prompt_logprobs", -1, "[0, 20]"),
+])
+def test_bad_token_rules_name_the_field(field, value, words):
+    with pytest.raises(ValueError, match=field) as caught:
+        SamplingParams(**{field: value})
+    assert words in str(caught.value)
 
 
 @pytest.mark.parametrize("field,value", [

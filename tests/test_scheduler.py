@@ -23,7 +23,7 @@ def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
 def req(request_id: str, num_tokens: int, max_tokens: int | None = 16, first: int = 1,
         **params) -> Request:
     return Request(request_id, list(range(first, first + num_tokens)),
-                   SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS)
+                   SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,))
 
 
 def step(scheduler: Scheduler, token: int = 7, runner: SimRunner | None = None,
@@ -150,6 +150,13 @@ def test_eos_stops_unless_ignored():
     ignored = req("b", 3, ignore_eos=True, max_tokens=3)
     assert run_one(ignored, [EOS, EOS, EOS, EOS]) == [EOS, EOS, EOS]
     assert ignored.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_every_eos_id_stops():
+    for eos in (7, 8):
+        request = Request("r", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=(7, 8))
+        assert run_one(request, [5, eos, 6]) == [5, eos]
+        assert request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason is None
 
 
 def test_stop_token_ids_and_min_tokens():
@@ -309,7 +316,7 @@ def test_fork_shares_blocks_and_runs_right_after_the_parent():
     scheduler.add_request(parent := req("p", 6, max_tokens=4))
     scheduler.add_request(other := req("o", 2, max_tokens=4))
     step(scheduler, runner=runner, tokens={"p": 11})
-    child = Request("p#1", parent.prompt_token_ids, parent.sampling_params, eos_token_id=EOS)
+    child = Request("p#1", parent.prompt_token_ids, parent.sampling_params, eos_token_ids=(EOS,))
     child.append_token(22)  # another sample from the same logits
     scheduler.fork_request(parent, child)
     assert scheduler.running == [parent, child, other]

@@ -11,9 +11,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
@@ -23,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.input_processor import InvalidInput, PromptInput, prompt_list
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
 from pagedllm.server.dashboard import EVENTS_PATH, dashboard_router, engine_snapshot_fn
@@ -34,7 +36,11 @@ from pagedllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    ExtraFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
 )
 
@@ -54,13 +60,31 @@ _GENERATE_RESPONSES = {
                                    "see Retry-After"},
     **_V1_ERRORS,
 }
+_TOKENIZE_RESPONSES = {400: {**_ERROR, "description": "Invalid request"},
+                       404: {**_ERROR, "description": "No such model"}, **_V1_ERRORS}
+# Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
+_GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
+
+
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin access for browsers (vLLM's flags: --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials). No Cors, no CORS headers: browsers on other origins
+    are refused, as without a CORS layer at all."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
+              cors: Cors | None = None) -> FastAPI:
+    """The app over engine. chat_template: replaces the model's for every chat request."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
-    api = _Api(engine, model_name)
+    api = _Api(engine, model_name, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,6 +99,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors is not None:  # added last, so outermost: it answers preflights before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
@@ -105,6 +134,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
 
+    @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+        return api.tokenize(body)
+
+    @app.post("/detokenize", responses=_TOKENIZE_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        return api.detokenize(body)
+
     app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
 
@@ -129,8 +166,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """The API key (on /v1/* and the dashboard's events) and the body-size limit, checked before
-    any endpoint runs.
+    """The API key (on /v1/*, /tokenize, /detokenize and the dashboard's events) and the body-size
+    limit, checked before any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
     (no Content-Length) as it arrives and refuse it past the limit without buffering more."""
@@ -145,7 +182,7 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.expected_auth is not None and scope["path"].startswith(("/v1/", EVENTS_PATH)):
+        if self.expected_auth is not None and scope["path"].startswith(_GUARDED_PATHS):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):  # constant time
                 await _error(APIError("invalid or missing API key: send 'Authorization: Bearer "
@@ -265,11 +302,13 @@ class _Api:
     """The endpoint logic: turn OpenAI bodies into engine requests and outputs into responses.
     Prompts are checked and tokenized by the engine's input processor, as everywhere else."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.chat_template = chat_template  # None: the model's
         self.processor = engine.input_processor
         self.max_model_len = self.processor.max_model_len
+        self.extra_fields = ExtraFields()
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
@@ -277,37 +316,89 @@ class _Api:
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request):
-        self._check_common(body)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        self._check_common(body, response_id)
         prompts = _completion_prompts(body.prompt)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
-        return await self._respond(body, raw, "cmpl", prompts, params, _CompletionFormat(self, body))
+        # echo with logprobs: the prompt's tokens get theirs too (vLLM's rule).
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
+        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        requests = self._process(response_id, body, prompts, params, "prompt",
+                                 add_special_tokens=body.add_special_tokens)
+        return await self._respond(body, raw, response_id, requests, _CompletionFormat(self, body))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
-        self._check_common(body)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_common(body, response_id)
+        prompt = self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+        requests = self._process(response_id, body, [prompt], params, "messages")
+        return await self._respond(body, raw, response_id, requests, _ChatFormat(self, body))
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: a text's or a conversation's token ids, with the context length."""
+        self._check_model(body)
+        self.extra_fields.check(body, "tokenize")
+        if isinstance(body, TokenizeChatRequest):
+            token_ids = self._chat_prompt(body)["prompt_token_ids"]
+        else:
+            try:
+                token_ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except InvalidInput as exc:
+                raise APIError(str(exc), param=exc.param) from exc
+        decode = self.processor.tokenizer.decode
+        token_strs = [decode([t], skip_special_tokens=False) for t in token_ids] \
+            if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids,
+                "token_strs": token_strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        self._check_model(body)
+        self.extra_fields.check(body, "detokenize")
+        try:
+            return {"prompt": self.processor.detokenize(body.tokens)}
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> dict:
+        """The conversation through the chat template (the server's --chat-template, else the
+        model's): {"prompt": text, "prompt_token_ids": ids}."""
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = self.processor.chat_prompt(messages, body.add_generation_prompt)
+            return self.processor.chat_prompt(
+                messages, body.add_generation_prompt, chat_template=self.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens)
         except InvalidInput as exc:
             raise APIError(str(exc), param=exc.param) from exc
         except ValueError as exc:  # a content part that is not text
             raise APIError(str(exc), param="messages") from exc
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs)
-        return await self._respond(body, raw, "chatcmpl", [prompt], params, _ChatFormat(self, body))
 
     # -- checks --------------------------------------------------------------------------------
-    def _check_common(self, body) -> None:
+    def _check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"model {body.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", 404, param="model", code="model_not_found")
+
+    def _check_common(self, body, response_id: str) -> None:
+        self._check_model(body)
+        self.extra_fields.check(body, response_id)
         if body.stream_options is not None and not body.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if body.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError("prompt_logprobs is not available when streaming; leave it out or set "
+                           "stream to false (echo with logprobs streams the prompt's logprobs)",
+                           param="prompt_logprobs")
 
-    def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The body's sampling fields; one it leaves out (null) takes SamplingParams' default.
+    def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
+        """The body's sampling fields; one it leaves out (null) takes the model's default
+        (generation_config.json, unless --generation-config none), else SamplingParams'.
         max_tokens=None stays: the input processor makes it the room left in the context."""
         given = dict(
             n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -315,9 +406,12 @@ class _Api:
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             seed=body.seed, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=_token_id_keys(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output)
-        fields = {name: value for name, value in given.items() if value is not None}
+        fields = {**self.processor.sampling_defaults,
+                  **{name: value for name, value in given.items() if value is not None}}
         fields["max_tokens"] = max_tokens
         fields["output_kind"] = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -325,12 +419,13 @@ class _Api:
         except ValueError as exc:
             raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
-    def _process(self, response_id: str, body, prompts, params: SamplingParams,
-                 prompt_param: str) -> list[tuple[str | None, EngineCoreRequest]]:
+    def _process(self, response_id: str, body, prompts, params: SamplingParams, prompt_param: str,
+                 add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
         """Each prompt through the input processor: checked, tokenized, max_tokens fitted."""
         try:
             return [self.processor.process(f"{response_id}-{i}", prompt, params,
-                                           cache_salt=body.cache_salt, max_tokens_must_fit=True)
+                                           cache_salt=body.cache_salt, max_tokens_must_fit=True,
+                                           add_special_tokens=add_special_tokens)
                     for i, prompt in enumerate(prompts)]
         except InvalidInput as exc:
             raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
@@ -338,10 +433,8 @@ class _Api:
             raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
     # -- running -------------------------------------------------------------------------------
-    async def _respond(self, body, raw: Request, prefix: str, prompts, params, fmt):
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
-        requests = self._process(response_id, body, prompts, params,
-                                 "messages" if prefix == "chatcmpl" else "prompt")
+    async def _respond(self, body, raw: Request, response_id: str,
+                       requests: list[tuple[str | None, EngineCoreRequest]], fmt):
         streams = await self._start(requests)
         prompts = [(text, request.prompt_token_ids) for text, request in requests]
         if body.stream:
@@ -366,6 +459,26 @@ class _Api:
             await _close_all(streams)
             raise APIError(str(exc), 503) from exc
         return streams
+
+
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings, keyed by the ids (the input
+    processor checks their range). Keys that are no integer: a 400 naming them all."""
+    if logit_bias is None:
+        return None
+    keys = {key: _as_int(key) for key in logit_bias}
+    bad = [key for key, token_id in keys.items() if token_id is None]
+    if bad:
+        raise APIError(f"logit_bias keys must be token ids (integers written as strings); not "
+                       f"integers: {reprlib.repr(bad)}", param="logit_bias")
+    return {keys[key]: value for key, value in logit_bias.items()}
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _completion_prompts(prompt) -> list[PromptInput]:
@@ -455,8 +568,22 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict | None] | None:
+    """RequestOutput.prompt_logprobs as vLLM's API shows them: per prompt token (the first None),
+    token id -> {logprob, rank, decoded_token}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(tid): _logprob_json(lp) for tid, lp in entry.items()}
+            for entry in entries]
+
+
+def _logprob_json(lp: Logprob) -> dict:
+    return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+
+
 class _Format:
-    """Shared by both endpoints: choice bookkeeping, usage and the streaming loop."""
+    """Shared by both endpoints: choice bookkeeping, usage and the streaming loop. One per
+    response."""
 
     object_full = ""
     object_chunk = ""
@@ -466,25 +593,41 @@ class _Format:
         self.body = body
         self.n = body.n
 
-    def usage(self, prompts, outputs_token_counts: int) -> dict:
+    def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        """How logprobs name a token: its text, or "token_id:N" if the body asks (vLLM's
+        return_tokens_as_token_ids: text pieces can be ambiguous, ids are not)."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        if lp is not None:
+            return lp.decoded_token
+        return self.api.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, prompts, completion_tokens: int, cached_tokens: int) -> dict:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_token_counts,
-                "total_tokens": prompt_tokens + outputs_token_counts}
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def full(self, response_id: str, finals: list[RequestOutput], prompts) -> dict:
         choices, generated = [], 0
         for i, final in enumerate(finals):
             for out in final.outputs:
-                choices.append(self.full_choice(i * self.n + out.index, out, prompts[i]))
+                choices.append(self.full_choice(i * self.n + out.index, out, prompts[i], final))
                 generated += len(out.token_ids)
-        return {"id": response_id, "object": self.object_full, "created": int(time.time()),
-                "model": self.api.model_name, "choices": choices,
-                "usage": self.usage(prompts, generated)}
+        response = {"id": response_id, "object": self.object_full, "created": int(time.time()),
+                    "model": self.api.model_name, "choices": choices,
+                    "usage": self.usage(prompts, generated, sum(f.num_cached_tokens for f in finals))}
+        return self.finish_response(response, finals)
+
+    def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
+        return response
 
     async def stream(self, response_id: str, streams, prompts) -> AsyncIterator[str]:
         """Server-sent events from DELTA outputs: each holds only what is new."""
         created = int(time.time())
         generated: dict[int, int] = {}  # tokens sent per choice
+        cached: dict[int, int] = {}  # prefix-cache hits per prompt
+        prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
 
         def chunk(choices: list[dict]) -> str:
@@ -495,19 +638,22 @@ class _Format:
             for first in self.opening_chunks(len(prompts)):
                 yield chunk(first)
             async for i, output in _merge(streams):
+                cached[i] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 choices = []
                 for out in output.outputs:
                     index = i * self.n + out.index
-                    echo = index not in generated and getattr(self.body, "echo", False)
+                    first = index not in generated
                     generated[index] = generated.get(index, 0) + len(out.token_ids)
-                    choices.append(self.delta_choice(index, (prompts[i][0] or "" if echo else "") + out.text,
-                                                     out))
+                    choices.append(self.delta_choice(index, out, prompts[i], first,
+                                                     prompt_logprobs.get(i)))
                 if choices:
                     yield chunk(choices)
             if include_usage:
                 yield _sse({"id": response_id, "object": self.object_chunk, "created": created,
                             "model": self.api.model_name, "choices": [],
-                            "usage": self.usage(prompts, sum(generated.values()))})
+                            "usage": self.usage(prompts, sum(generated.values()), sum(cached.values()))})
         except (RequestFailed, EngineDeadError) as exc:
             yield _sse(error_body(str(exc), "server_error", code=500))
         except Exception:  # the 200 is sent already: the client can only hear it in the stream
@@ -518,10 +664,12 @@ class _Format:
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
         return []
 
-    def full_choice(self, index: int, out: CompletionOutput, prompt) -> dict:
+    def full_choice(self, index: int, out: CompletionOutput, prompt, final: RequestOutput) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, delta: str, out: CompletionOutput) -> dict:
+    def delta_choice(self, index: int, out: CompletionOutput, prompt, first: bool,
+                     prompt_logprobs: PromptLogprobs | None) -> dict:
+        """A chunk's choice from a DELTA output; first: this choice's first chunk."""
         raise NotImplementedError
 
 
@@ -529,27 +677,65 @@ class _CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def full_choice(self, index, out, prompt) -> dict:
-        text = (prompt[0] or "") + out.text if self.body.echo else out.text
-        return {"index": index, "text": text, "logprobs": self._logprobs(out),
+    def __init__(self, api: _Api, body) -> None:
+        super().__init__(api, body)
+        self.chars_sent: dict[int, int] = {}  # per choice, for the logprobs' text offsets
+
+    def full_choice(self, index, out, prompt, final) -> dict:
+        echo = self.body.echo
+        text = self._echo_text(prompt) + out.text if echo else out.text
+        logprobs = self._logprobs(out, final.prompt_logprobs if echo else None, prompt[1], 0)
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                "prompt_logprobs": _prompt_logprobs_json(final.prompt_logprobs)
+                if self.body.prompt_logprobs is not None else None}
+
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
+        echo = first and self.body.echo
+        text = self._echo_text(prompt) + out.text if echo else out.text
+        logprobs = self._logprobs(out, prompt_logprobs if echo else None, prompt[1],
+                                  self.chars_sent.get(index, 0))
+        self.chars_sent[index] = self.chars_sent.get(index, 0) + len(text)
+        return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
-    def delta_choice(self, index, delta, out) -> dict:
-        return {"index": index, "text": delta, "logprobs": self._logprobs(out),
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+    def _echo_text(self, prompt) -> str:
+        text, token_ids = prompt
+        if text is None:  # given as token ids
+            text = self.api.processor.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return text
 
-    def _logprobs(self, out: CompletionOutput) -> dict | None:
+    def _logprobs(self, out: CompletionOutput, prompt_entries: PromptLogprobs | None,
+                  prompt_ids: list[int], offset: int) -> dict | None:
+        """OpenAI's legacy logprobs: tokens, their logprobs, the top ones and text offsets; with
+        echo, the prompt's tokens first (the first has no logprob: null)."""
         if out.logprobs is None:
             return None
         tokens, token_logprobs, tops = [], [], []
-        for token_id, entry in zip(out.token_ids, out.logprobs):
+        top_n = self.body.logprobs or 0
+
+        def add(token_id: int, entry: dict[int, Logprob] | None) -> None:
+            if entry is None:
+                tokens.append(self.token_text(token_id))
+                token_logprobs.append(None)
+                tops.append(None)
+                return
             chosen = entry[token_id]
-            tokens.append(chosen.decoded_token)
+            tokens.append(self.token_text(token_id, chosen))
             token_logprobs.append(chosen.logprob)
-            tops.append({lp.decoded_token: lp.logprob for tid, lp in entry.items()
-                         if tid != token_id or lp.rank <= (self.body.logprobs or 0)})
+            tops.append({self.token_text(tid, lp): lp.logprob for tid, lp in entry.items()
+                         if tid != token_id or lp.rank <= top_n})
+
+        for token_id, entry in zip(prompt_ids if prompt_entries is not None else (), prompt_entries or ()):
+            add(token_id, entry)
+        for token_id, entry in zip(out.token_ids, out.logprobs):
+            add(token_id, entry)
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": []}
+                "text_offset": offsets}
 
 
 class _ChatFormat(_Format):
@@ -560,12 +746,18 @@ class _ChatFormat(_Format):
         return [[{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for j in range(self.n)]]
 
-    def full_choice(self, index, out, prompt) -> dict:
+    def full_choice(self, index, out, prompt, final) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": out.text},
                 "logprobs": self._logprobs(out), "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason}
 
-    def delta_choice(self, index, delta, out) -> dict:
+    def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
+        response["prompt_logprobs"] = _prompt_logprobs_json(finals[0].prompt_logprobs) \
+            if self.body.prompt_logprobs is not None else None
+        return response
+
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
+        delta = out.text
         return {"index": index, "delta": {"content": delta} if delta else {},
                 "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
 
@@ -575,11 +767,12 @@ class _ChatFormat(_Format):
         top_n = self.body.top_logprobs or 0
         content = []
         for token_id, entry in zip(out.token_ids, out.logprobs):
-            chosen = entry[token_id]
-            top = sorted((lp for tid, lp in entry.items() if tid != token_id or lp.rank <= top_n),
-                         key=lambda lp: lp.rank)[:top_n]
-            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                            "bytes": list(chosen.decoded_token.encode()),
-                            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                                              "bytes": list(lp.decoded_token.encode())} for lp in top]})
+            top = sorted(((tid, lp) for tid, lp in entry.items() if tid != token_id or lp.rank <= top_n),
+                         key=lambda item: item[1].rank)[:top_n]
+            content.append({**self._token_json(token_id, entry[token_id]),
+                            "top_logprobs": [self._token_json(tid, lp) for tid, lp in top]})
         return {"content": content}
+
+    def _token_json(self, token_id: int, lp: Logprob) -> dict:
+        text = self.token_text(token_id, lp)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}

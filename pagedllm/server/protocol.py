@@ -1,13 +1,30 @@
-"""OpenAI-compatible request bodies (pydantic) and the error shape."""
+"""OpenAI-compatible request bodies (pydantic), what happens to fields they do not declare, and
+the error shape.
+
+Every field a body declares is honoured (or, like `user`, documented in the README as accepted
+and ignored). A field it does not declare is kept aside: one that would change what the answer
+means and that this server does not implement (NOT_IMPLEMENTED_FIELDS) is refused with a 400
+naming it; any other is ignored, and logged the first time its name is seen.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import logging
+import reprlib
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from pydantic_core import PydanticCustomError
 
-from pagedllm.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from pagedllm.sampling_params import (
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+)
+
+logger = logging.getLogger(__name__)
 
 # Limits on one request, past what SamplingParams checks (n, logprobs, stop strings).
 MAX_PROMPTS_PER_REQUEST = 64  # a completion's list of prompts
@@ -17,10 +34,82 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
 
 
+# Fields of OpenAI's or vLLM's API that change what the answer means and that this server does not
+# implement: any value but null, or one listed here as meaning "off", gets a 400 naming the field.
+# When one gets implemented, declare it on its body and take it out of here.
+NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
+    # Structured outputs and tool calls (issue 18 wires these in).
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    # Other generation features.
+    "suffix": ("",),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "prompt_embeds": (),
+    "truncate_prompt_tokens": (),
+    "logits_processors": ([],),
+    "echo": (False,),  # on chat (vLLM's: echo the last message); completions declare it
+    "chat_template": (),  # per request; the server's --chat-template is honoured
+    "documents": ([],),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "mm_processor_kwargs": ({},),
+    "priority": (0,),
+}
+# Names of ignored fields the log has mentioned (the log says each once); bounded, so that
+# clients sending ever new names cannot grow it.
+MAX_LOGGED_FIELD_NAMES = 1024
+
+
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do. NaN and Infinity (which
-    # Python's JSON parser accepts) are not numbers anyone means.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Fields a body does not declare are kept in model_extra for check_extra_fields. NaN and
+    # Infinity (which Python's JSON parser accepts) are not numbers anyone means.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def extra_fields(self, path: str = "") -> dict[str, Any]:
+        """The fields given that no body declares, here and in nested bodies, by their path
+        ("messages[].name": list items under one name, for the log)."""
+        found = {f"{path}{name}": value for name, value in (self.model_extra or {}).items()}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, _Body):
+                found.update(value.extra_fields(f"{path}{name}."))
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, _Body):
+                        found.update(item.extra_fields(f"{path}{name}[]."))
+        return found
+
+
+class ExtraFields:
+    """What a server does with fields no body declares: refuse the not-implemented ones (top
+    level), log the others once per name."""
+
+    def __init__(self) -> None:
+        self.logged: set[str] = set()
+
+    def check(self, body: _Body, request_id: str) -> None:
+        """APIError (400) for a not-implemented field with a value that is not "off"; a log
+        line for each ignored field whose name was not logged before."""
+        extra = body.extra_fields()
+        for name, value in extra.items():
+            off_values = NOT_IMPLEMENTED_FIELDS.get(name)
+            if off_values is not None and value is not None and value not in off_values:
+                raise APIError(f"{name} is not supported by this server; leave it out (or null)",
+                               param=name, code="unsupported_field")
+        new = [name for name in extra if name not in self.logged]
+        if new and len(self.logged) < MAX_LOGGED_FIELD_NAMES:
+            self.logged.update(new[:MAX_LOGGED_FIELD_NAMES - len(self.logged)])
+            logger.warning("request %s: ignored fields the API does not define: %s", request_id,
+                           reprlib.repr(sorted(new)))
 
 
 def _json_number(kind: str) -> BeforeValidator:
@@ -78,7 +167,8 @@ class _SamplingFields(_Body):
     user: Text | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Float] | None = None
+    # Token ids (as JSON keys are, strings) -> a bias in [-100, 100] added to their logits.
+    logit_bias: dict[Text, Float] | None = None
     # extras vLLM users rely on
     top_k: Int | None = Field(None, ge=-1)
     min_p: Float | None = Field(None, ge=0, le=1)
@@ -89,13 +179,20 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1), _UNICODE] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN),
+                                        _UNICODE]], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:N"
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int | None = Field(16, ge=1)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too
+    add_special_tokens: StrictBool = True  # the tokenizer's BOS/EOS around a text prompt
 
 
 class ContentPart(_Body):
@@ -129,6 +226,35 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the prompt ends inside the last message
+    add_special_tokens: StrictBool = False  # the template writes BOS itself
+    chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize of a text."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize of a conversation, through the chat template."""
+
+    model: Text | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 class ErrorInfo(BaseModel):

@@ -63,7 +63,7 @@ class Harness:
             max_tokens=self.draw(st.one_of(st.none(), st.integers(1, 12)), "max_tokens"),
             min_tokens=self.draw(st.integers(0, 1), "min_tokens"),
             ignore_eos=self.draw(st.booleans(), "ignore_eos"))
-        request = Request(f"r{next(self.ids)}", prompt, params, eos_token_id=EOS,
+        request = Request(f"r{next(self.ids)}", prompt, params, eos_token_ids=(EOS,),
                           cache_salt=self.draw(st.sampled_from([None, None, "s"]), "salt"))
         capacity = self.manager.max_tokens_per_request(self.config.max_num_batched_tokens)
         needed = min(len(prompt) + (params.max_tokens or self.config.max_model_len),
@@ -127,7 +127,7 @@ class Harness:
         # Like sampling n > 1: the same prompt, and the same outputs except perhaps the
         # last sampled token.
         child = Request(f"r{next(self.ids)}", parent.prompt_token_ids, parent.sampling_params,
-                        eos_token_id=EOS, cache_salt=parent.cache_salt)
+                        eos_token_ids=(EOS,), cache_salt=parent.cache_salt)
         for token in parent.output_token_ids:
             child.append_token(token)
         last_is_new_output = parent.num_output_tokens and \
