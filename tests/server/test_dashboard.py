@@ -86,7 +86,8 @@ def slow_steps(monkeypatch, server: RunningServer, seconds: float) -> None:
 
 def test_a_running_request_owns_blocks_and_gives_them_back(dashboard_server, monkeypatch):
     base = dashboard_server.base_url
-    slow_steps(monkeypatch, dashboard_server, 0.02)
+    # 40 steps of 0.1 s: the request still runs when the watcher connects, even on a busy machine.
+    slow_steps(monkeypatch, dashboard_server, 0.1)
     body = {"prompt": "abcdefghij" * 2, "max_tokens": 40, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         lines = response.iter_lines()

@@ -62,11 +62,21 @@ class WatchedPage:
         return self.page.evaluate(COUNTS_JS, panel)
 
     def wait_counts(self, panel: str, condition_js: str, timeout_s: float = 30) -> None:
-        self.page.wait_for_function(f"() => ({condition_js})(({COUNTS_JS})({panel!r}))",
-                                    timeout=timeout_s * 1000)
+        wait_until(self.page, f"() => ({condition_js})(({COUNTS_JS})({panel!r}))", timeout_s)
 
     def close(self) -> None:
         self.page.close()
+
+
+def wait_until(page, predicate_js: str, timeout_s: float = 30) -> None:
+    """Poll a JS predicate from here. Playwright's wait_for_function polls by evaluating a string
+    inside the page, which the dashboard's Content-Security-Policy (no unsafe-eval) refuses as soon
+    as the first check is false; page.evaluate goes through the debugger protocol instead."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(predicate_js):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still false after {timeout_s} s: {predicate_js}")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +121,7 @@ def test_the_live_page_draws_the_cache_under_load_and_all_free_after(live_server
     watched = WatchedPage(browser, viewport=(1280, 560))
     page = watched.page
     page.goto(f"{base}/#key={API_KEY}")  # the fragment never reaches the server
-    page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=30_000)
+    wait_until(page, "() => document.getElementById('status').textContent === 'live'")
     assert "key" not in page.url  # taken out of the address bar at once
     num_blocks = int(metric_value(base, "kv_cache_blocks_total"))
     assert page.inner_text("[data-figure=num_blocks]") == str(num_blocks) == "384"
@@ -153,13 +163,13 @@ def test_the_page_asks_for_the_key_and_keeps_it_for_the_tab(live_server, browser
     assert page.inner_text("#status") == "API key needed"
     page.fill("#key-input", "wrong")
     page.click("#key-form button")
-    page.wait_for_function("document.getElementById('status').textContent === 'wrong API key'")
+    wait_until(page, "() => document.getElementById('status').textContent === 'wrong API key'")
     page.fill("#key-input", API_KEY)
     page.click("#key-form button")
-    page.wait_for_function("document.getElementById('status').textContent === 'live'")
+    wait_until(page, "() => document.getElementById('status').textContent === 'live'")
     assert page.is_hidden("#key-form")
     page.reload()  # sessionStorage: this tab keeps it
-    page.wait_for_function("document.getElementById('status').textContent === 'live'")
+    wait_until(page, "() => document.getElementById('status').textContent === 'live'")
     # The browser reports each refused request as a console error; nothing else may appear.
     assert all("401" in error for error in watched.errors) and len(watched.errors) == 2, watched.errors
     watched.close()
