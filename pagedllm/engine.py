@@ -27,6 +27,7 @@ from pagedllm.model.loader import load_model, resolve_dtype
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype)
+        # One compiler for the input processor and the core: what one compiled, the other finds.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer)
+        self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype,
+                                      self.grammar_compiler)
         self.weight_bytes = loaded.model.weight_bytes()  # after the runner's prepacking
         plan = self.engine_core.kv_plan
         self.input_processor = InputProcessor(
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
-            sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path))
+            sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path),
+            grammar_compiler=self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; weights %.1f MiB (%s); start-up %.2fs",

@@ -17,6 +17,13 @@ Parallel sampling (n > 1) stays here, because its outputs share the prompt's KV 
 first sample draws n tokens and forks the sequence (pagedllm.request_group). `step(choose=...)`
 lets a caller pick the tokens from the logits instead of the sampler, forking a sequence by
 picking several; beam search runs on that hook.
+
+Structured outputs (pagedllm.structured) live here too, because a grammar's state is a
+sequence's: each constrained sequence has a matcher, forked with it (n > 1, beams), advanced with
+every token it keeps, kept through preemption (recompute keeps the output tokens, so the state
+stays right). The rows that sample are masked before the sampler or a chooser sees them, and a
+sequence whose grammar is complete finishes ("stop") without waiting for an EOS that is the
+only token left: with ignore_eos too, since nothing else could follow.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ from pagedllm.request_group import CoreSequence, RequestGroup
 from pagedllm.runner import ModelRunner
 from pagedllm.sampler import Sampler
 from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.structured.compiler import GrammarCompiler
+from pagedllm.structured.manager import StructuredOutputManager
+from pagedllm.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +75,15 @@ class StepError(RuntimeError):
         self.request_ids = request_ids
 
 
+# How long a core with nothing to run but requests whose grammars compile sleeps between looks.
+_GRAMMAR_WAIT_S = 0.005
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, grammar_compiler: GrammarCompiler | None = None) -> None:
+        """grammar_compiler: for requests with structured_outputs (None: such requests are
+        refused); in one process, the input processor's, so their compiles are shared."""
         self.device = next(model.parameters()).device  # where the loader put the weights
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         bytes_per_block = kv_cache_bytes_per_block(
@@ -88,7 +104,11 @@ class EngineCore:
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
             kv_cache_dtype=config.kv_cache_dtype)
         self.sampler = Sampler(config.seed, self.device)
+        self.structured = StructuredOutputManager(grammar_compiler)
         self._groups: dict[str, RequestGroup] = {}
+        # Requests held back until their grammar compiles (only a core that did not compile it
+        # before, like one in a process of its own, ever waits), by request id.
+        self._awaiting_grammar: dict[str, RequestGroup] = {}
         self._seqs: dict[str, CoreSequence] = {}  # by the scheduler's request id
         # Groups whose prompt logprobs are still being computed or not yet sent, by request id.
         self._collecting_prompt_logprobs: dict[str, RequestGroup] = {}
@@ -109,7 +129,16 @@ class EngineCore:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         group = RequestGroup.start(request, self.device)
         (first,) = group.seqs
-        self.scheduler.add_request(first.request)
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(first.request)
+        else:
+            self.scheduler.check_admissible(first.request)
+            first.matcher = self.structured.start(request.request_id, spec)
+            if first.matcher is None:
+                self._awaiting_grammar[request.request_id] = group
+            else:
+                self.scheduler.add_request(first.request)
         self._groups[request.request_id] = group
         self._seqs[first.request.request_id] = first
         if group.prompt_logprobs is not None:
@@ -124,6 +153,8 @@ class EngineCore:
             if group is None:
                 continue
             self._collecting_prompt_logprobs.pop(request_id, None)
+            if self._awaiting_grammar.pop(request_id, None) is not None:
+                self.structured.forget(request_id)
             live = [s.request.request_id for s in group.seqs if not s.request.is_finished]
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
             for seq in group.seqs:
@@ -152,6 +183,7 @@ class EngineCore:
 
         Raises StepError if running the batch failed: its requests are aborted by then and the
         core goes on. Anything else raised leaves the core in an unknown state."""
+        refused = self._admit_compiled_grammars()
         out = self.scheduler.schedule()
         self.runner.drop_requests(out.finished + out.preempted)
         self._step_num_requests = len(out.scheduled)
@@ -163,7 +195,27 @@ class EngineCore:
                 outputs = self._run(out, choose)
             except Exception as exc:
                 raise StepError(self._fail(out), exc) from exc
-        return EngineCoreOutputs(outputs, self.stats())
+        elif self._awaiting_grammar:
+            self.structured.wait(_GRAMMAR_WAIT_S)
+        return EngineCoreOutputs(refused + outputs, self.stats())
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Hand the scheduler the requests whose grammars are now compiled; end those whose
+        grammars failed (an "abort" for each output, so the front end hears of it)."""
+        refused: list[EngineCoreOutput] = []
+        for request_id, result in self.structured.ready():
+            group = self._awaiting_grammar.pop(request_id)
+            (first,) = group.seqs
+            if isinstance(result, GrammarMatcher):
+                first.matcher = result
+                self.scheduler.add_request(first.request)
+                continue
+            logger.error("request %s: its grammar did not compile: %s", request_id, result)
+            del self._groups[request_id]
+            self._seqs.pop(first.request.request_id, None)
+            refused += [EngineCoreOutput(request_id, i, [], finish_reason="abort")
+                        for i in range(group.request.sampling_params.n)]
+        return refused
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
         self.runner.copy_blocks(out.block_copies)
@@ -171,6 +223,7 @@ class EngineCore:
         if self._collecting_prompt_logprobs:
             self._add_prompt_logprobs(out, hidden)
         seqs = [self._seqs[out.scheduled[i].request.request_id] for i in sample_idx]
+        logits = self.structured.mask_logits(logits, [s.matcher for s in seqs])
         if not seqs:  # prompt chunks only: nothing to sample, but the update counts them
             choices, logprobs = [], []
         elif choose is None:
@@ -229,12 +282,15 @@ class EngineCore:
             if not tokens:
                 continue
             self._num_generation_tokens += len(tokens)
+            # Children's grammars fork off the state the tokens were all drawn from.
+            child_matchers = [seq.matcher and seq.matcher.fork() for _ in tokens[1:]]
+            finished += self._advance_grammar(seq, tokens[0])
             outputs[seq.request.request_id] = output = _output(seq, tokens[0], lps[0])
             if seq.index == 0 and self._collecting_prompt_logprobs:  # the prompt is done: send them
                 group = self._collecting_prompt_logprobs.pop(seq.group.request_id, None)
                 output.prompt_logprobs = group.prompt_logprobs if group is not None else None
-            for token, lp in zip(tokens[1:], lps[1:]):
-                child, child_finished = self._fork(seq, token)
+            for token, lp, matcher in zip(tokens[1:], lps[1:], child_matchers):
+                child, child_finished = self._fork(seq, token, matcher)
                 outputs[child.request.request_id] = _output(child, token, lp)
                 finished += child_finished
         for request in finished:
@@ -246,9 +302,29 @@ class EngineCore:
             self._retire(self._seqs[request.request_id])
         return list(outputs.values())
 
-    def _fork(self, parent: CoreSequence, token: int) -> tuple[CoreSequence, list[Request]]:
-        """A new sequence off parent, ending in token instead of parent's last token."""
+    def _advance_grammar(self, seq: CoreSequence, token: int) -> list[Request]:
+        """Advance a constrained sequence's matcher by the token it kept. Its grammar complete:
+        the sequence is finished ("stop"). The token refused (only a chooser can pick one, or
+        logits that were all -inf): it ends ("abort"), as it cannot go on validly."""
+        matcher = seq.matcher
+        if matcher is None or seq.request.is_finished:
+            return []
+        if matcher.accept_token(token):
+            if not matcher.is_terminated:
+                return []
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            logger.error("request %s: the grammar refused token %d (%s); ending the sequence",
+                         seq.request.request_id, token, matcher.error)
+            status = RequestStatus.FINISHED_ABORTED
+        return self.scheduler.finish_requests(seq.request.request_id, status)
+
+    def _fork(self, parent: CoreSequence, token: int,
+              matcher: GrammarMatcher | None) -> tuple[CoreSequence, list[Request]]:
+        """A new sequence off parent, ending in token instead of parent's last token; matcher:
+        its grammar's state before token (a fork of the parent's)."""
         child = parent.group.fork(parent, token)
+        child.matcher = matcher
         request = child.request
         if parent.request.status is RequestStatus.RUNNING:
             self.scheduler.fork_request(parent.request, request)
@@ -256,7 +332,8 @@ class EngineCore:
             self.scheduler.add_request(request)
         self._seqs[request.request_id] = child
         status = self.scheduler.stop_status(request, token)
-        return child, self.scheduler.finish_requests(request.request_id, status) if status else []
+        finished = self.scheduler.finish_requests(request.request_id, status) if status else []
+        return child, finished + self._advance_grammar(child, token)
 
     def _retire(self, seq: CoreSequence) -> None:
         """Forget a finished sequence; its group too once every sequence of it has finished."""
@@ -285,7 +362,8 @@ class EngineCore:
         scheduler = self.scheduler
         return EngineCoreStats(
             kv=self.kv_manager.stats(), num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting, num_preemptions=scheduler.num_preemptions,
+            num_waiting=scheduler.num_waiting + len(self._awaiting_grammar),
+            num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_computed_tokens=self._num_computed_tokens, kv_cache_dtype=self.kv_cache_dtype,

@@ -10,15 +10,32 @@ It also owns what a request leaves unset: the model's sampling defaults (generat
 pagedllm.generation_defaults) fill the fields a caller does not give, and every token id a
 request names (prompt, stop_token_ids, logit_bias, allowed_token_ids) is checked against the
 vocabulary here, once, with all the bad ones named together.
+
+A request constrained to a grammar (SamplingParams.structured_outputs) has it compiled here,
+bounded in time, so a grammar that cannot compile is the caller's error before anything runs
+(the compile is cached: the core finds it done). Tools given to a chat go into the chat
+template, or, for a template with no place for them, into the system message
+(pagedllm.structured.tools).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
+from functools import cached_property
 
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.compiler import GrammarCompiler
+from pagedllm.structured.spec import GrammarSpec
+from pagedllm.structured.tool_parsers import parser_for_template
+from pagedllm.structured.tools import (
+    Tool,
+    call_arguments_as_objects,
+    messages_with_tools_prompt,
+    template_has_tools,
+)
 from pagedllm.tokenizer import Tokenizer
 
 # One prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids[, "prompt": text]}.
@@ -46,12 +63,16 @@ def prompt_list(prompts) -> list:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The model's defaults for SamplingParams fields a request leaves unset.
         self.sampling_defaults: dict = dict(sampling_defaults or {})
+        # Free to make (it builds its tokenizer view on the first grammar); shared with a core
+        # in the same process, which then finds every grammar compiled.
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(tokenizer)
         # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
         # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
         self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
@@ -74,6 +95,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
                                         add_special_tokens=add_special_tokens)
         self._check_sampling_token_ids(params)
+        self.check_grammar(params.structured_outputs)
         if max_tokens_must_fit:
             params = self._fit_max_tokens(params, len(token_ids))
         request = EngineCoreRequest(
@@ -114,13 +136,18 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
-                    chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                    continue_final_message: bool = False, add_special_tokens: bool = False) -> dict:
+                    tools: Sequence[Tool] = (), chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+                    add_special_tokens: bool = False) -> dict:
         """A conversation as one prompt, through the chat template (the model's, or chat_template):
         {"prompt": text, "prompt_token_ids": ids}. The template writes any BOS itself, so
         add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for.
         chat_template_kwargs: more variables for the template (e.g. enable_thinking);
-        continue_final_message: the text ends inside the last message, for the model to go on."""
+        continue_final_message: the text ends inside the last message, for the model to go on.
+
+        tools (checked ones, pagedllm.structured.tools.parse_tools) go to a template that reads
+        `tools`; a template that does not gets them in the system message instead, and the
+        history's tool calls and tool results written as text in the format that asks for."""
         if not messages:
             raise InvalidInput("messages is empty: send at least one message", "messages")
         if continue_final_message and add_generation_prompt:
@@ -129,10 +156,16 @@ class InputProcessor:
                                "message", "continue_final_message")
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "chat_template",
-                                            "continue_final_message"})
+                                            "continue_final_message", "tools"})
         if reserved:
             raise InvalidInput(f"chat_template_kwargs may not set {reserved}: they are request "
                                "fields of their own", "chat_template_kwargs")
+        if not self.has_tools_section(chat_template):
+            messages = messages_with_tools_prompt(messages, tools)
+        else:
+            messages = call_arguments_as_objects(messages)
+            if tools:
+                kwargs["tools"] = [tool.to_openai() for tool in tools]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
@@ -149,6 +182,34 @@ class InputProcessor:
         """The text of token ids (special tokens written out), after the vocabulary check."""
         self.check_token_ids(token_ids, "tokens", "tokens")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def has_tools_section(self, chat_template: str | None = None) -> bool:
+        """Whether the chat template (the model's, or the one given) has a place for tools; if
+        not, chat_prompt puts them in the system message."""
+        if chat_template is None:
+            return self._model_template_has_tools
+        return template_has_tools(chat_template)
+
+    @cached_property
+    def _model_template_has_tools(self) -> bool:
+        return template_has_tools(self.tokenizer.chat_template)
+
+    def tool_call_format(self, chat_template: str | None = None) -> str:
+        """How the model writes tool calls under this template (tool_parsers.make_parser): the
+        template's format, or Hermes', which the fallback tools prompt asks for."""
+        if not self.has_tools_section(chat_template):
+            return "hermes"
+        return parser_for_template(chat_template or self.tokenizer.chat_template)
+
+    def check_grammar(self, spec: GrammarSpec | None) -> None:
+        """Compile a request's grammar, if it has one (cached; waits compile_timeout_s at
+        most): InvalidInput with the library's message if it does not compile in time."""
+        if spec is None:
+            return
+        try:
+            self.grammar_compiler.compile(spec)
+        except ValueError as exc:  # GrammarError, or text llguidance cannot take
+            raise InvalidInput(str(exc), "structured_outputs") from None
 
     # -- checks ---------------------------------------------------------------------------------
     def check_token_ids(self, token_ids, param: str, what: str) -> None:

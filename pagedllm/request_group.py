@@ -20,6 +20,7 @@ import torch
 from pagedllm.core_messages import EngineCoreRequest, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.sampler import SamplingRow, TokenRules
+from pagedllm.structured.matcher import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -28,6 +29,8 @@ class CoreSequence:
     index: int  # among its request's outputs
     request: Request  # what the scheduler and the KV manager see
     row: SamplingRow  # reads request's tokens as they grow
+    # Its grammar's state after its output tokens (structured outputs; None: unconstrained).
+    matcher: GrammarMatcher | None = None
 
 
 @dataclass(eq=False)

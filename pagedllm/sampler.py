@@ -170,7 +170,11 @@ class Sampler:
         for i, ids in banned:
             banned_ids = torch.tensor([t for t in ids if t < logits.shape[1]], dtype=torch.long,
                                       device=logits.device)
-            logits[i, banned_ids] = float("-inf")
+            row = logits[i]
+            # Where a grammar allows only a stop token (its output is complete), the grammar
+            # wins: a row is never left with nothing to draw. No host sync: a where on device.
+            others_allowed = row.index_fill(0, banned_ids, float("-inf")).isfinite().any()
+            row[banned_ids] = torch.where(others_allowed, float("-inf"), row[banned_ids])
         return logits
 
     # -- choosing --------------------------------------------------------------------------
@@ -226,7 +230,9 @@ def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]
     # To the host once, not per row.
     chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
     top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
-    return [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+    # A token a grammar forbids (-inf) is no alternative: fewer than n may be left.
+    return [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j],
+                          [(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")])
             for j, n in enumerate(nums_top)]
 
 

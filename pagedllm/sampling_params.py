@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pagedllm.structured.spec import GrammarSpec, spec_from_structured_outputs
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -50,6 +53,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Decoding constrained to a grammar (pagedllm.structured): a GrammarSpec, or vLLM's
+    # structured_outputs object as a dict, exactly one of {"json": schema}, {"regex": ...},
+    # {"choice": [...]}, {"grammar": ...}, {"json_object": True} (plus "disable_any_whitespace").
+    # Kept as the GrammarSpec: plain data, which is what crosses into the engine core.
+    structured_outputs: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +70,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = spec_from_structured_outputs(self.structured_outputs)
         self._validate()
 
     @property
@@ -108,6 +118,9 @@ class SamplingParams:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative integers", t)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                "a RequestOutputKind", self.output_kind)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, GrammarSpec),
+               "structured_outputs", "a GrammarSpec, a structured_outputs dict or None",
+               self.structured_outputs)
 
     def _validate_token_rules(self) -> None:
         """logit_bias, allowed_token_ids and bad_words (their ids' vocabulary range is checked

@@ -108,12 +108,12 @@ class Scheduler:
         return bool(self._requests)
 
     def add_request(self, request: Request) -> None:
-        self._check_admissible(request)
+        self.check_admissible(request)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _check_admissible(self, request: Request) -> None:
+    def check_admissible(self, request: Request) -> None:
         """What only the scheduler knows: its request ids and the cache's capacity. Prompts
         reach it checked (pagedllm.input_processor); one outside [1, max_model_len] tokens is a
         caller's bug, refused before it can break a step."""
@@ -290,7 +290,7 @@ class Scheduler:
         if parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"can only fork a running request; {parent.request_id} is "
                              f"{parent.status.value}")
-        self._check_admissible(child)
+        self.check_admissible(child)
         computed = parent.num_computed_tokens
         shares_prefix = child.token_ids[:computed] == parent.token_ids[:computed]
         if child.num_tokens <= computed or not shares_prefix:

@@ -88,6 +88,16 @@ def test_min_tokens_bans_stop_ids_until_reached():
     assert Sampler()(logits, [row(params, output=[1, 1], stops=[0])]).token_ids == [0]
 
 
+def test_min_tokens_never_leaves_a_row_with_nothing_to_draw():
+    """A grammar that allows only a stop token (its -inf mask on the rest) wins over the ban."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 2.0, inf], [inf, 2.0, 1.0]])
+    for temperature in (0, 1.0):
+        params = SamplingParams(temperature=temperature, min_tokens=3)
+        rows = [row(params, stops=[1]), row(params, stops=[1], seed=0)]
+        assert Sampler()(logits, rows).token_ids == [1, 2]
+
+
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     torch.manual_seed(1)
     logits = torch.randn(2, 50)

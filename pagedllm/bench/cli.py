@@ -27,6 +27,8 @@ BENCHES = {
                    "grammar constraints: bitmask fill, apply and accept per decode step at 1/16/64"),
     "long-context": ("pagedllm.bench.long_context",
                      "paging at 1k-1M tokens: per-step upkeep, block-table bytes, attention, by block size"),
+    "constrained": ("pagedllm.bench.constrained",
+                    "generated tok/s constrained to a JSON schema against free; step cost at 1/16/64"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

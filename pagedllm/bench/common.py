@@ -17,6 +17,7 @@ from pagedllm.bench.workload import BenchRequest
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,15 @@ class RunResult:
 
 
 def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: bool = False,
-                 tag: str = "bench", on_step: Callable[[float], None] | None = None) -> RunResult:
-    """Add every request at once (ignore_eos, greedy) and step until all finish. on_step, if
-    given, is called after each step with the time since the start (a step record's t_s)."""
+                 tag: str = "bench", on_step: Callable[[float], None] | None = None,
+                 structured_outputs: GrammarSpec | None = None) -> RunResult:
+    """Add every request at once (ignore_eos, greedy, constrained to structured_outputs if
+    given) and step until all finish. on_step, if given, is called after each step with the
+    time since the start (a step record's t_s)."""
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.FINAL_ONLY,
+                                structured_outputs=structured_outputs)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
     steps: list[StepRecord] = []
     finished: dict[str, list[int]] = {}

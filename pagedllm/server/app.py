@@ -9,7 +9,7 @@ import logging
 import reprlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -43,6 +43,9 @@ from pagedllm.server.protocol import (
     TokenizeCompletionRequest,
     error_body,
 )
+from pagedllm.server.structured import OutputConstraint, ToolCallReader, read_constraint_async
+from pagedllm.structured.spec import GrammarSpec
+from pagedllm.structured.tools import Tool
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +326,9 @@ class _Api:
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
             prompt_logprobs = body.logprobs
-        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs,
+                                       constraint.spec)
         requests = self._process(response_id, body, prompts, params, "prompt",
                                  add_special_tokens=body.add_special_tokens)
         return await self._respond(body, raw, response_id, requests, _CompletionFormat(self, body))
@@ -331,12 +336,13 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
-        prompt = self._chat_prompt(body)
+        constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        prompt = self._chat_prompt(body, constraint.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, constraint.spec)
         requests = self._process(response_id, body, [prompt], params, "messages")
-        return await self._respond(body, raw, response_id, requests, _ChatFormat(self, body))
+        return await self._respond(body, raw, response_id, requests, _ChatFormat(self, body, constraint))
 
     def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: a text's or a conversation's token ids, with the context length."""
@@ -364,13 +370,14 @@ class _Api:
         except InvalidInput as exc:
             raise APIError(str(exc), param=exc.param) from exc
 
-    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> dict:
-        """The conversation through the chat template (the server's --chat-template, else the
-        model's): {"prompt": text, "prompt_token_ids": ids}."""
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest,
+                     tools: Sequence[Tool] = ()) -> dict:
+        """The conversation (and tools) through the chat template (the server's
+        --chat-template, else the model's): {"prompt": text, "prompt_token_ids": ids}."""
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             return self.processor.chat_prompt(
-                messages, body.add_generation_prompt, chat_template=self.chat_template,
+                messages, body.add_generation_prompt, tools=tools, chat_template=self.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=body.add_special_tokens)
@@ -396,7 +403,8 @@ class _Api:
                            param="prompt_logprobs")
 
     def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None,
+                         structured_outputs: GrammarSpec | None) -> SamplingParams:
         """The body's sampling fields; one it leaves out (null) takes the model's default
         (generation_config.json, unless --generation-config none), else SamplingParams'.
         max_tokens=None stays: the input processor makes it the room left in the context."""
@@ -409,7 +417,8 @@ class _Api:
             prompt_logprobs=prompt_logprobs, logit_bias=_token_id_keys(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured_outputs)
         fields = {**self.processor.sampling_defaults,
                   **{name: value for name, value in given.items() if value is not None}}
         fields["max_tokens"] = max_tokens
@@ -742,14 +751,30 @@ class _ChatFormat(_Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, api: _Api, body, constraint: OutputConstraint) -> None:
+        super().__init__(api, body)
+        self.constraint = constraint
+        self._readers: dict[int, ToolCallReader | None] = {}  # by choice index
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        """The choice's tool-call reader (None: its text is all content)."""
+        if index not in self._readers:
+            parser = self.constraint.new_parser()
+            self._readers[index] = parser and ToolCallReader(self.constraint, parser)
+        return self._readers[index]
+
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
         return [[{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for j in range(self.n)]]
 
     def full_choice(self, index, out, prompt, final) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}
+        reader = self._reader(index)
+        if reader is None:
+            message, finish_reason = {"role": "assistant", "content": out.text}, out.finish_reason
+        else:
+            message, finish_reason = reader.message(out.text, out.finish_reason)
+        return {"index": index, "message": message, "logprobs": self._logprobs(out),
+                "finish_reason": finish_reason, "stop_reason": out.stop_reason}
 
     def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
         response["prompt_logprobs"] = _prompt_logprobs_json(finals[0].prompt_logprobs) \
@@ -757,9 +782,13 @@ class _ChatFormat(_Format):
         return response
 
     def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
-        delta = out.text
-        return {"index": index, "delta": {"content": delta} if delta else {},
-                "logprobs": self._logprobs(out), "finish_reason": out.finish_reason}
+        reader = self._reader(index)
+        if reader is None:
+            fields, finish_reason = {"content": out.text} if out.text else {}, out.finish_reason
+        else:
+            fields, finish_reason = reader.delta(out.text, out.finish_reason)
+        return {"index": index, "delta": fields, "logprobs": self._logprobs(out),
+                "finish_reason": finish_reason}
 
     def _logprobs(self, out: CompletionOutput) -> dict | None:
         if out.logprobs is None:

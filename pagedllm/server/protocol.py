@@ -38,13 +38,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
 # implement: any value but null, or one listed here as meaning "off", gets a 400 naming the field.
 # When one gets implemented, declare it on its body and take it out of here.
 NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
-    # Structured outputs and tool calls (issue 18 wires these in).
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    # Structured outputs and tool calls beside those the bodies declare: one backend here
+    # (llguidance), whitespace as spec.py's options say, and OpenAI's legacy function calling.
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     # Other generation features.
@@ -185,6 +181,15 @@ class _SamplingFields(_Body):
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:N"
+    # Structured outputs: one constraint, in any of these spellings (OpenAI's, vLLM's, vLLM's
+    # older ones). Their insides are checked by pagedllm.structured.spec, whose messages name
+    # the field and what is wrong (a 400 either way).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -200,10 +205,34 @@ class ContentPart(_Body):
     text: Text | None = None
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call the assistant made earlier in the conversation."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a tool message's: the call it answers
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: text content, and the tool fields if set."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -229,6 +258,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False  # the prompt ends inside the last message
     add_special_tokens: StrictBool = False  # the template writes BOS itself
     chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
+    # Checked by pagedllm.structured.tools, whose messages name the tool and what is wrong.
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: StrictBool = True
 
 
 class TokenizeCompletionRequest(_Body):

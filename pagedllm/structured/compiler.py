@@ -22,6 +22,7 @@ The cache is per compiler, and a compiler is per tokenizer: the key is (tokenize
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ import llguidance
 import llguidance.torch
 
 from pagedllm.structured.matcher import GrammarMatcher
+from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
 from pagedllm.tokenizer import Tokenizer
 
@@ -70,7 +72,7 @@ def llguidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 def llguidance_grammar(spec: GrammarSpec) -> str:
     """The llguidance grammar (its JSON envelope) for a spec."""
     if spec.kind in ("json_schema", "json_object"):
-        schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+        schema = grammar_schema(json.loads(spec.text)) if spec.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, overrides=_JSON_OPTIONS[spec.whitespace])
     if spec.kind == "regex":
@@ -102,16 +104,19 @@ class CompiledGrammar:
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer on a small thread pool, with an LRU cache of results
-    (failures included, so a bad spec sent again costs nothing)."""
+    (failures included, so a bad spec sent again costs nothing).
+
+    Making one is free: llguidance's view of the tokenizer (0.5-1 s, tens of MB) is built on the
+    first submit, in the caller's thread and outside the compile time limit, so an engine that is
+    never asked for structured output never pays for it."""
 
     def __init__(self, tokenizer: Tokenizer, *, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  cache_size: int = DEFAULT_CACHE_SIZE, max_threads: int = 2):
         if compile_timeout_s <= 0 or cache_size < 1 or max_threads < 1:
             raise ValueError("compile_timeout_s must be > 0, cache_size and max_threads >= 1")
-        started = time.perf_counter()
-        self._ll_tokenizer = llguidance_tokenizer(tokenizer)
-        logger.info("grammar tokenizer built in %.2f s", time.perf_counter() - started)
-        self.vocab_size: int = self._ll_tokenizer.vocab_size
+        self._tokenizer = tokenizer
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self.vocab_size: int = tokenizer.vocab_size  # llguidance's too (llguidance_tokenizer)
         self.compile_timeout_s = compile_timeout_s
         self._cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
@@ -134,6 +139,7 @@ class GrammarCompiler:
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached result) without waiting; for a caller that polls,
         like an engine step loop. The future's exception is a GrammarError."""
+        self._build_tokenizer()
         with self._lock:
             future = self._cache.get(spec)
             if future is not None:
@@ -144,6 +150,13 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return future
+
+    def _build_tokenizer(self) -> None:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                started = time.perf_counter()
+                self._ll_tokenizer = llguidance_tokenizer(self._tokenizer)
+                logger.info("grammar tokenizer built in %.2f s", time.perf_counter() - started)
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher for spec (compiling it first if needed)."""

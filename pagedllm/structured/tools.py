@@ -151,6 +151,24 @@ def messages_with_tools_prompt(messages: Sequence[Mapping[str, Any]],
     return rewritten
 
 
+def call_arguments_as_objects(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The conversation for a template with a tools section: OpenAI sends a call's arguments as
+    JSON text, templates (Qwen2.5's, Llama 3.1's) write them with `| tojson`, so they get the
+    object (as vLLM and transformers give it); text that is not JSON stays text."""
+    return [_with_argument_objects(m) if m.get("tool_calls") else m for m in messages]
+
+
+def _with_argument_objects(message: Mapping[str, Any]) -> dict[str, Any]:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+            call = {**call, "function": {**function,
+                                         "arguments": _json_or_text(function["arguments"])}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
+
+
 def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     role, content = message.get("role"), message.get("content")
     if role == "tool":
