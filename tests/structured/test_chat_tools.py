@@ -49,8 +49,11 @@ def test_a_template_with_tools_gets_them_and_the_calls_arguments_as_objects():
     assert prompt.startswith("<tools>" + json.dumps(TOOLS[0].to_openai()))
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
     assert '<tool>{"temperature": 18}[call_1]' in prompt
-    assert tools_processor.template_has_tools and tools_processor.tool_call_format == "hermes"
-    assert processor(LLAMA3_TEMPLATE).tool_call_format == "json"
+    assert tools_processor.has_tools_section() and tools_processor.tool_call_format() == "hermes"
+    assert processor(LLAMA3_TEMPLATE).tool_call_format() == "json"
+    # a template given per call (the server's --chat-template) decides for itself
+    assert processor(CHAT_TEMPLATE).tool_call_format(LLAMA3_TEMPLATE) == "json"
+    assert not tools_processor.has_tools_section(CHAT_TEMPLATE)
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message():
@@ -61,7 +64,8 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
     assert ('<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
             f"</tool_call>{EOS}") in prompt
     assert f'<user><tool_response>\n{{"temperature": 18}}\n</tool_response>{EOS}<assistant>' in prompt
-    assert not plain.template_has_tools and plain.tool_call_format == "hermes"
+    assert not plain.has_tools_section() and plain.tool_call_format() == "hermes"
+    assert "<tools>" in plain.chat_prompt(HISTORY, tools=TOOLS, chat_template=HERMES_TEMPLATE)["prompt"]
 
 
 def test_a_conversation_without_tools_renders_as_before():
