@@ -176,14 +176,14 @@ def test_unknown_fields_are_logged_once_per_name_with_the_request_id(server, cap
         first = post(server, "/v1/completions", body)
         second = post(server, "/v1/completions", body)
         chat = post(server, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hi", "tool_call_id": "7"}], "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi", "weight": 7}], "max_tokens": 2,
             "service_tier": "auto"})
     assert first.status_code == second.status_code == chat.status_code == 200
     lines = [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
     assert len(lines) == 2, lines
     assert first.json()["id"] in lines[0] and "'frobnicate'" in lines[0] and "'messages_extra'" in lines[0]
     assert chat.json()["id"] in lines[1]
-    assert "'messages[].tool_call_id'" in lines[1] and "'service_tier'" in lines[1]
+    assert "'messages[].weight'" in lines[1] and "'service_tier'" in lines[1]
 
 
 # -- logprobs ------------------------------------------------------------------------------------
