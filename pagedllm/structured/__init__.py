@@ -4,16 +4,21 @@ the tool-calling pieces built on it.
 One concept per module:
 - spec: every request form (response_format, structured_outputs, guided_*) -> a GrammarSpec,
   plain hashable data, bounded in size before anything is built;
+- schema: what the grammar assumes where a JSON schema is silent (closed objects, safe integers);
 - compiler: GrammarSpec -> CompiledGrammar for one tokenizer, bounded in time, cached;
 - matcher: one sequence's grammar state (accept, fork, replay, rollback, can_end);
 - bitmask: a step's batched token bitmask, filled from the matchers, applied to the logits;
+- manager: the engine core's side: compiles for added requests (holding them back while a
+  compile runs), masks the logits of a step's sampling rows;
 - tools: tools / tool_choice checked, the schema that forces valid calls, the fallback prompt;
 - tool_parsers: model text -> OpenAI tool_calls, streaming.
 
-How the engine uses it (one step of a batch with constrained rows):
-    compiler = GrammarCompiler(tokenizer)                    # per engine; builds in ~0.5 s
-    spec = spec_from_request(response_format=...)            # input processor: ValueError -> 400
-    compiler.compile(spec)                                   # input processor: GrammarError -> 400
+How the engine uses it: SamplingParams.structured_outputs holds the GrammarSpec (the server makes
+it from the request's fields or its tools, pagedllm/server/structured.py); the input processor
+compiles it (GrammarError -> 400); the engine core (engine_core.py, manager.py) gives each
+sequence a matcher (forked for n > 1 and beams), masks every sampling row's logits before the
+sampler, advances the matcher with the kept token and finishes a sequence whose grammar is done:
+    compiler = GrammarCompiler(tokenizer)                    # per engine; tokenizer view on first use
     matcher = compiler.compile(spec).matcher()               # per sequence; fork() per child
     bitmask = allocate_token_bitmask(len(rows), compiler.vocab_size)
     filler.fill(bitmask, [(matcher_of(row), i) for i, row in enumerate(rows)])
