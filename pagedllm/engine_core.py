@@ -38,6 +38,7 @@ from pagedllm.request_group import CoreSequence, RequestGroup
 from pagedllm.runner import ModelRunner
 from pagedllm.sampler import Sampler
 from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class EngineCore:
         self._num_computed_tokens = 0
         self._step_num_requests = 0
         self._step_num_used_blocks = 0
+        release_freed_memory()  # what loading and prepacking the weights freed
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
