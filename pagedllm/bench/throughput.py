@@ -108,7 +108,7 @@ def _run_baseline(baseline, session, engine: LLMEngine, workload: list[BenchRequ
 
 def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
     """The workload on engine and on a twin with one setting changed, one step of each in turn;
-    each engine's time is the sum of its own steps."""
+    each engine's time is the sum of its own steps (wall, and the process's CPU time)."""
     field, _, value = args.lockstep_with.partition("=")
     if not hasattr(engine.config, field) or not value:
         raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
@@ -121,16 +121,19 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
         for i, r in enumerate(workload):
             e.add_request(f"lockstep-{i}", {"prompt_token_ids": r.prompt_token_ids},
                           SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
-    elapsed = dict.fromkeys(engines, 0.0)
+    elapsed, cpu = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
     while any(e.has_unfinished_requests() for e in engines.values()):
         for name, e in engines.items():
             if e.has_unfinished_requests():
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 e.step()
                 elapsed[name] += time.perf_counter() - started
-    rates = {name: summarize_run(seconds, workload) for name, seconds in elapsed.items()}
+                cpu[name] += time.process_time() - started_cpu
+    rates = {name: {**summarize_run(seconds, workload), "cpu_s": round(cpu[name], 3)}
+             for name, seconds in elapsed.items()}
     return {**rates, "ratio_output_tokens_per_s": round(
-        rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3)}
+        rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3),
+        "ratio_output_tokens_per_cpu_s": round(cpu[args.lockstep_with] / cpu["this"], 3)}
 
 
 def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summarize: bool = True):
@@ -159,19 +162,21 @@ def _report(payload: dict, rival: str | None) -> None:
     if "lockstep" in payload:
         lockstep = payload["lockstep"]
         print_table("The same workload on a twin engine, steps in turn",
-                    ["engine", "out tok/s", "total tok/s", "time s"],
-                    [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"]]
+                    ["engine", "out tok/s", "total tok/s", "time s", "CPU s"],
+                    [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"], r["cpu_s"]]
                      for name, r in lockstep.items() if isinstance(r, dict)])
-        print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x")
+        print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x "
+              f"(per CPU second: {lockstep['ratio_output_tokens_per_cpu_s']}x)")
     if "single_stream" in theirs:
         print_table(f"Single stream: {payload['single_stream_len']} tokens (prompt:generated), one "
                     "request at a time (each run: pagedllm, then the baseline)",
-                    ["system", "decode tok/s best", "median", "each run", "TTFT ms best", "median",
-                     "RSS after load MiB"],
+                    ["system", "decode tok/s best", "median", "each run", "decode CPU ms/token median",
+                     "TTFT ms best", "median", "RSS after load MiB"],
                     [[s["system"], s["single_stream"]["decode_tokens_per_s_best"],
                       s["single_stream"]["decode_tokens_per_s_median"],
-                      s["single_stream"]["decode_tokens_per_s_each"], s["single_stream"]["ttft_ms_best"],
-                      s["single_stream"]["ttft_ms_median"],
+                      s["single_stream"]["decode_tokens_per_s_each"],
+                      s["single_stream"].get("decode_cpu_ms_per_token_median", "-"),
+                      s["single_stream"]["ttft_ms_best"], s["single_stream"]["ttft_ms_median"],
                       s.get("rss_after_startup_mib", s.get("rss_mib", "-"))] for s in (ours, theirs)])
     if "sequential" in theirs:
         print_table("The workload one request at a time (in turn with the baseline)",

@@ -71,6 +71,8 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
     for system in (ours, theirs):
         assert system["single_stream"]["runs"] == 2
         assert len(system["single_stream"]["decode_tokens_per_s_each"]) == 2
+        assert len(system["single_stream"]["decode_cpu_ms_per_token_each"]) == 2
+        assert system["single_stream"]["decode_cpu_ms_per_token_median"] >= 0
         assert system["sequential"]["output_tokens_per_s"] > 0
     assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
     printed = capsys.readouterr().out
@@ -97,8 +99,10 @@ def test_every_baseline_declares_its_shape():
 def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
     result = run_bench(tmp_path, "--model", str(tiny_gguf), "--lockstep-with", "block_size=8")
     lockstep = result["lockstep"]
-    assert set(lockstep) == {"this", "block_size=8", "ratio_output_tokens_per_s"}
+    assert set(lockstep) == {"this", "block_size=8", "ratio_output_tokens_per_s",
+                             "ratio_output_tokens_per_cpu_s"}
     assert lockstep["this"]["output_tokens_per_s"] > 0 and lockstep["ratio_output_tokens_per_s"] > 0
+    assert lockstep["this"]["cpu_s"] > 0 and lockstep["ratio_output_tokens_per_cpu_s"] > 0
     assert "twin engine" in capsys.readouterr().out
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
                  "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
