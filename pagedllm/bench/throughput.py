@@ -3,7 +3,8 @@ baseline (bench/baselines.py: transformers, llama.cpp) run on the same requests 
 
 pagedllm always runs the workload batched (every request at once). A baseline adds the scenarios
 it takes part in (bench/scenarios.py), and pagedllm runs those too, request by request in turn
-with the baseline (A, B, A, B, ...), so load on the machine falls on both alike.
+with the baseline (A, B, A, B, ...), so load on the machine falls on both alike. Before each later
+run of requests the engine has served, its prefix cache is emptied: no rerun skips its prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedllm.bench.common import (
     apply_threads,
     device_name,
     engine_config,
+    forget_cached_prefixes,
     peak_gpu_memory,
     peak_rss_bytes,
     print_table,
@@ -79,8 +81,10 @@ def main(args: argparse.Namespace) -> int:
                     kv_cache_mib=round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
                     **result.rates(), **peak_gpu_memory(engine.device))
         if args.lockstep_with:
+            forget_cached_prefixes(engine)
             payload["lockstep"] = _lockstep(engine, args, workload)
         if session is not None:
+            forget_cached_prefixes(engine)
             payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args)
     finally:
         final = session.close() if session is not None else {}
