@@ -54,6 +54,7 @@ from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.structured.matcher import GrammarMatcher
+from pagedllm.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class EngineCore:
         self._num_computed_tokens = 0
         self._step_num_requests = 0
         self._step_num_used_blocks = 0
+        release_freed_memory()  # what loading and prepacking the weights freed
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

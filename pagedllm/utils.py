@@ -20,3 +20,16 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     return frozenset(flag for line in text.splitlines() if line.startswith("flags")
                      for flag in line.split(":", 1)[1].split())
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed so far back to the OS. Loading a model frees more than it keeps (the
+    file's tensors as read, dequantized or reordered copies), and glibc's malloc holds freed heap
+    memory for reuse: without this the process's RSS after start-up stays that much higher (the
+    default model: 55 MiB quantized, 220 MiB dequantized). A no-op where libc is not glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

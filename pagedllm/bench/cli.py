@@ -36,15 +36,30 @@ BENCHES = {
 CLIENT_ONLY = {"serve"}
 
 
+class _BenchParser(argparse.ArgumentParser):
+    """A bench's parser that imports its module (which adds the bench's own flags) only when that
+    bench is chosen. Every pagedllm command builds every parser: importing all the benches for
+    each would load what the heaviest needs (bench structured: llguidance's torch helpers and
+    torch._dynamo, 200 MiB of RSS) into `pagedllm serve` and every bench's RSS figures."""
+
+    bench_module: str | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.bench_module is not None:
+            module_name, self.bench_module = self.bench_module, None
+            importlib.import_module(module_name).add_args(self)
+        return super().parse_known_args(args, namespace)
+
+
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
-    kinds = bench.add_subparsers(dest="bench", required=True)
+    kinds = bench.add_subparsers(dest="bench", required=True, parser_class=_BenchParser)
     for name, (module_name, help_text) in BENCHES.items():
         parser = kinds.add_parser(name, help=help_text)
         add_workload_args(parser)
         if name not in CLIENT_ONLY:
             add_engine_args(parser)
-        importlib.import_module(module_name).add_args(parser)
+        parser.bench_module = module_name
     _register_scheduler_bench(kinds)
 
 

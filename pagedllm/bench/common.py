@@ -94,6 +94,14 @@ def serve_one(engine: LLMEngine) -> None:
         engine.step()
 
 
+def forget_cached_prefixes(engine: LLMEngine) -> None:
+    """Drop every prefix the engine's KV cache holds, so requests it has served before are
+    computed again: a timed rerun of a workload must not skip its prompts (a rival, or a twin
+    engine beside it, finds nothing cached)."""
+    if not engine.engine_core.kv_manager.reset_prefix_cache():
+        raise RuntimeError("the prefix cache cannot be reset while requests hold blocks")
+
+
 def add_threads_arg(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own; 1 is steadiest on a "

@@ -46,7 +46,8 @@ class Session:
         reply = self._ask({"prompt_token_ids": request.prompt_token_ids,
                            "max_tokens": request.max_tokens})
         self.token_ids.append(reply["token_ids"])
-        return StreamTiming(reply["ttft_s"], reply["decode_s"], len(reply["token_ids"]))
+        return StreamTiming(reply["ttft_s"], reply["decode_s"], len(reply["token_ids"]),
+                            reply["decode_cpu_s"])
 
     def close(self) -> dict:
         self.process.stdin.close()

@@ -3,7 +3,7 @@
 Run by that interpreter, in its own venv: this file imports only the standard library and
 llama_cpp, never pagedllm. It speaks JSON lines on stdin / stdout:
   in:  {"model": PATH, "threads": N, "n_ctx": N}    out: {"ready": true, "load_s", "rss_mib", ...}
-  in:  {"prompt_token_ids": [...], "max_tokens": N} out: {"ttft_s", "decode_s", "token_ids"}
+  in:  {"prompt_token_ids": [...], "max_tokens": N} out: {"ttft_s", "decode_s", "decode_cpu_s", "token_ids"}
 and exits at the end of its input. Greedy decoding, exactly max_tokens tokens (EOS ignored).
 """
 
@@ -21,19 +21,27 @@ def rss_mib() -> float:
     return float("nan")
 
 
+def cpu_s() -> float:
+    """CPU time of this process so far, all its threads (llama.cpp's workers included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def serve(llm, request: dict) -> dict:
     llm.reset()  # no reuse of the previous request's KV cache: every request prefills its prompt
     started = time.perf_counter()
-    first = None
+    first = first_cpu = None
     tokens = []
     for token in llm.generate(request["prompt_token_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
                               repeat_penalty=1.0):
-        first = first or time.perf_counter()
+        if first is None:
+            first, first_cpu = time.perf_counter(), cpu_s()
         tokens.append(token)
         if len(tokens) == request["max_tokens"]:
             break
     ended = time.perf_counter()
-    return {"ttft_s": first - started, "decode_s": ended - first, "token_ids": tokens}
+    return {"ttft_s": first - started, "decode_s": ended - first, "decode_cpu_s": cpu_s() - first_cpu,
+            "token_ids": tokens}
 
 
 def main() -> int:

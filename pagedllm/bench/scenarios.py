@@ -7,7 +7,9 @@ and for every baseline that takes part in it:
   a time, each timed on its own: time to first token and decode tokens/s (llama.cpp's home
   ground).
 
-All greedy, every request generating exactly its max_tokens (EOS ignored).
+All greedy, every request generating exactly its max_tokens (EOS ignored). Besides wall time, a
+stream records the CPU time its system's process spent decoding (all its threads): on a shared
+machine wall time shows the load as much as the system, CPU time far less.
 """
 
 from __future__ import annotations
@@ -32,24 +34,37 @@ def single_stream_requests(tokenizer, runs: int, prompt_tokens: int, output_toke
 
 @dataclass
 class StreamTiming:
-    """One request served alone: seconds to its first token, and for the rest."""
+    """One request served alone: seconds to its first token, and for the rest (wall time, and the
+    CPU time of the serving process where known)."""
 
     ttft_s: float
     decode_s: float
     output_tokens: int
+    decode_cpu_s: float | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
         return (self.output_tokens - 1) / max(self.decode_s, 1e-9)
 
+    @property
+    def decode_cpu_ms_per_token(self) -> float | None:
+        if self.decode_cpu_s is None:
+            return None
+        return 1000 * self.decode_cpu_s / max(self.output_tokens - 1, 1)
+
 
 def summarize_streams(timings: list[StreamTiming]) -> dict:
     rates = [t.decode_tokens_per_s for t in timings]
     ttfts = [t.ttft_s * 1000 for t in timings]
-    return {"runs": len(timings), "decode_tokens_per_s_best": round(max(rates), 2),
-            "decode_tokens_per_s_median": round(statistics.median(rates), 2),
-            "decode_tokens_per_s_each": [round(r, 2) for r in rates],
-            "ttft_ms_best": round(min(ttfts), 1), "ttft_ms_median": round(statistics.median(ttfts), 1)}
+    summary = {"runs": len(timings), "decode_tokens_per_s_best": round(max(rates), 2),
+               "decode_tokens_per_s_median": round(statistics.median(rates), 2),
+               "decode_tokens_per_s_each": [round(r, 2) for r in rates],
+               "ttft_ms_best": round(min(ttfts), 1), "ttft_ms_median": round(statistics.median(ttfts), 1)}
+    cpu = [t.decode_cpu_ms_per_token for t in timings]
+    if None not in cpu:
+        summary.update(decode_cpu_ms_per_token_median=round(statistics.median(cpu), 2),
+                       decode_cpu_ms_per_token_each=[round(c, 2) for c in cpu])
+    return summary
 
 
 def summarize_run(elapsed_s: float, requests: list[BenchRequest]) -> dict:
@@ -66,12 +81,13 @@ def stream_one(engine: LLMEngine, request: BenchRequest, request_id: str) -> Str
     params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
     started = time.perf_counter()
     engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids}, params)
-    first = None
+    first = first_cpu = None
     while engine.has_unfinished_requests():
         engine.step()
-        first = first or time.perf_counter()
-    ended = time.perf_counter()
-    return StreamTiming(first - started, ended - first, request.max_tokens)
+        if first is None:
+            first, first_cpu = time.perf_counter(), time.process_time()
+    ended, ended_cpu = time.perf_counter(), time.process_time()
+    return StreamTiming(first - started, ended - first, request.max_tokens, ended_cpu - first_cpu)
 
 
 def run_sequential(engine: LLMEngine, requests: list[BenchRequest]) -> dict:

@@ -3,7 +3,8 @@ baseline (bench/baselines.py: transformers, llama.cpp) run on the same requests 
 
 pagedllm always runs the workload batched (every request at once). A baseline adds the scenarios
 it takes part in (bench/scenarios.py), and pagedllm runs those too, request by request in turn
-with the baseline (A, B, A, B, ...), so load on the machine falls on both alike.
+with the baseline (A, B, A, B, ...), so load on the machine falls on both alike. Before each later
+run of requests the engine has served, its prefix cache is emptied: no rerun skips its prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedllm.bench.common import (
     apply_threads,
     device_name,
     engine_config,
+    forget_cached_prefixes,
     peak_gpu_memory,
     peak_rss_bytes,
     print_table,
@@ -79,8 +81,10 @@ def main(args: argparse.Namespace) -> int:
                     kv_cache_mib=round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
                     **result.rates(), **peak_gpu_memory(engine.device))
         if args.lockstep_with:
+            forget_cached_prefixes(engine)
             payload["lockstep"] = _lockstep(engine, args, workload)
         if session is not None:
+            forget_cached_prefixes(engine)
             payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args)
     finally:
         final = session.close() if session is not None else {}
@@ -108,7 +112,7 @@ def _run_baseline(baseline, session, engine: LLMEngine, workload: list[BenchRequ
 
 def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
     """The workload on engine and on a twin with one setting changed, one step of each in turn;
-    each engine's time is the sum of its own steps."""
+    each engine's time is the sum of its own steps (wall, and the process's CPU time)."""
     field, _, value = args.lockstep_with.partition("=")
     if not hasattr(engine.config, field) or not value:
         raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
@@ -121,16 +125,19 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
         for i, r in enumerate(workload):
             e.add_request(f"lockstep-{i}", {"prompt_token_ids": r.prompt_token_ids},
                           SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
-    elapsed = dict.fromkeys(engines, 0.0)
+    elapsed, cpu = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
     while any(e.has_unfinished_requests() for e in engines.values()):
         for name, e in engines.items():
             if e.has_unfinished_requests():
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 e.step()
                 elapsed[name] += time.perf_counter() - started
-    rates = {name: summarize_run(seconds, workload) for name, seconds in elapsed.items()}
+                cpu[name] += time.process_time() - started_cpu
+    rates = {name: {**summarize_run(seconds, workload), "cpu_s": round(cpu[name], 3)}
+             for name, seconds in elapsed.items()}
     return {**rates, "ratio_output_tokens_per_s": round(
-        rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3)}
+        rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3),
+        "ratio_output_tokens_per_cpu_s": round(cpu[args.lockstep_with] / cpu["this"], 3)}
 
 
 def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summarize: bool = True):
@@ -159,19 +166,21 @@ def _report(payload: dict, rival: str | None) -> None:
     if "lockstep" in payload:
         lockstep = payload["lockstep"]
         print_table("The same workload on a twin engine, steps in turn",
-                    ["engine", "out tok/s", "total tok/s", "time s"],
-                    [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"]]
+                    ["engine", "out tok/s", "total tok/s", "time s", "CPU s"],
+                    [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"], r["cpu_s"]]
                      for name, r in lockstep.items() if isinstance(r, dict)])
-        print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x")
+        print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x "
+              f"(per CPU second: {lockstep['ratio_output_tokens_per_cpu_s']}x)")
     if "single_stream" in theirs:
         print_table(f"Single stream: {payload['single_stream_len']} tokens (prompt:generated), one "
                     "request at a time (each run: pagedllm, then the baseline)",
-                    ["system", "decode tok/s best", "median", "each run", "TTFT ms best", "median",
-                     "RSS after load MiB"],
+                    ["system", "decode tok/s best", "median", "each run", "decode CPU ms/token median",
+                     "TTFT ms best", "median", "RSS after load MiB"],
                     [[s["system"], s["single_stream"]["decode_tokens_per_s_best"],
                       s["single_stream"]["decode_tokens_per_s_median"],
-                      s["single_stream"]["decode_tokens_per_s_each"], s["single_stream"]["ttft_ms_best"],
-                      s["single_stream"]["ttft_ms_median"],
+                      s["single_stream"]["decode_tokens_per_s_each"],
+                      s["single_stream"].get("decode_cpu_ms_per_token_median", "-"),
+                      s["single_stream"]["ttft_ms_best"], s["single_stream"]["ttft_ms_median"],
                       s.get("rss_after_startup_mib", s.get("rss_mib", "-"))] for s in (ours, theirs)])
     if "sequential" in theirs:
         print_table("The workload one request at a time (in turn with the baseline)",

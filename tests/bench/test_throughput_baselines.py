@@ -10,7 +10,10 @@ import textwrap
 import pytest
 
 from pagedllm.bench import baselines
+from pagedllm.bench.common import forget_cached_prefixes
 from pagedllm.cli import main
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
 from tests.model.tiny import make_hf_model, save_checkpoint, write_gguf
 
 FAKE_LLAMA_CPP = textwrap.dedent('''
@@ -71,6 +74,8 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
     for system in (ours, theirs):
         assert system["single_stream"]["runs"] == 2
         assert len(system["single_stream"]["decode_tokens_per_s_each"]) == 2
+        assert len(system["single_stream"]["decode_cpu_ms_per_token_each"]) == 2
+        assert system["single_stream"]["decode_cpu_ms_per_token_median"] >= 0
         assert system["sequential"]["output_tokens_per_s"] > 0
     assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
     printed = capsys.readouterr().out
@@ -97,9 +102,29 @@ def test_every_baseline_declares_its_shape():
 def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
     result = run_bench(tmp_path, "--model", str(tiny_gguf), "--lockstep-with", "block_size=8")
     lockstep = result["lockstep"]
-    assert set(lockstep) == {"this", "block_size=8", "ratio_output_tokens_per_s"}
+    assert set(lockstep) == {"this", "block_size=8", "ratio_output_tokens_per_s",
+                             "ratio_output_tokens_per_cpu_s"}
     assert lockstep["this"]["output_tokens_per_s"] > 0 and lockstep["ratio_output_tokens_per_s"] > 0
+    assert lockstep["this"]["cpu_s"] > 0 and lockstep["ratio_output_tokens_per_cpu_s"] > 0
     assert "twin engine" in capsys.readouterr().out
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
                  "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
     assert "FIELD=VALUE" in capsys.readouterr().err
+
+
+def test_a_timed_rerun_finds_no_cached_prefix(tiny_gguf):
+    """The lockstep and the baselines' scenarios rerun requests the engine served: with their
+    prompts still cached, the engine would skip the prefill its rival or twin does."""
+    engine = LLMEngine(model=str(tiny_gguf), dtype="float32", kv_cache_memory="4MiB")
+    prompt = {"prompt_token_ids": list(range(1, 40))}
+
+    def cached_tokens(request_id: str) -> int:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+        return outputs[-1].num_cached_tokens
+
+    assert cached_tokens("first") == 0
+    assert cached_tokens("again") > 0  # what a rerun would find
+    forget_cached_prefixes(engine)
+    assert cached_tokens("after") == 0
