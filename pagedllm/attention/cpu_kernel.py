@@ -6,7 +6,8 @@ be: callers then take the portable torch path.
 
 The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
 torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes.
-PAGEDLLM_ATTENTION=torch turns the kernel off (the portable torch path runs instead).
+PAGEDLLM_ATTENTION=torch turns the kernel off (the portable torch path runs instead);
+PAGEDLLM_ATTENTION_AMX=0 keeps attention off the AMX tile unit (prefill then takes the AVX-512 path).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp")
-_HEADERS = ("vec.h", "quant_packed.h")
+_HEADERS = ("vec.h", "quant_packed.h", "amx.h")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
@@ -187,16 +188,21 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    use_amx: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as torch_ref.paged_attention; call only where supports() is true."""
+    """Same contract as torch_ref.paged_attention; call only where supports() is true. use_amx:
+    whether bf16 prefill may run on AMX tiles where the CPU has them (None: unless
+    PAGEDLLM_ATTENTION_AMX=0)."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
+    if use_amx is None:
+        use_amx = os.environ.get("PAGEDLLM_ATTENTION_AMX", "1") != "0"
     (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
     return torch.ops.pagedllm_cpu.paged_attention(
         query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
         sliding_window if sliding_window is not None else 0,
-        softcap if softcap is not None else 0.0)
+        softcap if softcap is not None else 0.0, use_amx)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: CacheSide, value_cache: CacheSide,
@@ -249,6 +255,11 @@ def quant_dtype_support(dtype: torch.dtype, device: torch.device) -> bool:
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out = x @ weight^T (+ bias, float32) for a QuantizedWeight; out [M, N] may be a column slice."""
     torch.ops.pagedllm_cpu.quant_linear.default(x, *weight.kernel_args, bias, out)
+
+
+def attention_amx_available() -> bool:
+    """Whether paged_attention can run bf16 prefill on AMX tiles here (compiled in, allowed)."""
+    return available() and torch.ops.pagedllm_cpu.attention_amx_available()
 
 
 def quant_amx_available() -> bool:

@@ -20,6 +20,7 @@ from types import ModuleType
 BASELINES = {
     "hf": "pagedllm.bench.hf_baseline",
     "llama.cpp": "pagedllm.bench.llama_cpp_baseline",
+    "vllm": "pagedllm.bench.vllm_baseline",
 }
 
 
@@ -30,6 +31,7 @@ def load(name: str) -> ModuleType:
 def add_args(parser) -> None:
     parser.add_argument("--baseline", choices=["none", *BASELINES], default="none",
                         help="also run this system on the same requests: hf (transformers, static "
-                             "batches), llama.cpp (llama-cpp-python, one request at a time)")
+                             "batches), llama.cpp (llama-cpp-python, one request at a time), vllm "
+                             "(vLLM's offline LLM.generate, every request at once)")
     for name in BASELINES:
         load(name).add_args(parser)

@@ -11,7 +11,7 @@ from pagedllm.cli import add_engine_args
 BENCHES = {
     "memory": ("pagedllm.bench.memory", "KV waste and concurrency: paged against contiguous"),
     "throughput": ("pagedllm.bench.throughput",
-                   "offline throughput, start-up, RSS; --baseline hf or llama.cpp on the same requests"),
+                   "offline throughput, start-up, RSS; --baseline hf, llama.cpp or vllm, same requests"),
     "serve": ("pagedllm.bench.serve", "load a running server: throughput, TTFT, TPOT, ITL, latency"),
     "attention": ("pagedllm.bench.attention",
                   "the price of paging: attention over paged blocks vs contiguous KV, and prepare_inputs"),

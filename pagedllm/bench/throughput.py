@@ -46,6 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="requests timed one by one in the single-stream scenario")
     parser.add_argument("--single-stream-len", default="128:256", metavar="PROMPT:OUTPUT",
                         help="prompt and generated tokens of each single-stream request")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the batched workload this many times, in turn with a baseline that "
+                             "runs it too (A, B, A, B, ...); rows give each system's median run")
     parser.add_argument("--no-sequential", action="store_true",
                         help="skip the workload run one request at a time (long: minutes)")
     parser.add_argument("--lockstep-with", default=None, metavar="FIELD=VALUE",
@@ -57,6 +60,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     process_started = psutil.Process().create_time()
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
     apply_threads(args)
     engine = LLMEngine(engine_config(args))
     serve_one(engine)  # start-up counts until a first request is served, as a user sees it
@@ -76,16 +81,21 @@ def main(args: argparse.Namespace) -> int:
             "rss_after_startup_mib": rss_mib}
     payload = {"workload": summarize(workload), "single_stream_len": args.single_stream_len, "pagedllm": ours}
     try:
-        result = run_workload(engine, workload)
-        ours.update(peak_rss_mib=round(peak_rss_bytes() / 2**20, 1), num_preemptions=result.num_preemptions,
+        rival = session if session is not None and "batched" in baseline.SCENARIOS else None
+        results, rival_runs = _batched_runs(engine, rival, workload, args.repeats)
+        ours.update(peak_rss_mib=round(peak_rss_bytes() / 2**20, 1),
+                    num_preemptions=results[-1].num_preemptions,
                     kv_cache_mib=round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
-                    **result.rates(), **peak_gpu_memory(engine.device))
+                    **_median_run([r.rates() for r in results]), **peak_gpu_memory(engine.device))
         if args.lockstep_with:
             forget_cached_prefixes(engine)
             payload["lockstep"] = _lockstep(engine, args, workload)
         if session is not None:
             forget_cached_prefixes(engine)
-            payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args)
+            payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args,
+                                                     rival_runs)
+            if rival_runs and getattr(session, "token_ids", None):
+                payload["same_output"] = _agreement(results[-1].token_ids, session.token_ids)
     finally:
         final = session.close() if session is not None else {}
     if baseline is not None:
@@ -95,12 +105,47 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batched_runs(engine: LLMEngine, rival, workload: list[BenchRequest], repeats: int):
+    """The workload, all at once, `repeats` times on the engine and, in turn, on rival (a
+    baseline session, or None): pagedllm, rival, pagedllm, rival, ... Each run starts with an
+    empty prefix cache (the rival's worker empties its own), so no run reuses an earlier one's
+    prompts. Returns the engine's RunResults and the rival's rates of each run."""
+    results, rival_runs = [], []
+    for k in range(repeats):
+        forget_cached_prefixes(engine)
+        results.append(run_workload(engine, workload, tag=f"bench{k}"))
+        if rival is not None:
+            rival_runs.append(summarize_run(rival.batched(workload), workload))
+    return results, rival_runs
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median output tokens/s (the lower middle one of an even count), with every
+    run's tokens/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        median["output_tokens_per_s_each"] = [r["output_tokens_per_s"] for r in runs]
+    return median
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two systems' greedy outputs of the same requests agree: the share identical, and
+    the mean length of the common prefix (in bf16 two correct engines part after some tokens)."""
+    prefixes = []
+    for a, b in zip(ours, theirs, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(n)
+    same = sum(a == b for a, b in zip(ours, theirs))
+    return {"requests_identical": round(same / len(ours), 3),
+            "mean_common_prefix_tokens": round(sum(prefixes) / len(prefixes), 1)}
+
+
 def _run_baseline(baseline, session, engine: LLMEngine, workload: list[BenchRequest],
-                  streams: list[BenchRequest], ours: dict, args) -> dict:
+                  streams: list[BenchRequest], ours: dict, args, batched_runs: list[dict]) -> dict:
     theirs = {"system": baseline.SYSTEM, **session.info}
-    if "batched" in baseline.SCENARIOS:
-        elapsed = session.batched(workload)
-        theirs.update(summarize_run(elapsed, workload))
+    if batched_runs:
+        theirs.update(_median_run(batched_runs))
     if "single_stream" in baseline.SCENARIOS:
         ours["single_stream"], theirs["single_stream"] = _interleaved(engine, session, streams)
     if "sequential" in baseline.SCENARIOS and not args.no_sequential:
@@ -158,11 +203,21 @@ def _report(payload: dict, rival: str | None) -> None:
         rows.append([theirs.get(c, "-") for c in columns])
         payload["ratio_output_tokens_per_s"] = round(
             ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2)
+        if "output_tokens_per_s_each" in theirs:  # run by run, in the order they ran
+            payload["ratio_each_run"] = [round(a / b, 2) for a, b in zip(
+                ours["output_tokens_per_s_each"], theirs["output_tokens_per_s_each"])]
     print_table(f"Offline throughput, all requests at once: {payload['workload']}",
                 ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "start-up s",
                  "peak RSS MiB"], rows)
     if "ratio_output_tokens_per_s" in payload:
         print(f"\npagedllm / {rival} generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
+    if "ratio_each_run" in payload:
+        print(f"each pair of runs: {payload['ratio_each_run']} (tok/s: pagedllm "
+              f"{ours['output_tokens_per_s_each']}, {rival} {theirs['output_tokens_per_s_each']})")
+    if "same_output" in payload:
+        same = payload["same_output"]
+        print(f"greedy outputs identical to {rival}'s: {same['requests_identical']:.0%} of requests; "
+              f"common prefix {same['mean_common_prefix_tokens']} tokens on average")
     if "lockstep" in payload:
         lockstep = payload["lockstep"]
         print_table("The same workload on a twin engine, steps in turn",

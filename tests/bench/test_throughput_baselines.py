@@ -128,3 +128,75 @@ def test_a_timed_rerun_finds_no_cached_prefix(tiny_gguf):
     assert cached_tokens("again") > 0  # what a rerun would find
     forget_cached_prefixes(engine)
     assert cached_tokens("after") == 0
+
+
+FAKE_VLLM = textwrap.dedent('''
+    import os
+    import time
+    __version__ = "fake"
+    print("vLLM logs to stdout; the worker must keep this off its replies")
+
+    class SamplingParams:
+        def __init__(self, temperature, max_tokens, min_tokens, ignore_eos):
+            assert temperature == 0.0 and min_tokens == max_tokens and ignore_eos  # greedy, exact length
+            self.max_tokens = max_tokens
+
+    class _Completion:
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+    class _Output:
+        def __init__(self, token_ids):
+            self.outputs = [_Completion(token_ids)]
+
+    class LLM:
+        def __init__(self, model, dtype, max_model_len, seed):
+            assert os.path.isdir(model) and dtype in ("float32", "bfloat16") and max_model_len > 0
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] and int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+            self.resets = 0
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+
+        def generate(self, prompts, params, use_tqdm):
+            assert len(prompts) == len(params) and not use_tqdm
+            time.sleep(0.2)  # a rate of the order of the engine's, so the ratio shows in 2 decimals
+            return [_Output([(p["prompt_token_ids"][-1] + i + 1) % 256 for i in range(s.max_tokens)])
+                    for p, s in zip(prompts, params)]
+''')
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    package = tmp_path / "fake_vllm_site"
+    (package / "vllm").mkdir(parents=True)
+    (package / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(package))
+    return sys.executable
+
+
+def test_vllm_baseline_runs_the_workload_in_turn(tmp_path, tiny_model, fake_vllm, capsys):
+    folder = save_checkpoint(tiny_model, tmp_path / "folder")
+    result = run_bench(tmp_path, "--model", str(folder), "--baseline", "vllm", "--vllm-python", fake_vllm,
+                       "--repeats", "2")
+    ours, theirs = result["pagedllm"], result["vllm"]
+    assert theirs["version"] == "fake" and theirs["dtype"] == "float32" and theirs["peak_rss_mib"] > 0
+    assert theirs["threads_bind"] == "0" or theirs["threads_bind"].isdigit()  # one core: --threads 1
+    for system in (ours, theirs):
+        assert len(system["output_tokens_per_s_each"]) == 2
+        assert system["output_tokens_per_s"] in system["output_tokens_per_s_each"]
+    assert len(result["ratio_each_run"]) == 2 and result["ratio_output_tokens_per_s"] > 0
+    assert 0 <= result["same_output"]["requests_identical"] <= 1
+    printed = capsys.readouterr().out
+    assert "pagedllm / vllm generated tokens/s" in printed and "each pair of runs" in printed
+
+
+def test_vllm_baseline_needs_its_interpreter_and_a_folder(tmp_path, tiny_gguf, capsys):
+    common = ["--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--kv-cache-memory", "4MiB"]
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--baseline", "vllm", *common]) == 2
+    assert "--vllm-python" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--baseline", "vllm",
+                 "--vllm-python", sys.executable, *common]) == 2
+    assert "Hugging Face folders" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--repeats", "0", *common]) == 2
+    assert "--repeats" in capsys.readouterr().err

