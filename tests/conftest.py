@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, its own library's helpers on the first
+# `import triton`, which any test's imports may do (llguidance.torch -> torch._dynamo): without a
+# GPU the Triton tests run on the interpreter, so it is set here, before anything is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv.slots import request_slots

@@ -64,19 +64,5 @@ decode step of 64 SmolLM2 requests (docs/benchmarks.md), 4-9%. The bitmask's lay
 same in all three, so changing the library means changing compiler.py and matcher.py only.
 """
 
-from pagedllm.structured.bitmask import BitmaskFiller, allocate_token_bitmask, apply_token_bitmask_
-from pagedllm.structured.compiler import CompiledGrammar, GrammarCompiler, GrammarError
-from pagedllm.structured.matcher import GrammarMatcher
-from pagedllm.structured.spec import GrammarSpec, spec_from_request
-
-__all__ = [
-    "BitmaskFiller",
-    "CompiledGrammar",
-    "GrammarCompiler",
-    "GrammarError",
-    "GrammarMatcher",
-    "GrammarSpec",
-    "allocate_token_bitmask",
-    "apply_token_bitmask_",
-    "spec_from_request",
-]
+# No re-exports: `import pagedllm` reaches pagedllm.structured.spec through SamplingParams, and
+# importing the package must not load llguidance and torch (the API server process has no torch).

@@ -14,7 +14,8 @@ import torch
 ON_GPU = torch.cuda.is_available()
 # Triton reads TRITON_INTERPRET when a kernel is decorated (its own library's kernels on the first
 # `import triton`, ours on importing triton_attention) and when one runs (the fixture below keeps
-# it set for this module's tests). So it is set before anything imports triton.
+# it set for this module's tests). So it is set before anything imports triton (tests/conftest.py
+# sets it first for the whole session).
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
