@@ -7,7 +7,14 @@ import logging
 import os
 import sys
 
-from pagedllm.config import KV_CACHE_DTYPES, KV_LAYOUTS, QUANTIZATION_CHOICES, EngineConfig, engine_defaults
+from pagedllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_LAYOUTS,
+    QUANTIZATION_CHOICES,
+    EngineConfig,
+    engine_defaults,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +48,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=default["generation_config"],
                         help="sampling defaults for fields a request leaves unset: auto (the model's "
                              "generation_config.json), vllm or none (the library's), or a folder")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=default["tensor_parallel_size"],
+                        help="split the model over this many processes (docs/distributed.md)")
+    parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                        default=default["distributed_executor_backend"],
+                        help="mp: the engine starts its tensor-parallel workers on this machine; "
+                             "external_launcher: they are started by torchrun or by hand")
+    parser.add_argument("--distributed-timeout", type=float, dest="distributed_timeout_s",
+                        default=default["distributed_timeout_s"],
+                        help="seconds a rank waits for the others in one collective before the "
+                             "engine fails")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -55,7 +72,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
                         quantization=args.quantization,
                         quantization_group_size=args.quantization_group_size,
-                        generation_config=args.generation_config)
+                        generation_config=args.generation_config,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        distributed_executor_backend=args.distributed_executor_backend,
+                        distributed_timeout_s=args.distributed_timeout_s)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,10 @@ def canonical_kv_cache_dtype(name: str) -> str:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
     return KV_CACHE_DTYPE_ALIASES.get(name, name)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+# How the ranks past 0 of a tensor-parallel engine start (vLLM's names): "mp", the engine spawns
+# them on this machine; "external_launcher", they are started elsewhere (torchrun, or by hand with
+# MASTER_ADDR etc.: docs/distributed.md).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 
 def check_device_name(device: str) -> None:
@@ -93,6 +97,12 @@ class EngineConfig:
     # Sampling defaults for unset request fields: "auto" (the model's generation_config.json),
     # "vllm" or "none" (SamplingParams' own), or a folder with a generation_config.json.
     generation_config: str = "auto"
+    # Tensor parallelism (pagedllm.distributed): the model split over this many processes.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # or "external_launcher"
+    # How long a rank waits for the others in one collective before the engine fails (a worker
+    # that hangs); a dead worker fails the step at once.
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -121,6 +131,17 @@ class EngineConfig:
                 self.quantization == "int4" and group != 16 and group % 32):
             raise ValueError(f"quantization_group_size must be a multiple of 16 (int8) or 16 or a "
                              f"multiple of 32 (int4); got {group!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer; "
+                             f"got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
+                             f"got {self.distributed_executor_backend!r}")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds; "
+                             f"got {timeout!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
                              f"a generation_config.json; got {self.generation_config!r}")

@@ -18,12 +18,13 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core_messages import EngineCoreStats
 from pagedllm.device import resolve_device
+from pagedllm.distributed.driver import load_engine_model
 from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.generation_defaults import read_generation_defaults
 from pagedllm.input_processor import InputProcessor, PromptInput
 from pagedllm.kv.plan import KVPlan, describe_plan
 from pagedllm.kv.snapshot import BlockMap
-from pagedllm.model.loader import load_model, resolve_dtype
+from pagedllm.model.loader import resolve_dtype
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -37,8 +38,7 @@ class LLMEngine:
         self.config = config or EngineConfig(**kwargs)
         started = time.monotonic()
         self.device = resolve_device(self.config.device)
-        loaded = load_model(self.config.model, self.config.dtype, self.device, self.config.quantization,
-                            self.config.quantization_group_size)
+        loaded = load_engine_model(self.config, self.device)
         self.weights_note = loaded.weights_note  # what stayed quantized, what is float
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -87,8 +87,10 @@ class EngineCore:
         refused); in one process, the input processor's, so their compiles are shared."""
         self.device = next(model.parameters()).device  # where the loader put the weights
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
+        # The heads are this process's (model.config): under tensor parallelism its share, the
+        # largest of any rank's, so the budget is what each rank's cache may take.
         bytes_per_block = kv_cache_bytes_per_block(
-            model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
+            model_config.num_hidden_layers, config.block_size, model.config.num_key_value_heads,
             model_config.head_dim, dtype, config.kv_cache_dtype)
         self.kv_cache_dtype = stored_dtype_name(config.kv_cache_dtype, dtype)
         self.kv_plan: KVPlan = plan_kv_cache(
@@ -250,7 +252,7 @@ class EngineCore:
                 num_top = group.request.sampling_params.prompt_logprobs
                 for a in range(0, count, PROMPT_LOGPROB_ROWS):
                     n = min(PROMPT_LOGPROB_ROWS, count - a)
-                    logits = self.runner.compute_logits(hidden[row + a:row + a + n])
+                    logits = self.runner.compute_logits(hidden, row + a, row + a + n)
                     targets = prompt[first + a + 1:first + a + n + 1]
                     group.prompt_logprobs[first + a + 1:first + a + n + 1] = \
                         self.sampler.logprobs_of(logits, targets, num_top)

@@ -4,6 +4,10 @@ Owns the KV cache tensors and a persistent block table (pagedllm.block_table): a
 filled once and then only its newest blocks are written, the batch is ordered by row so that the
 kernels read the table's first rows in place, and off the CPU a copy of the table on the device
 receives only the changed entries. Per-step upkeep thus does not grow with context length.
+
+Under tensor parallelism (pagedllm.distributed) the runner of rank 0 sends each step's packet to
+the workers, whose runners keep their own copy of the table the way a device's is kept
+(execute_packet): every rank runs the same step on its shard of the model.
 """
 
 from __future__ import annotations
@@ -36,6 +40,55 @@ class StepInputs(NamedTuple):
     sample_indices: list[int]
 
 
+class PacketLayout(NamedTuple):
+    """Where each part of one step's packet of int64s lies: input ids, positions and slots [T
+    each], the row of each sampled token [S]; then, where another copy of the block table follows
+    the host's (a device's, tensor-parallel workers'), seq_lens [n], query_start_loc [n + 1], the
+    table's changed entries (flat indices, then values) [2c] and the blocks to copy before the
+    step (sources, then destinations) [2m]."""
+
+    num_tokens: int
+    num_samples: int
+    num_seqs: int = 0
+    num_changed: int = 0
+    num_copies: int = 0
+    has_tail: bool = False
+
+    @property
+    def input_ids(self) -> slice:
+        return slice(0, self.num_tokens)
+
+    @property
+    def positions(self) -> slice:
+        return slice(self.num_tokens, 2 * self.num_tokens)
+
+    @property
+    def slots(self) -> slice:
+        return slice(2 * self.num_tokens, 3 * self.num_tokens)
+
+    @property
+    def sample_rows(self) -> slice:
+        return slice(3 * self.num_tokens, 3 * self.num_tokens + self.num_samples)
+
+    @property
+    def lengths(self) -> slice:
+        """seq_lens, then query_start_loc."""
+        start = self.sample_rows.stop
+        return slice(start, start + 2 * self.num_seqs + 1)
+
+    @property
+    def changes(self) -> slice:
+        return slice(self.lengths.stop, self.lengths.stop + 2 * self.num_changed)
+
+    @property
+    def copies(self) -> slice:
+        return slice(self.changes.stop, self.changes.stop + 2 * self.num_copies)
+
+    @property
+    def length(self) -> int:
+        return self.copies.stop if self.has_tail else self.sample_rows.stop
+
+
 class StepOutput(NamedTuple):
     """What one model step gives back."""
 
@@ -50,9 +103,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
                  device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
-        cfg = model.config
+        cfg = model.config  # under tensor parallelism, this rank's share of the heads
         self.model = model
         self.device = torch.device(device)
+        # Rank 0 of a tensor-parallel group: its workers' driver (pagedllm.distributed.driver).
+        self.tp = getattr(model, "tensor_parallel", None)
         if self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
@@ -66,7 +121,9 @@ class ModelRunner:
         # really there (a fake device in tests has none), and the next step waits for that copy
         # before rewriting it.
         self._uploads = self.device.type != "cpu"
-        self.block_table = BlockTable(cdiv(max_model_len, block_size), track_changes=self._uploads)
+        # The packet carries the lengths and the table's changes where a copy of the table follows.
+        self._packs_table = self._uploads or self.tp is not None
+        self.block_table = BlockTable(cdiv(max_model_len, block_size), track_changes=self._packs_table)
         # The device's copy of the block table, following the host's by its changed entries.
         self._device_table = (torch.zeros(self.block_table.table.shape, dtype=torch.int32,
                                           device=self.device) if self._uploads else None)
@@ -75,14 +132,24 @@ class ModelRunner:
         self._host = np.zeros(0, dtype=np.int64)
         self._arange = np.zeros(0, dtype=np.int64)
         self._reserve(4 * max_num_batched_tokens, max_num_batched_tokens)
+        self._copies: list[tuple[int, int]] = []  # this step's, for the workers' packet
+        self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
+        if self.tp is not None:  # the workers build their runners as this one was built
+            self.tp.start_workers(dict(
+                num_blocks=num_blocks, block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                kv_dtype=str(kv_dtype).removeprefix("torch."), kv_cache_dtype=kv_cache_dtype))
 
     def drop_requests(self, requests: list[Request]) -> None:
         for request in requests:
             self.block_table.drop(request.request_id)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: give a request its own copy of a block it shared before writing into it."""
+        """Copy-on-write: give a request its own copy of a block it shared before writing into it
+        (the workers copy theirs with the next step's packet)."""
         copy_blocks(self.kv_caches, [s for s, _ in copies], [d for _, d in copies])
+        if self.tp is not None:
+            self._copies = copies
 
     @torch.inference_mode()
     def execute(self, scheduled: list) -> StepOutput:
@@ -97,9 +164,33 @@ class ModelRunner:
         return StepOutput(logits, step.sample_indices, hidden)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] of hidden states a step gave back."""
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Float32 logits [end - start, vocab] of rows start..end of the hidden states the last
+        step gave back (the workers compute their vocabulary's share of the same rows)."""
+        if self.tp is not None:
+            self.tp.send_logits(start, end)
+        return self.model.compute_logits(hidden[start:end])
+
+    # -- a tensor-parallel worker's side --------------------------------------------------------
+    @torch.inference_mode()
+    def execute_packet(self, layout: PacketLayout, table_shape: tuple[int, int],
+                       packet: torch.Tensor) -> None:
+        """A worker's step: rank 0's packet (host int64s) run on this rank's shard, taking part
+        in the collectives rank 0's execute makes; the hidden states are kept for logits_of."""
+        copies = packet[layout.copies].view(2, -1).tolist()
+        copy_blocks(self.kv_caches, copies[0], copies[1])
+        lengths = packet[layout.lengths].tolist()
+        n = layout.num_seqs
+        step = self._inputs_from_packet(layout, table_shape, packet.to(self.device), lengths[:n],
+                                        lengths[n:], [])
+        self._hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        if layout.num_samples:
+            self.model.compute_logits(self._hidden.index_select(0, step.sample_rows))
+
+    @torch.inference_mode()
+    def logits_of(self, start: int, end: int) -> None:
+        """A worker's share of rank 0's compute_logits over rows of the last step."""
+        self.model.compute_logits(self._hidden[start:end])
 
     def prepare_inputs(self, scheduled: list) -> StepInputs:
         """The step's flat batch, built with numpy in buffers kept across steps: Python loops go
@@ -116,13 +207,13 @@ class ModelRunner:
         sampled = [i for i, s in enumerate(scheduled) if s.samples]  # batch positions
         sample_indices = [order[i] for i in sampled]
         num_samples = len(sample_indices)
-        changes = self.block_table.take_changes() if self._uploads else []
-        num_changed = sum(end - start for _, start, end in changes)
-        tail = 2 * n + 1 + 2 * num_changed if self._uploads else 0
-        self._reserve(3 * num_tokens + num_samples + tail, num_tokens)
+        changes = self.block_table.take_changes() if self._packs_table else []
+        layout = PacketLayout(num_tokens, num_samples, n, sum(end - start for _, start, end in changes),
+                              len(self._copies), self._packs_table)
+        self._reserve(layout.length, num_tokens)
 
         host = self._host
-        input_ids = host[:num_tokens]
+        input_ids = host[layout.input_ids]
         if num_tokens == n:  # decodes only: each request's next token
             input_ids[:] = np.fromiter(
                 (s.request.token_ids[s.num_computed_tokens] for s in scheduled), np.int64, n)
@@ -131,40 +222,53 @@ class ModelRunner:
                 input_ids[loc:loc + s.num_new_tokens] = \
                     s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
         # positions: for each request, start .. start + count - 1, laid end to end
-        positions = host[num_tokens:2 * num_tokens]
+        positions = host[layout.positions]
         np.add(self._arange[:num_tokens], np.repeat(starts - query_start_loc[:-1], counts), out=positions)
         table = self.block_table.table
-        slot_mapping(table, np.repeat(rows, counts), positions, self.block_size,
-                     out=host[2 * num_tokens:3 * num_tokens])
-        sample_end = 3 * num_tokens + num_samples
-        np.subtract(query_start_loc[1:][sampled], 1, out=host[3 * num_tokens:sample_end])
+        slot_mapping(table, np.repeat(rows, counts), positions, self.block_size, out=host[layout.slots])
+        np.subtract(query_start_loc[1:][sampled], 1, out=host[layout.sample_rows])
+        if self._packs_table:
+            host[layout.lengths] = np.concatenate([seq_lens, query_start_loc])
+            self._pack_changes(changes, host[layout.changes])
+            host[layout.copies] = np.array(self._copies, dtype=np.int64).reshape(-1, 2).T.reshape(-1)
+            self._copies = []
+        if self.tp is not None:
+            self.tp.send_step(layout, table.shape, self._host_tensor[:layout.length])
 
         # The kernels read the table's first n rows in place (every column: they index by
         # position, and a wider row costs nothing).
         if self._uploads:
-            host[sample_end:sample_end + n] = seq_lens
-            host[sample_end + n:sample_end + 2 * n + 1] = query_start_loc
-            changed_at = sample_end + 2 * n + 1
-            self._pack_changes(changes, host[changed_at:changed_at + 2 * num_changed])
-            packet = self._upload(sample_end + tail)
-            ints = packet[sample_end:changed_at].to(torch.int32)
-            seq_lens_t, query_start_loc_t = ints[:n], ints[n:2 * n + 1]
-            block_tables = self._update_device_table(packet[changed_at:changed_at + 2 * num_changed])[:n]
-        else:
-            packet = torch.from_numpy(host[:sample_end])
-            seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32))
-            query_start_loc_t = torch.from_numpy(query_start_loc.astype(np.int32))
-            block_tables = torch.from_numpy(table[:n])
+            return self._inputs_from_packet(layout, table.shape, self._upload(layout.length),
+                                            seq_lens.tolist(), query_start_loc.tolist(), sample_indices)
+        packet = torch.from_numpy(host[:layout.length])
         meta = AttentionMetadata(
-            slot_mapping=packet[2 * num_tokens:3 * num_tokens],
-            block_tables=block_tables,
-            seq_lens=seq_lens_t,
-            query_start_loc=query_start_loc_t,
+            slot_mapping=packet[layout.slots],
+            block_tables=torch.from_numpy(table[:n]),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=query_start_loc.tolist(),
         )
-        return StepInputs(packet[:num_tokens], packet[num_tokens:2 * num_tokens], meta,
-                          packet[3 * num_tokens:sample_end], sample_indices)
+        return StepInputs(packet[layout.input_ids], packet[layout.positions], meta,
+                          packet[layout.sample_rows], sample_indices)
+
+    def _inputs_from_packet(self, layout: PacketLayout, table_shape: tuple[int, int],
+                            packet: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
+                            sample_indices: list[int]) -> StepInputs:
+        """The step's inputs from its packet on this runner's device, the table copy brought up
+        to date by the packet's changed entries (the host table's shape: table_shape)."""
+        n = layout.num_seqs
+        ints = packet[layout.lengths].to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=packet[layout.slots],
+            block_tables=self._update_device_table(packet[layout.changes], table_shape)[:n],
+            seq_lens=ints[:n],
+            query_start_loc=ints[n:],
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start_loc,
+        )
+        return StepInputs(packet[layout.input_ids], packet[layout.positions], meta,
+                          packet[layout.sample_rows], sample_indices)
 
     def _in_row_order(self, scheduled: list) -> tuple[list, list[int]]:
         """The scheduled requests in block-table row order, in rows 0 .. n - 1, and each one's
@@ -190,10 +294,12 @@ class ModelRunner:
         out[:count] = index
         out[count:] = table.reshape(-1)[index]
 
-    def _update_device_table(self, changes: torch.Tensor) -> torch.Tensor:
-        """The device's block table with this step's changed entries (flat indices, then
-        values, on the device) written in; reallocated (contents kept) when the host's grew."""
-        shape = self.block_table.table.shape
+    def _update_device_table(self, changes: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The device's block table (a worker's copy) with this step's changed entries (flat
+        indices, then values, on the device) written in; reallocated (contents kept) when the
+        host's, now shaped `shape`, grew."""
+        if self._device_table is None:
+            self._device_table = torch.zeros(shape, dtype=torch.int32, device=self.device)
         if self._device_table.shape != shape:
             grown = torch.zeros(shape, dtype=torch.int32, device=self.device)
             rows, cols = self._device_table.shape

@@ -120,5 +120,5 @@ def test_the_runner_scatters_the_changes_into_its_device_copy():
         changes = table.take_changes()
         packed = np.zeros(2 * sum(end - start for _, start, end in changes), dtype=np.int64)
         runner._pack_changes(changes, packed)
-        device = runner._update_device_table(torch.from_numpy(packed))
+        device = runner._update_device_table(torch.from_numpy(packed), runner.block_table.table.shape)
         assert device.tolist() == table.table.tolist()

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.shard import RankShard
 
 
 class RMSNorm(nn.Module):
@@ -363,6 +367,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Under tensor parallelism (pagedllm.distributed), set by the shard: the whole
+        # vocabulary's logits on rank 0 from every rank's share of the LM head (None elsewhere);
+        # and on rank 0, the driver of the other ranks, which the runner sends each step to.
+        self.vocab_gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        self.tensor_parallel = None
 
     def forward(
         self,
@@ -384,8 +393,9 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows of hidden that need sampling."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [N, vocab] for the rows of hidden that need sampling (under tensor
+        parallelism: on rank 0, None on the others)."""
         packed = getattr(self, "_packed_lm_head", None)  # prepacked bf16, or quantized
         if packed is not None:
             logits = packed(hidden).float()
@@ -393,7 +403,9 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     def prepack_for_cpu(self, max_num_tokens: int) -> bool:
         """Store the bf16 matmul weights (and a copy of a tied LM head) in oneDNN's blocked layout,
@@ -441,11 +453,13 @@ class LlamaForCausalLM(nn.Module):
         get_tensor: Callable[[str], torch.Tensor],
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        shard: RankShard | None = None,
     ) -> LlamaForCausalLM:
         """Build the model from tensors under Hugging Face names, fusing q/k/v and gate/up.
 
         get_tensor is called once per name, so weights can stream from a memory map or be
-        dequantized one at a time.
+        dequantized one at a time. shard: only one tensor-parallel rank's share, each weight cut
+        as it is loaded (pagedllm.distributed.shard).
         """
         missing = sorted(set(hf_tensor_names(config)) - names)
         if missing:
@@ -455,7 +469,7 @@ class LlamaForCausalLM(nn.Module):
         # Built on the meta device: no memory or random init for weights about to be replaced.
         # (The rotary frequencies are built on the CPU explicitly, so they survive this.)
         with torch.device("meta"):
-            model = cls(dataclasses.replace(config, dtype=dtype))
+            model = cls(dataclasses.replace(config if shard is None else shard.rank_config(), dtype=dtype))
 
         offset = config.arch.norm_offset
 
@@ -467,10 +481,12 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.float() + offset
             return tensor.to(device=device, dtype=dtype)
 
-        state = fused_state_dict(config, load)
+        state = fused_state_dict(config, load, None if shard is None else shard.shard_parameter)
         model._install_quantized({name: state.pop(name) for name in list(state)
                                   if isinstance(state[name], list)}, dtype)
         model.load_state_dict(state, strict=True, assign=True)
+        if shard is not None:
+            shard.parallelize(model)
         return model.requires_grad_(False).eval()
 
     def _install_quantized(self, weights: dict[str, list[QuantizedWeight]], dtype: torch.dtype) -> None:
@@ -544,11 +560,13 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 
 
 def fused_state_dict(
-    config: ModelConfig, load: Callable[[str], torch.Tensor | QuantizedWeight]
+    config: ModelConfig, load: Callable[[str], torch.Tensor | QuantizedWeight],
+    shard_parameter: Callable[[str, torch.Tensor | list[QuantizedWeight]], torch.Tensor | list] | None = None,
 ) -> dict[str, torch.Tensor | list[QuantizedWeight]]:
     """Our parameters from the loaded tensors; a weight kept quantized comes as the list of its
     quantized parts (fused later by QuantLinear), unless some part of it is float: then all are
-    dequantized to the float parts' dtype and concatenated."""
+    dequantized to the float parts' dtype and concatenated. shard_parameter: cuts each one to a
+    tensor-parallel rank's share as soon as it is made (a whole weight at a time in memory)."""
     state = {}
     for ours, parts in _parameter_sources(config).items():
         tensors = [load(name) for name in parts]
@@ -559,6 +577,8 @@ def fused_state_dict(
             dtype = next(t.dtype for t in tensors if not isinstance(t, QuantizedWeight))
             tensors = [t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t for t in tensors]
             state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if shard_parameter is not None:
+            state[ours] = shard_parameter(ours, state[ours])
     return state
 
 

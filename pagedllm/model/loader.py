@@ -11,12 +11,14 @@ ValueError, whose message names the file and the problem.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -35,6 +37,9 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.utils import cpu_flags
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.shard import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +84,11 @@ def _cpu_has_native_bf16() -> bool:
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str = "auto",
-               group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
+               group_size: int = DEFAULT_GROUP_SIZE, shard: RankShard | None = None) -> LoadedModel:
     """The model at path (a Hugging Face folder or a .gguf file; None: the default model), its
-    weights on `device` (streamed there one tensor at a time)."""
-    if path is None:
-        from pagedllm.default_model import default_model_path
-
-        path = default_model_path()
-    path = Path(path).expanduser()
+    weights on `device` (streamed there one tensor at a time). shard: only a tensor-parallel
+    rank's share of it (pagedllm.distributed); LoadedModel.config is still the whole model's."""
+    path = _model_path(path)
     torch_dtype = resolve_dtype(dtype, device)
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
@@ -95,9 +97,9 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto"
         raise ModelFileNotFoundError(f"{path}: no such model file or folder")
     weights = _WeightPolicy(quantization, group_size, torch_dtype, torch.device(device))
     if path.is_dir():
-        loaded = _load_hf_folder(path, torch_dtype, device, weights)
+        loaded = _load_hf_folder(path, torch_dtype, device, weights, shard)
     elif path.suffix == ".gguf":
-        loaded = _load_gguf(path, torch_dtype, device, weights)
+        loaded = _load_gguf(path, torch_dtype, device, weights, shard)
     else:
         raise ModelLoadError(
             f"{path}: expected a .gguf file or a Hugging Face model folder (with config.json)")
@@ -167,28 +169,52 @@ class _WeightPolicy:
         return ", ".join(f"{count} x {key}" for key, count in self.tally.items())
 
 
+def _model_path(path: str | Path | None) -> Path:
+    """The path asked for, or the default model's."""
+    if path is None:
+        from pagedllm.default_model import default_model_path
+
+        path = default_model_path()
+    return Path(path).expanduser()
+
+
+def read_model_config(path: str | Path | None = None) -> ModelConfig:
+    """Only the shape of the model at path (None: the default model); no weights read."""
+    path = _model_path(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFCheckpoint(path).model_config()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf_config(_read_json(path / "config.json"))
+    raise ModelFileNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder "
+                                 "(with config.json)")
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
-               weights: _WeightPolicy) -> LoadedModel:
+               weights: _WeightPolicy, shard: RankShard | None) -> LoadedModel:
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.model_config()
     checkpoint.check_types()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     get = weights.gguf_getter(checkpoint, path)
     with _naming(path):
-        model = LlamaForCausalLM.from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device)
+        model = LlamaForCausalLM.from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device,
+                                                 shard)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
-    return LoadedModel(model, model.config, tokenizer, path)
+    return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, path)
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device,
-                    weights: _WeightPolicy) -> LoadedModel:
+                    weights: _WeightPolicy, shard: RankShard | None) -> LoadedModel:
     config_file = folder / "config.json"
     if not config_file.is_file():
         ggufs = sorted(folder.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device, weights)
+            return _load_gguf(ggufs[0], dtype, device, weights, shard)
         raise ModelFileNotFoundError(f"{config_file}: no config.json in the model folder")
     config = ModelConfig.from_hf_config(
         _read_json(config_file), _read_json(folder / "generation_config.json", required=False))
@@ -197,8 +223,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
         model = LlamaForCausalLM.from_hf_tensors(
-            config, tensors.names, weights.safetensors_getter(tensors), dtype, device)
-    return LoadedModel(model, model.config, tokenizer, folder)
+            config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
+    return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)
 
 
 @contextmanager

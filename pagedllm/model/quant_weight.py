@@ -22,6 +22,7 @@ integer), so dequantizing gives bit for bit the float32 values gguf's own dequan
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,28 @@ class QuantizedWeight:
         return dataclasses.replace(
             self, codes=self.codes.index_select(0, index), scales=self.scales.index_select(0, index),
             mins=None if self.mins is None else self.mins.index_select(0, index))
+
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Input features start..end, a copy (a row-parallel shard); ValueError unless both ends
+        fall on group boundaries (and, for 4-bit codes, on the 32-input runs they are packed in)."""
+        why = self.column_split_error(start) or self.column_split_error(end)
+        if why:
+            raise ValueError(f"quantized weight [{self.shape[0]}, {self.shape[1]}] ({self.source}): "
+                             f"cannot take inputs {start}..{end}: {why}")
+        per_code = 2 if self.bits == 4 else 1
+        g0, g1 = start // self.group_size, end // self.group_size
+        return dataclasses.replace(
+            self, codes=self.codes[:, start // per_code:end // per_code].contiguous(),
+            scales=self.scales[:, g0:g1].contiguous(),
+            mins=None if self.mins is None else self.mins[:, g0:g1].contiguous())
+
+    def column_split_error(self, column: int) -> str | None:
+        """Why the input features cannot be split before `column` (None: they can)."""
+        unit = self.group_size if self.bits == 8 else math.lcm(self.group_size, 32)
+        if column % unit:
+            return (f"input {column} is inside a group of {self.group_size} inputs"
+                    f"{' (4-bit codes are packed in runs of 32)' if self.bits == 4 else ''}")
+        return None
 
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Rows start..end as views (no copy)."""

@@ -1,0 +1,182 @@
+"""How a Llama-family model is split over tensor-parallel ranks (Megatron's split), and the
+checks that it can be.
+
+Each rank holds a share of every layer:
+- attention heads: whole groups of query heads with their KV head (GQA), so each rank's attention
+  is an ordinary attention over its own heads and its KV cache holds only its KV heads. With
+  fewer KV heads than ranks, each KV head is replicated on ranks / num_kv_heads ranks that split
+  its query heads between them;
+- the fused q/k/v and gate/up projections by output rows (column-parallel: no communication),
+  o_proj and down_proj by input columns (row-parallel: each rank's partial product, then one
+  all-reduce; their bias added once, after it);
+- the embedding and the LM head by vocabulary rows: a token's embedding row lives on one rank
+  (the others give zeros, an all-reduce sums them), and each rank's logits cover its rows, gathered
+  on rank 0, which samples.
+Norms (and per-head q/k norms) are whole on every rank.
+
+Shares that do not divide evenly are as even as they can be, the larger first (rank 0 holds the
+largest, so its KV cache is the largest any rank needs). The MLP's columns split at multiples of
+32 where the size allows, so that quantized weights split on their group boundaries; a quantized
+weight that still cannot be split (QuantizedWeight.columns) fails the load with its reason.
+
+The architectures in model/architectures.py all share this plan: their departures from Llama
+(biases, norms, soft-caps, windows) touch none of the split dimensions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.quant_weight import QuantizedWeight
+
+Span = tuple[int, int]  # [start, end)
+
+# The MLP's input columns split at multiples of this where the size allows (quantization groups
+# are 16 or 32 inputs, and 4-bit codes are packed in runs of 32).
+MLP_SPLIT_UNIT = 32
+
+
+def split(total: int, parts: int, unit: int = 1) -> list[Span]:
+    """total split into `parts` consecutive spans, multiples of unit, as even as possible, the
+    larger first."""
+    base, extra = divmod(total // unit, parts)
+    bounds = [0]
+    for rank in range(parts):
+        bounds.append(bounds[-1] + (base + (rank < extra)) * unit)
+    return [(bounds[r], bounds[r + 1]) for r in range(parts)]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds, as spans of the whole model's heads, MLP columns and vocabulary."""
+
+    q_heads: Span
+    kv_heads: Span
+    intermediate: Span
+    vocab: Span
+
+
+class ShardPlan:
+    """The split of one model over `size` ranks; ValueError, naming the numbers, where it cannot."""
+
+    def __init__(self, config: ModelConfig, size: int) -> None:
+        self.config = config
+        self.size = size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        intermediate, vocab = config.intermediate_size, config.vocab_size
+        what = f"tensor_parallel_size={size}"
+        if kv_heads >= size:
+            kv_spans = split(kv_heads, size)
+            group = heads // kv_heads
+            q_spans = [(start * group, end * group) for start, end in kv_spans]
+        elif size % kv_heads:
+            raise ValueError(f"{what}: the model's {kv_heads} KV heads can neither be split over "
+                             f"{size} ranks nor replicated evenly on them (use a size that "
+                             f"divides {kv_heads} or a multiple of it)")
+        else:
+            replicas, group = size // kv_heads, heads // kv_heads
+            if group < replicas:
+                raise ValueError(f"{what}: each of the model's {kv_heads} KV heads would be "
+                                 f"replicated on {replicas} ranks, but has only {group} query "
+                                 f"heads to split between them")
+            kv_spans = [(r // replicas, r // replicas + 1) for r in range(size)]
+            q_spans = [(kv * group + start, kv * group + end) for kv, _ in kv_spans[::replicas]
+                       for start, end in split(group, replicas)]
+        unit = MLP_SPLIT_UNIT if intermediate % MLP_SPLIT_UNIT == 0 else 1
+        if intermediate // unit < size:
+            raise ValueError(f"{what}: the model's intermediate size {intermediate} is too small "
+                             f"to split over {size} ranks")
+        if vocab < size:
+            raise ValueError(f"{what}: the model's vocabulary of {vocab} is too small to split")
+        self.shares = [RankShare(q, kv, i, v) for q, kv, i, v in zip(
+            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size))]
+
+    def describe(self) -> str:
+        """The split in one line, for the start-up log."""
+        def sizes(spans: list[Span]) -> str:
+            values = [end - start for start, end in spans]
+            return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+        shares = self.shares
+        return (f"{sizes([s.q_heads for s in shares])} attention heads, "
+                f"{sizes([s.kv_heads for s in shares])} KV heads, "
+                f"{sizes([s.intermediate for s in shares])} MLP columns, "
+                f"{sizes([s.vocab for s in shares])} vocabulary rows per rank")
+
+    def rank_config(self, rank: int) -> ModelConfig:
+        """The shape of rank's share: what its modules hold and its KV cache stores."""
+        share = self.shares[rank]
+        return dataclasses.replace(
+            self.config, num_attention_heads=_length(share.q_heads),
+            num_key_value_heads=_length(share.kv_heads),
+            intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab))
+
+    def shard_parameter(self, rank: int, name: str, value):
+        """Rank's part of one of the model's parameters (our names, fused as LlamaForCausalLM
+        holds them): a float tensor or the list of a quantized weight's parts."""
+        share, config = self.shares[rank], self.config
+        head_dim = config.head_dim
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+            q_rows = config.num_attention_heads * head_dim
+            kv_rows = config.num_key_value_heads * head_dim
+            q, kv = _scaled(share.q_heads, head_dim), _scaled(share.kv_heads, head_dim)
+            return _take_rows(value, [q, _shifted(kv, q_rows), _shifted(kv, q_rows + kv_rows)])
+        if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
+            columns = share.intermediate
+            return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return _take_rows(value, [share.vocab])
+        if name.endswith("self_attn.o_proj.weight"):
+            return self._take_columns(name, value, [_scaled(s.q_heads, head_dim) for s in self.shares],
+                                      rank)
+        if name.endswith("mlp.down_proj.weight"):
+            return self._take_columns(name, value, [s.intermediate for s in self.shares], rank)
+        return value  # whole on every rank: norms, and the row-parallel layers' biases
+
+    def _take_columns(self, name: str, value, spans: list[Span], rank: int):
+        """Rank's input columns of a row-parallel weight. A quantized one is checked at every
+        rank's boundaries, so that rank 0 fails the load for any rank that cannot take its part."""
+        start, end = spans[rank]
+        if isinstance(value, torch.Tensor):
+            return value[:, start:end].clone(memory_format=torch.contiguous_format)
+        (part,) = value  # o_proj and down_proj are single weights
+        for boundary in sorted({b for span in spans for b in span}):
+            why = part.column_split_error(boundary)
+            if why:
+                raise ValueError(
+                    f"tensor_parallel_size={self.size}: {name} ({part.source}, "
+                    f"{part.shape[1]} inputs) cannot be split at input {boundary}: {why}; "
+                    f"load it dequantized (quantization='none') or use another size")
+        return [part.columns(start, end)]
+
+
+def _length(span: Span) -> int:
+    return span[1] - span[0]
+
+
+def _scaled(span: Span, factor: int) -> Span:
+    return span[0] * factor, span[1] * factor
+
+
+def _shifted(span: Span, offset: int) -> Span:
+    return span[0] + offset, span[1] + offset
+
+
+def _take_rows(value, spans: list[Span]):
+    """The rows of spans (of the fused weight), copied: a float tensor, or a quantized weight's
+    parts cut where the spans and the parts meet (QuantLinear stacks the pieces back)."""
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value[start:end] for start, end in spans])
+    pieces: list[QuantizedWeight] = []
+    for start, end in spans:
+        offset = 0
+        for part in value:
+            rows = part.shape[0]
+            lo, hi = max(start, offset), min(end, offset + rows)
+            if lo < hi:
+                pieces.append(part.select_rows(torch.arange(lo - offset, hi - offset)))
+            offset += rows
+    return pieces
