@@ -203,15 +203,18 @@ def _describe_workers(processes: list[subprocess.Popen]) -> str:
 def _stop_workers(store: dist.Store, group: TensorParallelGroup | None,
                   processes: list[subprocess.Popen], workers_started: list[bool]) -> None:
     """Tell the workers to stop (before their runner: through the store; after: in the group),
-    then give spawned ones a moment to exit and kill those that do not."""
+    give spawned ones a moment to exit and kill those that do not; kill them at once where the
+    group is broken (they can no longer be told)."""
+    broken = group is not None and group.broken is not None
     try:
         if not workers_started[0]:
             store.set(protocol.RUNNER_KEY, protocol.ABORT)
-        elif group is not None and group.broken is None:
+        elif group is not None and not broken:
             group.broadcast(protocol.stop_header())
     except (TensorParallelError, RuntimeError) as exc:  # the group or the store is gone already
         logger.debug("could not tell the workers to stop: %s", exc)
-    deadline = time.monotonic() + _STOP_WAIT_S
+        broken = True
+    deadline = time.monotonic() + (0 if broken else _STOP_WAIT_S)
     for process in processes:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
