@@ -164,11 +164,12 @@ def test_a_worker_that_dies_or_hangs_is_a_clear_error(tmp_path, fault):
         started = time.monotonic()
         with pytest.raises(StepError) as info:
             greedy_tokens(llm, ["after the fault"])
-        assert isinstance(info.value.__cause__, TensorParallelError)
+        cause = info.value.__cause__
+        assert isinstance(cause, TensorParallelError)
         if fault == "killed":
-            assert "worker 1" in str(info.value.__cause__) and "exited with code -9" in str(info.value.__cause__)
+            assert "worker 1" in str(cause) and "exited with code -9" in str(cause)
         else:
-            assert "Timed out" in str(info.value.__cause__)
+            assert "Timed out" in str(cause)
         assert time.monotonic() - started < 30
         # The group stays broken: the next step fails at once, with the same reason.
         with pytest.raises(StepError, match="tensor parallel"):
