@@ -16,7 +16,7 @@ Norms (and per-head q/k norms) are whole on every rank.
 
 Shares that do not divide evenly are as even as they can be, the larger first (rank 0 holds the
 largest, so its KV cache is the largest any rank needs). The MLP's columns split at multiples of
-32 where the size allows, so that quantized weights split on their group boundaries; a quantized
+32 (or 16) where the size allows, so that quantized weights split on their group boundaries; a quantized
 weight that still cannot be split (QuantizedWeight.columns) fails the load with its reason.
 
 The architectures in model/architectures.py all share this plan: their departures from Llama
@@ -35,9 +35,9 @@ from pagedllm.model.quant_weight import QuantizedWeight
 
 Span = tuple[int, int]  # [start, end)
 
-# The MLP's input columns split at multiples of this where the size allows (quantization groups
-# are 16 or 32 inputs, and 4-bit codes are packed in runs of 32).
-MLP_SPLIT_UNIT = 32
+# The MLP's input columns split at multiples of the first of these the size allows (quantization
+# groups are 16 or 32 inputs, and 4-bit codes are packed in runs of 32).
+MLP_SPLIT_UNITS = (32, 16, 1)
 
 
 def split(total: int, parts: int, unit: int = 1) -> list[Span]:
@@ -86,10 +86,10 @@ class ShardPlan:
             kv_spans = [(r // replicas, r // replicas + 1) for r in range(size)]
             q_spans = [(kv * group + start, kv * group + end) for kv, _ in kv_spans[::replicas]
                        for start, end in split(group, replicas)]
-        unit = MLP_SPLIT_UNIT if intermediate % MLP_SPLIT_UNIT == 0 else 1
-        if intermediate // unit < size:
+        if intermediate < size:
             raise ValueError(f"{what}: the model's intermediate size {intermediate} is too small "
                              f"to split over {size} ranks")
+        unit = next(u for u in MLP_SPLIT_UNITS if intermediate % u == 0 and intermediate // u >= size)
         if vocab < size:
             raise ValueError(f"{what}: the model's vocabulary of {vocab} is too small to split")
         self.shares = [RankShare(q, kv, i, v) for q, kv, i, v in zip(
