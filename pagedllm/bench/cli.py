@@ -29,6 +29,9 @@ BENCHES = {
                      "paging at 1k-1M tokens: per-step upkeep, block-table bytes, attention, by block size"),
     "constrained": ("pagedllm.bench.constrained",
                     "generated tok/s constrained to a JSON schema against free; step cost at 1/16/64"),
+    "tensor-parallel": ("pagedllm.bench.tensor_parallel",
+                        "throughput and all-reduce time per step at tensor_parallel_size 1, 2, ...; "
+                        "communication per step for 7B/70B"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

@@ -84,6 +84,8 @@ class TensorParallelDriver:
         self.group = group
         self.launch = launch  # how the workers started, for the start-up line
         self._processes = processes
+        self.num_steps = 0  # steps sent, and the bytes broadcast for them (headers included)
+        self.bytes_sent = 0
         self._workers_started = [False]  # a list: shared with the finalizer, which cannot hold self
         self._close = weakref.finalize(self, _stop_workers, store, group, processes,
                                        self._workers_started)
@@ -123,9 +125,12 @@ class TensorParallelDriver:
     def send_step(self, layout: PacketLayout, table_shape: tuple[int, int], packet: torch.Tensor) -> None:
         self.group.broadcast(protocol.step_header(layout, table_shape))
         self.group.broadcast(packet)
+        self.num_steps += 1
+        self.bytes_sent += 8 * (protocol.HEADER_LEN + packet.numel())
 
     def send_logits(self, start: int, end: int) -> None:
         self.group.broadcast(protocol.logits_header(start, end))
+        self.bytes_sent += 8 * protocol.HEADER_LEN
 
     def close(self) -> None:
         """Stop the workers (also done when the driver is collected or the interpreter exits)."""
