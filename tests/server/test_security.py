@@ -70,7 +70,7 @@ def test_model_field_only_names_the_served_model(secured_server, model, monkeypa
         raise AssertionError("a request tried to load a model")
 
     monkeypatch.setattr("pagedllm.model.loader.load_model", no_loading)
-    monkeypatch.setattr("pagedllm.engine.load_model", no_loading)
+    monkeypatch.setattr("pagedllm.distributed.driver.load_model", no_loading)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     response = httpx.post(f"{secured_server.base_url}/v1/completions", headers=headers,
                           json={"model": model, "prompt": "hi", "max_tokens": 2})
