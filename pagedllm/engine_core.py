@@ -105,7 +105,7 @@ class EngineCore:
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
-            kv_cache_dtype=config.kv_cache_dtype)
+            kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputManager(grammar_compiler)
         self._groups: dict[str, RequestGroup] = {}

@@ -95,6 +95,11 @@ def available() -> bool:
     return bool(_state["ok"])
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels did not load (None where they did, or were not tried yet)."""
+    return _state.get("why")
+
+
 def _load() -> bool:
     why = _why_unavailable()
     if why is None:
@@ -189,15 +194,23 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     use_amx: bool | None = None,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_attention; call only where supports() is true. use_amx:
     whether bf16 prefill may run on AMX tiles where the CPU has them (None: unless
-    PAGEDLLM_ATTENTION_AMX=0)."""
+    PAGEDLLM_ATTENTION_AMX=0). row_invariant: each row's result independent of the batch
+    (pagedllm.model.batch_invariant; no AMX then)."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
+    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
+    if row_invariant:
+        return torch.ops.pagedllm_cpu.paged_attention_invariant(
+            query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
+            attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
+            sliding_window if sliding_window is not None else 0,
+            softcap if softcap is not None else 0.0)
     if use_amx is None:
         use_amx = os.environ.get("PAGEDLLM_ATTENTION_AMX", "1") != "0"
-    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
     return torch.ops.pagedllm_cpu.paged_attention(
         query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
