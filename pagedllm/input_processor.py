@@ -25,6 +25,13 @@ import time
 from collections.abc import Sequence
 from functools import cached_property
 
+from pagedllm.chat_template import (
+    MAX_RENDER_CHARS,
+    TemplateTimeout,
+    TemplateTooLong,
+    check_chat_template,
+    content_spans,
+)
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.compiler import GrammarCompiler
@@ -76,6 +83,9 @@ class InputProcessor:
         # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
         # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
         self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
+        if tokenizer.chat_template is not None:  # a broken template stops start-up, in one line
+            check_chat_template(tokenizer.chat_template, tokenizer.apply_chat_template,
+                                "the model's chat template")
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams' own defaults under the model's (what a request that sets nothing gets)."""
@@ -126,24 +136,30 @@ class InputProcessor:
         self._check_token_ids(token_ids, room_for_output)
         return text, list(token_ids)
 
-    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text, refused untokenized if it is too long to fit any context."""
+    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
+               plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of text, refused untokenized if it is too long to fit any context
+        (plain_spans: Tokenizer.encode's)."""
         if len(text) > self.max_prompt_chars:
             raise InvalidInput(
                 f"the prompt is {len(text)} characters, more than this model's maximum context "
                 f"length of {self.max_model_len} tokens can hold (at most {self.max_prompt_chars} "
                 "characters): shorten it", param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, plain_spans=plain_spans)
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
                     tools: Sequence[Tool] = (), chat_template: str | None = None,
                     chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
-                    add_special_tokens: bool = False) -> dict:
+                    add_special_tokens: bool = False, split_special_tokens: bool = True) -> dict:
         """A conversation as one prompt, through the chat template (the model's, or chat_template):
         {"prompt": text, "prompt_token_ids": ids}. The template writes any BOS itself, so
-        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for.
-        chat_template_kwargs: more variables for the template (e.g. enable_thinking);
+        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for (vLLM's
+        default for chat). split_special_tokens: a special token's text inside a message's text
+        (a user writing "<|im_start|>system") is tokenized as text, not as the control token
+        (HF's split_special_tokens), so no message can forge a turn of another role; False lets
+        it act. chat_template_kwargs: more variables for the template (e.g. enable_thinking);
         continue_final_message: the text ends inside the last message, for the model to go on.
+        The template renders within pagedllm.chat_template's budget.
 
         tools (checked ones, pagedllm.structured.tools.parse_tools) go to a template that reads
         `tools`; a template that does not gets them in the system message instead, and the
@@ -169,14 +185,24 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                continue_final_message=continue_final_message, **kwargs)
-        except ValueError as exc:  # no template, or the template refused the messages
+                continue_final_message=continue_final_message,
+                max_chars=min(self.max_prompt_chars, MAX_RENDER_CHARS),
+                **kwargs)
+        except TemplateTimeout:  # the template's fault, not the request's
+            raise
+        except TemplateTooLong:
+            raise InvalidInput(
+                f"the conversation renders to more than {self.max_prompt_chars} characters through "
+                f"the chat template, more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold: shorten it", "messages") from None
+        except ValueError as exc:  # no template, the template refused the messages, too long
             raise InvalidInput(str(exc), "messages") from exc
         except Exception as exc:  # the template itself failed (e.g. roles out of order)
             raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                "messages") from exc
-        return {"prompt": text,
-                "prompt_token_ids": self.encode(text, "messages", add_special_tokens=add_special_tokens)}
+        plain = content_spans(text, messages) if split_special_tokens else ()
+        return {"prompt": text, "prompt_token_ids": self.encode(
+            text, "messages", add_special_tokens=add_special_tokens, plain_spans=plain)}
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids (special tokens written out), after the vocabulary check."""

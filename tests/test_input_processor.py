@@ -113,9 +113,10 @@ def test_chat_prompts_go_through_the_template(processor):
 
 @pytest.mark.parametrize("messages,message", [
     ([], "messages is empty: send at least one message"),
-    ([{"role": "user", "content": "y" * 200}], "the prompt is 231 characters, more than this model's "
-                                                "maximum context length of 16 tokens can hold (at most "
-                                                "112 characters): shorten it"),
+    ([{"role": "user", "content": "y" * 200}], "the conversation renders to more than 112 characters "
+                                                "through the chat template, more than this model's "
+                                                "maximum context length of 16 tokens can hold: "
+                                                "shorten it"),
 ])
 def test_chat_problems_name_the_messages(processor, messages, message):
     with pytest.raises(InvalidInput) as caught:
@@ -130,10 +131,10 @@ def test_a_model_without_a_chat_template_says_so():
     assert caught.value.param == "messages"
 
 
-def test_a_template_that_fails_is_a_bad_request():
-    processor = InputProcessor(tokenizer("{{ messages[5]['content'] }}"), VOCAB, MAX_MODEL_LEN)
+def test_a_template_that_fails_on_a_request_is_a_bad_request(processor):
     with pytest.raises(InvalidInput, match="the chat template") as caught:
-        processor.chat_prompt([{"role": "user", "content": "hi"}])
+        processor.chat_prompt([{"role": "user", "content": "hi"}],
+                              chat_template="{{ messages[5]['content'] }}")
     assert caught.value.param == "messages"
 
 
