@@ -73,7 +73,11 @@ class Tokenizer:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{tokenizer_file}: no tokenizer.json in the model folder")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the library raises a bare Exception for any parse failure
+            raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library can read "
+                             f"(truncated or damaged?): {str(exc).splitlines()[0][:300]}") from None
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_text(config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
