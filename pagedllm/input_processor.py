@@ -140,12 +140,64 @@ class InputProcessor:
                plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of text, refused untokenized if it is too long to fit any context
         (plain_spans: Tokenizer.encode's)."""
-        if len(text) > self.max_prompt_chars:
+        self._check_text_length(len(text), param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, plain_spans=plain_spans)
+
+    def check_request_size(self, body, max_prompts: int) -> None:
+        """Cheap bounds on a decoded request body (the JSON object, before the schema): InvalidInput
+        naming the field when it is past one; what is not shaped as expected is left to the schema.
+
+        A 4 MiB body holds 250,000 chat messages or 1.9 million token ids: validating that with the
+        schema, rendering it through a chat template or tokenizing it takes seconds of one core (in
+        the server, of the event loop every stream shares) only to refuse it as too long. Here a
+        list's length is read before its items, and items are measured only up to the bound, so
+        the time is proportional to what is accepted. Each bound follows from the context, so
+        nothing a request could use is refused: at most max_model_len messages (each takes a
+        token) and max_prompt_chars characters of message text; per prompt, max_prompt_chars
+        characters or max_model_len token ids; at most max_prompts prompts."""
+        if not isinstance(body, dict):
+            return
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if isinstance(messages, list):
+            self._check_messages_size(messages)
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "prompt")
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):  # one prompt of ids
+            self._check_prompt_length(len(prompt))
+        elif isinstance(prompt, list):
+            if len(prompt) > max_prompts:
+                raise InvalidInput(f"prompt lists {len(prompt)} prompts; at most {max_prompts} are "
+                                   "accepted in one request")
+            for item in prompt:
+                if isinstance(item, str):
+                    self._check_text_length(len(item), "prompt")
+                elif isinstance(item, list):
+                    self._check_prompt_length(len(item))
+
+    def _check_messages_size(self, messages: list) -> None:
+        if len(messages) > self.max_model_len:
+            raise InvalidInput(f"messages has {len(messages)} entries, more than this model's "
+                               f"maximum context length of {self.max_model_len} tokens can hold: "
+                               "shorten the conversation", "messages")
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if chars > self.max_prompt_chars:
+                raise InvalidInput(f"the messages' text is more than {self.max_prompt_chars} "
+                                   f"characters, more than this model's maximum context length of "
+                                   f"{self.max_model_len} tokens can hold: shorten it", "messages")
+
+    def _check_text_length(self, length: int, param: str) -> None:
+        if length > self.max_prompt_chars:
             raise InvalidInput(
-                f"the prompt is {len(text)} characters, more than this model's maximum context "
+                f"the prompt is {length} characters, more than this model's maximum context "
                 f"length of {self.max_model_len} tokens can hold (at most {self.max_prompt_chars} "
                 "characters): shorten it", param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, plain_spans=plain_spans)
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
                     tools: Sequence[Tool] = (), chat_template: str | None = None,
@@ -251,12 +303,15 @@ class InputProcessor:
     def _check_token_ids(self, token_ids, room_for_output: bool) -> None:
         if len(token_ids) == 0:
             raise InvalidInput(_EMPTY)
+        self._check_prompt_length(len(token_ids), room_for_output)  # before the per-id look
         self.check_token_ids(token_ids, "prompt", "prompt token ids")
+
+    def _check_prompt_length(self, num_tokens: int, room_for_output: bool = False) -> None:
         limit = self.max_model_len - 1 if room_for_output else self.max_model_len
-        if len(token_ids) > limit:
-            leaves = ", which leaves no room for a completion" if len(token_ids) <= self.max_model_len else ""
+        if num_tokens > limit:
+            leaves = ", which leaves no room for a completion" if num_tokens <= self.max_model_len else ""
             raise InvalidInput(f"this model's maximum context length is {self.max_model_len} tokens "
-                               f"(max_model_len) and the prompt has {len(token_ids)}{leaves}: "
+                               f"(max_model_len) and the prompt has {num_tokens}{leaves}: "
                                "shorten it")
 
     def _check_sampling_token_ids(self, params: SamplingParams) -> None:

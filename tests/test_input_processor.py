@@ -186,3 +186,30 @@ def test_detokenize_checks_the_vocabulary_and_keeps_special_tokens(processor):
     with pytest.raises(InvalidInput) as caught:
         processor.detokenize([1, 300])
     assert caught.value.param == "tokens"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": [{"role": "user", "content": "x"}] * 250_000}, "messages",
+     "messages has 250000 entries, more than this model's maximum context length of 16 tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 100}, {"role": "user", "content": [
+        {"type": "text", "text": "y" * 13}]}]}, "messages", "the messages' text is more than 112 characters"),
+    ({"prompt": list(range(1_900_000))}, "prompt", "maximum context length is 16 tokens (max_model_len) "
+                                                   "and the prompt has 1900000"),
+    ({"prompt": [[1, 2], list(range(17))]}, "prompt", "the prompt has 17"),
+    ({"prompt": ["hi", "x" * 113]}, "prompt", "the prompt is 113 characters"),
+    ({"prompt": "x" * 4_000_000}, "prompt", "the prompt is 4000000 characters"),
+    ({"prompt": ["hi"] * 65}, "prompt", "prompt lists 65 prompts; at most 64"),
+])
+def test_a_raw_body_past_a_cheap_bound_is_refused_before_parsing(processor, body, param, message):
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        processor.check_request_size(body, max_prompts=64)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}] * 16}, {"prompt": "x" * 112},
+    {"prompt": list(range(16))}, {"prompt": [[1, 2], [3]] * 32}, {"prompt": ["a", "b"]}, {},
+    {"messages": "not a list", "prompt": 5}, [], "text",
+])
+def test_bodies_within_the_bounds_are_left_to_the_schema(processor, body):
+    processor.check_request_size(body, max_prompts=64)
