@@ -107,3 +107,11 @@ def test_uncovered_combinations_are_refused(tiny_folder, monkeypatch):
     monkeypatch.setattr(cpu_kernel, "available", lambda: False)
     with pytest.raises(ValueError, match="compiled CPU kernels"):
         LLM(str(tiny_folder), dtype="bfloat16", kv_cache_memory="16MiB", batch_invariant=True)
+
+
+def test_the_engine_flag_sets_it():
+    from pagedllm.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "hi", "--batch-invariant"])
+    assert engine_config_from_args(args).batch_invariant is True
+    assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).batch_invariant is False
