@@ -110,6 +110,7 @@ class ModelRunner:
         self.device = torch.device(device)
         # Rank 0 of a tensor-parallel group: its workers' driver (pagedllm.distributed.driver).
         self.tp = getattr(model, "tensor_parallel", None)
+        self.batch_invariant = batch_invariant
         if batch_invariant:  # ValueError where the mode is not covered
             make_batch_invariant(model)
         elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
@@ -252,6 +253,7 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=query_start_loc.tolist(),
+            batch_invariant=self.batch_invariant,
         )
         return StepInputs(packet[layout.input_ids], packet[layout.positions], meta,
                           packet[layout.sample_rows], sample_indices)

@@ -73,14 +73,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache
     (the new K/V already written by write_kv): [T, Hq, D]. softcap: scores become
-    softcap * tanh(score / softcap) before the softmax (Gemma 2). batch_invariant: each row's
-    result independent of the batch (pagedllm.model.batch_invariant checked at start-up that the
-    CPU kernel takes it)."""
-    if batch_invariant:
+    softcap * tanh(score / softcap) before the softmax (Gemma 2). With
+    attn_metadata.batch_invariant, each row's result is independent of the batch (the CPU
+    kernel's row-invariant entry; pagedllm.model.batch_invariant checked at start-up that it
+    takes this model)."""
+    if attn_metadata.batch_invariant:
         return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                           sliding_window, softcap, row_invariant=True)
     if cpu_kernel.supports(query, key_cache):

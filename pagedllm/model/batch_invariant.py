@@ -97,8 +97,9 @@ def check_batch_invariant(model: nn.Module) -> None:
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switch a loaded LlamaForCausalLM to batch-invariant kernels, in place (instead of
-    prepack_for_cpu). ValueError, before anything changes, where the mode is not covered."""
+    """Switch a loaded LlamaForCausalLM's matmuls to batch-invariant ones, in place (instead of
+    prepack_for_cpu); attention follows AttentionMetadata.batch_invariant, which the runner sets.
+    ValueError, before anything changes, where the mode is not covered."""
     check_batch_invariant(model)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -106,8 +107,6 @@ def make_batch_invariant(model: nn.Module) -> None:
                 setattr(module, name, InvariantLinear(child.weight, child.bias))
             elif isinstance(child, QuantLinear):
                 child.row_invariant = True
-        if hasattr(module, "batch_invariant"):  # attention layers
-            module.batch_invariant = True
     head = getattr(model, "_packed_lm_head", None)
     if isinstance(head, QuantLinear):
         head.row_invariant = True

@@ -262,7 +262,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # Rotary in place on the q/k/v rows needs q and k as projected, and whole heads rotated.
         self.rotary_in_place = self.q_norm is None and config.rotary_dim == self.head_dim
-        self.batch_invariant = False  # pagedllm.model.batch_invariant sets it
 
     def forward(
         self,
@@ -292,8 +291,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, attn_metadata, self.scale,
-                              sliding_window=self.sliding_window, softcap=self.softcap,
-                              batch_invariant=self.batch_invariant)
+                              sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
