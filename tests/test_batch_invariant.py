@@ -102,6 +102,8 @@ def test_uncovered_combinations_are_refused(tiny_folder, monkeypatch):
         EngineConfig(device="cuda", batch_invariant=True)
     with pytest.raises(ValueError, match="bfloat16 and float32"):
         LLM(str(tiny_folder), dtype="float16", kv_cache_memory="16MiB", batch_invariant=True)
+    with pytest.raises(ValueError, match="one process"):
+        EngineConfig(tensor_parallel_size=2, batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
         EngineConfig(batch_invariant="yes")
     monkeypatch.setattr(cpu_kernel, "available", lambda: False)
