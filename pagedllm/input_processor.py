@@ -71,8 +71,12 @@ def prompt_list(prompts) -> list:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  sampling_defaults: dict | None = None,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None,
+                 chat_template: str | None = None) -> None:
+        """chat_template: the template every chat renders with unless a call names another (the
+        server's --chat-template); None: the model's."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The model's defaults for SamplingParams fields a request leaves unset.
@@ -83,9 +87,11 @@ class InputProcessor:
         # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
         # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
         self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
-        if tokenizer.chat_template is not None:  # a broken template stops start-up, in one line
-            check_chat_template(tokenizer.chat_template, tokenizer.apply_chat_template,
-                                "the model's chat template")
+        template = chat_template or tokenizer.chat_template
+        if template is not None:  # a broken template stops start-up, in one line
+            check_chat_template(
+                template, lambda messages: tokenizer.apply_chat_template(messages, chat_template=template),
+                "the chat template (--chat-template)" if chat_template else "the model's chat template")
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams' own defaults under the model's (what a request that sets nothing gets)."""
@@ -216,6 +222,7 @@ class InputProcessor:
         tools (checked ones, pagedllm.structured.tools.parse_tools) go to a template that reads
         `tools`; a template that does not gets them in the system message instead, and the
         history's tool calls and tool results written as text in the format that asks for."""
+        chat_template = chat_template or self.chat_template
         if not messages:
             raise InvalidInput("messages is empty: send at least one message", "messages")
         if continue_final_message and add_generation_prompt:

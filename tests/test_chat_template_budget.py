@@ -114,3 +114,12 @@ def test_content_spans_find_each_message_in_order_trimmed_or_not():
                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert [text[a:b] for a, b in content_spans(text, messages)] == ["hi", "hi there", "hi"]
     assert [a for a, _ in content_spans(text, messages)] == [6, 24, 43]
+
+
+def test_a_replacement_template_is_the_one_checked_and_used():
+    broken = "{{ messages[5]['content'] }}"
+    tokenizer = Tokenizer(tokenizer_backend(), {"bos_token": BOS, "eos_token": EOS}, broken)
+    replaced = InputProcessor(tokenizer, VOCAB, MAX_MODEL_LEN, chat_template=CHAT_TEMPLATE)
+    assert replaced.chat_prompt(USER)["prompt"] == "<|bos|><user>hi<|eos|><assistant>"
+    with pytest.raises(ValueError, match=r"^the chat template \(--chat-template\) does not compile"):
+        InputProcessor(tokenizer, VOCAB, MAX_MODEL_LEN, chat_template="{% if %}")
