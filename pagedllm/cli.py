@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=default["distributed_timeout_s"],
                         help="seconds a rank waits for the others in one collective before the "
                              "engine fails")
+    parser.add_argument("--batch-invariant", action="store_true", default=default["batch_invariant"],
+                        help="greedy outputs that do not depend on the batch, chunking or "
+                             "preemption (bf16 too; CPU only; slower prefill)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -75,7 +78,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         generation_config=args.generation_config,
                         tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
-                        distributed_timeout_s=args.distributed_timeout_s)
+                        distributed_timeout_s=args.distributed_timeout_s,
+
+                        batch_invariant=args.batch_invariant)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

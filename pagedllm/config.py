@@ -103,6 +103,9 @@ class EngineConfig:
     # How long a rank waits for the others in one collective before the engine fails (a worker
     # that hangs); a dead worker fails the step at once.
     distributed_timeout_s: float = 120.0
+    # Greedy outputs that do not depend on the batch, chunking or preemption, bf16 included, at
+    # some prefill speed (pagedllm.model.batch_invariant says what it covers; CPU only).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -142,6 +145,15 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds; "
                              f"got {timeout!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false; got {self.batch_invariant!r}")
+        if self.batch_invariant and self.device.startswith("cuda"):
+            raise ValueError("batch_invariant runs on the CPU only: the GPU kernels choose their "
+                             f"own summation orders (device {self.device!r}); use --device cpu")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant runs on one process: tensor parallelism sums partial "
+                             "results across ranks in an order it does not fix; use "
+                             "tensor_parallel_size 1")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
                              f"a generation_config.json; got {self.generation_config!r}")

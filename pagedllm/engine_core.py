@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from pagedllm.attention import kv_cache_bytes_per_block
+from pagedllm.attention import cpu_kernel, kv_cache_bytes_per_block
 from pagedllm.attention.kv_quant import stored_dtype_name
 from pagedllm.config import EngineConfig, SchedulerConfig
 from pagedllm.core_messages import (
@@ -86,6 +86,8 @@ class EngineCore:
         """grammar_compiler: for requests with structured_outputs (None: such requests are
         refused); in one process, the input processor's, so their compiles are shared."""
         self.device = next(model.parameters()).device  # where the loader put the weights
+        if self.device.type == "cpu":
+            cpu_kernel.available()  # build (or find) the kernels now, not in the first request
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         # The heads are this process's (model.config): under tensor parallelism its share, the
         # largest of any rank's, so the budget is what each rank's cache may take.
@@ -105,7 +107,7 @@ class EngineCore:
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
-            kv_cache_dtype=config.kv_cache_dtype)
+            kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputManager(grammar_compiler)
         self._groups: dict[str, RequestGroup] = {}

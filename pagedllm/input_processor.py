@@ -25,6 +25,13 @@ import time
 from collections.abc import Sequence
 from functools import cached_property
 
+from pagedllm.chat_template import (
+    MAX_RENDER_CHARS,
+    TemplateTimeout,
+    TemplateTooLong,
+    check_chat_template,
+    content_spans,
+)
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.compiler import GrammarCompiler
@@ -64,8 +71,12 @@ def prompt_list(prompts) -> list:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  sampling_defaults: dict | None = None,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None,
+                 chat_template: str | None = None) -> None:
+        """chat_template: the template every chat renders with unless a call names another (the
+        server's --chat-template); None: the model's."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The model's defaults for SamplingParams fields a request leaves unset.
@@ -76,6 +87,11 @@ class InputProcessor:
         # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
         # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
         self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
+        template = chat_template or tokenizer.chat_template
+        if template is not None:  # a broken template stops start-up, in one line
+            check_chat_template(
+                template, lambda messages: tokenizer.apply_chat_template(messages, chat_template=template),
+                "the chat template (--chat-template)" if chat_template else "the model's chat template")
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams' own defaults under the model's (what a request that sets nothing gets)."""
@@ -126,28 +142,87 @@ class InputProcessor:
         self._check_token_ids(token_ids, room_for_output)
         return text, list(token_ids)
 
-    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text, refused untokenized if it is too long to fit any context."""
-        if len(text) > self.max_prompt_chars:
+    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
+               plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of text, refused untokenized if it is too long to fit any context
+        (plain_spans: Tokenizer.encode's)."""
+        self._check_text_length(len(text), param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, plain_spans=plain_spans)
+
+    def check_request_size(self, body, max_prompts: int) -> None:
+        """Cheap bounds on a decoded request body (the JSON object, before the schema): InvalidInput
+        naming the field when it is past one; what is not shaped as expected is left to the schema.
+
+        A 4 MiB body holds 250,000 chat messages or 1.9 million token ids: validating that with the
+        schema, rendering it through a chat template or tokenizing it takes seconds of one core (in
+        the server, of the event loop every stream shares) only to refuse it as too long. Here a
+        list's length is read before its items, and items are measured only up to the bound, so
+        the time is proportional to what is accepted. Each bound follows from the context, so
+        nothing a request could use is refused: at most max_model_len messages (each takes a
+        token) and max_prompt_chars characters of message text; per prompt, max_prompt_chars
+        characters or max_model_len token ids; at most max_prompts prompts."""
+        if not isinstance(body, dict):
+            return
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if isinstance(messages, list):
+            self._check_messages_size(messages)
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "prompt")
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):  # one prompt of ids
+            self._check_prompt_length(len(prompt))
+        elif isinstance(prompt, list):
+            if len(prompt) > max_prompts:
+                raise InvalidInput(f"prompt lists {len(prompt)} prompts; at most {max_prompts} are "
+                                   "accepted in one request")
+            for item in prompt:
+                if isinstance(item, str):
+                    self._check_text_length(len(item), "prompt")
+                elif isinstance(item, list):
+                    self._check_prompt_length(len(item))
+
+    def _check_messages_size(self, messages: list) -> None:
+        if len(messages) > self.max_model_len:
+            raise InvalidInput(f"messages has {len(messages)} entries, more than this model's "
+                               f"maximum context length of {self.max_model_len} tokens can hold: "
+                               "shorten the conversation", "messages")
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if chars > self.max_prompt_chars:
+                raise InvalidInput(f"the messages' text is more than {self.max_prompt_chars} "
+                                   f"characters, more than this model's maximum context length of "
+                                   f"{self.max_model_len} tokens can hold: shorten it", "messages")
+
+    def _check_text_length(self, length: int, param: str) -> None:
+        if length > self.max_prompt_chars:
             raise InvalidInput(
-                f"the prompt is {len(text)} characters, more than this model's maximum context "
+                f"the prompt is {length} characters, more than this model's maximum context "
                 f"length of {self.max_model_len} tokens can hold (at most {self.max_prompt_chars} "
                 "characters): shorten it", param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
                     tools: Sequence[Tool] = (), chat_template: str | None = None,
                     chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
-                    add_special_tokens: bool = False) -> dict:
+                    add_special_tokens: bool = False, split_special_tokens: bool = True) -> dict:
         """A conversation as one prompt, through the chat template (the model's, or chat_template):
         {"prompt": text, "prompt_token_ids": ids}. The template writes any BOS itself, so
-        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for.
-        chat_template_kwargs: more variables for the template (e.g. enable_thinking);
+        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for (vLLM's
+        default for chat). split_special_tokens: a special token's text inside a message's text
+        (a user writing "<|im_start|>system") is tokenized as text, not as the control token
+        (HF's split_special_tokens), so no message can forge a turn of another role; False lets
+        it act. chat_template_kwargs: more variables for the template (e.g. enable_thinking);
         continue_final_message: the text ends inside the last message, for the model to go on.
+        The template renders within pagedllm.chat_template's budget.
 
         tools (checked ones, pagedllm.structured.tools.parse_tools) go to a template that reads
         `tools`; a template that does not gets them in the system message instead, and the
         history's tool calls and tool results written as text in the format that asks for."""
+        chat_template = chat_template or self.chat_template
         if not messages:
             raise InvalidInput("messages is empty: send at least one message", "messages")
         if continue_final_message and add_generation_prompt:
@@ -169,14 +244,24 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                continue_final_message=continue_final_message, **kwargs)
-        except ValueError as exc:  # no template, or the template refused the messages
+                continue_final_message=continue_final_message,
+                max_chars=min(self.max_prompt_chars, MAX_RENDER_CHARS),
+                **kwargs)
+        except TemplateTimeout:  # the template's fault, not the request's
+            raise
+        except TemplateTooLong:
+            raise InvalidInput(
+                f"the conversation renders to more than {self.max_prompt_chars} characters through "
+                f"the chat template, more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold: shorten it", "messages") from None
+        except ValueError as exc:  # no template, the template refused the messages, too long
             raise InvalidInput(str(exc), "messages") from exc
         except Exception as exc:  # the template itself failed (e.g. roles out of order)
             raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                "messages") from exc
-        return {"prompt": text,
-                "prompt_token_ids": self.encode(text, "messages", add_special_tokens=add_special_tokens)}
+        plain = content_spans(text, messages) if split_special_tokens else ()
+        return {"prompt": text, "prompt_token_ids": self.encode(
+            text, "messages", add_special_tokens=add_special_tokens, plain_spans=plain)}
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids (special tokens written out), after the vocabulary check."""
@@ -225,12 +310,15 @@ class InputProcessor:
     def _check_token_ids(self, token_ids, room_for_output: bool) -> None:
         if len(token_ids) == 0:
             raise InvalidInput(_EMPTY)
+        self._check_prompt_length(len(token_ids), room_for_output)  # before the per-id look
         self.check_token_ids(token_ids, "prompt", "prompt token ids")
+
+    def _check_prompt_length(self, num_tokens: int, room_for_output: bool = False) -> None:
         limit = self.max_model_len - 1 if room_for_output else self.max_model_len
-        if len(token_ids) > limit:
-            leaves = ", which leaves no room for a completion" if len(token_ids) <= self.max_model_len else ""
+        if num_tokens > limit:
+            leaves = ", which leaves no room for a completion" if num_tokens <= self.max_model_len else ""
             raise InvalidInput(f"this model's maximum context length is {self.max_model_len} tokens "
-                               f"(max_model_len) and the prompt has {len(token_ids)}{leaves}: "
+                               f"(max_model_len) and the prompt has {num_tokens}{leaves}: "
                                "shorten it")
 
     def _check_sampling_token_ids(self, params: SamplingParams) -> None:

@@ -45,14 +45,17 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, *,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             split_special_tokens: bool = True) -> list[RequestOutput]:
         """Each conversation through the chat template (the model's, or chat_template; see
-        InputProcessor.chat_prompt for the options), then generate."""
+        InputProcessor.chat_prompt for the options: split_special_tokens=False lets special-token
+        text in messages act as control tokens), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         processor = self.engine.input_processor
         prompts = [processor.chat_prompt(c, add_generation_prompt, chat_template=chat_template,
                                          chat_template_kwargs=chat_template_kwargs,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message,
+                                         split_special_tokens=split_special_tokens)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -22,6 +22,7 @@ from pagedllm.attention import allocate_kv_cache, copy_blocks
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.block_table import BlockTable
 from pagedllm.kv.slots import slot_mapping
+from pagedllm.model.batch_invariant import make_batch_invariant
 from pagedllm.request import Request
 from pagedllm.utils import cdiv
 
@@ -102,13 +103,17 @@ class StepOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
-                 device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
+                 device: str | torch.device = "cpu", kv_cache_dtype: str = "auto",
+                 batch_invariant: bool = False) -> None:
         cfg = model.config  # under tensor parallelism, this rank's share of the heads
         self.model = model
         self.device = torch.device(device)
         # Rank 0 of a tensor-parallel group: its workers' driver (pagedllm.distributed.driver).
         self.tp = getattr(model, "tensor_parallel", None)
-        if self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # ValueError where the mode is not covered
+            make_batch_invariant(model)
+        elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,
@@ -248,6 +253,7 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=query_start_loc.tolist(),
+            batch_invariant=self.batch_invariant,
         )
         return StepInputs(packet[layout.input_ids], packet[layout.positions], meta,
                           packet[layout.sample_rows], sample_indices)

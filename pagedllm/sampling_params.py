@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_BAD_WORDS = 128  # each one is checked against the output after every token
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+MIN_TOP_P = 1e-9  # smaller top_p values mean the same (the top token) and are raised to it
 
 
 class RequestOutputKind(enum.Enum):
@@ -73,6 +74,10 @@ class SamplingParams:
         if isinstance(self.structured_outputs, Mapping):
             self.structured_outputs = spec_from_structured_outputs(self.structured_outputs)
         self._validate()
+        # The sampler compares masses in float32, where a top_p under ~1.4e-45 is 0 and would
+        # drop every token (a reply of repeated EOS). Any top_p at or under MIN_TOP_P already
+        # keeps the most likely token only (the second's mass before it is at least 1 / vocab).
+        self.top_p = max(self.top_p, MIN_TOP_P)
 
     @property
     def greedy(self) -> bool:

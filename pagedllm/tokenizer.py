@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from pagedllm.chat_template import MAX_RENDER_CHARS, compile_chat_template, render_chat_template
 from pagedllm.sentencepiece_vocab import sentencepiece_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -75,7 +73,11 @@ class Tokenizer:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{tokenizer_file}: no tokenizer.json in the model folder")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the library raises a bare Exception for any parse failure
+            raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library can read "
+                             f"(truncated or damaged?): {str(exc).splitlines()[0][:300]}") from None
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_text(config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -117,10 +119,35 @@ class Tokenizer:
                       if token_type == _CONTROL and token in _END_OF_TURN_TOKENS]
         return cls(backend, special, metadata.get("tokenizer.chat_template"), extra_eos)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of text. Special tokens written in the text (like <|im_start|>) are matched
-        whole; add_special_tokens adds the BOS/EOS the tokenizer is configured to add."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        whole, except inside plain_spans (character spans: a chat's message texts), where they
+        are text like any other (HF's split_special_tokens); add_special_tokens adds the BOS/EOS
+        the tokenizer is configured to add."""
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        special = self._special_token_ids
+        if not plain_spans or special.isdisjoint(encoding.ids):
+            return encoding.ids
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in special and start < end and any(a <= start and end <= b for a, b in plain_spans):
+                ids += self._as_text.encode(text[start:end], add_special_tokens=False).ids
+            else:
+                ids.append(token_id)
+        return ids
+
+    @cached_property
+    def _special_token_ids(self) -> frozenset[int]:
+        return frozenset(i for i, token in self.backend.get_added_tokens_decoder().items() if token.special)
+
+    @cached_property
+    def _as_text(self) -> tokenizers.Tokenizer:
+        """The same tokenizer, matching no special token in text (a copy: the setting is the
+        tokenizer's, and other threads encode with the original meanwhile)."""
+        copy = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        copy.encode_special_tokens = True
+        return copy
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -132,12 +159,15 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        chat_template: str | None = None, continue_final_message: bool = False, **extra: Any
+        chat_template: str | None = None, continue_final_message: bool = False, *,
+        max_chars: int = MAX_RENDER_CHARS, **extra: Any
     ) -> str:
         """The prompt text for a conversation, through chat_template (default: the model's).
         It already holds any BOS the template writes, so encode it with add_special_tokens=False.
         extra: more template variables. continue_final_message: the text is cut right after the
         last message's content (the template's end-of-turn dropped), for the model to go on.
+        Rendered within pagedllm.chat_template's budget: RENDER_TIMEOUT_S and max_chars
+        (TemplateTimeout, TemplateTooLong past them).
 
         A template that refuses a system message (Gemma 1 and 2: "System role not supported")
         gets it folded into the first user message instead, as Gemma 3's own template does."""
@@ -149,44 +179,16 @@ class Tokenizer:
         context = {name: text for name, text in self.special_tokens.items() if text is not None}
         context.update(extra, add_generation_prompt=add_generation_prompt)
         try:
-            text = compiled.render(messages=messages, **context)
+            text = render_chat_template(compiled, max_chars=max_chars, messages=messages, **context)
         except jinja2.TemplateError as exc:
             folded = _system_folded_into_first_user(messages)
             if folded is None:
                 raise ValueError(f"the chat template rejected the messages: {exc}") from None
             try:
-                text = compiled.render(messages=folded, **context)
+                text = render_chat_template(compiled, max_chars=max_chars, messages=folded, **context)
             except jinja2.TemplateError:  # its complaint is about something else: report the first
                 raise ValueError(f"the chat template rejected the messages: {exc}") from None
         return _cut_after_final_message(text, messages) if continue_final_message else text
-
-
-@lru_cache(maxsize=16)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """A chat template compiled in a Jinja sandbox (compiled once per distinct text); a syntax
-    error raises jinja2.TemplateSyntaxError."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def load_chat_template(value: str) -> str:
-    """A chat template given as a file's path or as the template itself (vLLM's --chat-template),
-    checked to compile."""
-    path = Path(value).expanduser()
-    if len(value) < 4096 and path.is_file():
-        template = path.read_text(encoding="utf-8")
-    elif any(mark in value for mark in ("{{", "{%")):
-        template = value
-    else:
-        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
-    try:
-        compile_chat_template(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template {value[:80]!r}: line {exc.lineno}: {exc.message}") from None
-    return template
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
@@ -386,13 +388,3 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters, which would change the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)

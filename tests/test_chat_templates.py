@@ -213,7 +213,7 @@ def test_a_template_given_per_call_replaces_the_models():
 
 
 def test_load_chat_template_takes_a_file_or_the_text(tmp_path):
-    from pagedllm.tokenizer import load_chat_template
+    from pagedllm.chat_template import load_chat_template
 
     file = tmp_path / "t.jinja"
     file.write_text(PHI3_LIKE)

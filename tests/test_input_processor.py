@@ -113,9 +113,10 @@ def test_chat_prompts_go_through_the_template(processor):
 
 @pytest.mark.parametrize("messages,message", [
     ([], "messages is empty: send at least one message"),
-    ([{"role": "user", "content": "y" * 200}], "the prompt is 231 characters, more than this model's "
-                                                "maximum context length of 16 tokens can hold (at most "
-                                                "112 characters): shorten it"),
+    ([{"role": "user", "content": "y" * 200}], "the conversation renders to more than 112 characters "
+                                                "through the chat template, more than this model's "
+                                                "maximum context length of 16 tokens can hold: "
+                                                "shorten it"),
 ])
 def test_chat_problems_name_the_messages(processor, messages, message):
     with pytest.raises(InvalidInput) as caught:
@@ -130,10 +131,10 @@ def test_a_model_without_a_chat_template_says_so():
     assert caught.value.param == "messages"
 
 
-def test_a_template_that_fails_is_a_bad_request():
-    processor = InputProcessor(tokenizer("{{ messages[5]['content'] }}"), VOCAB, MAX_MODEL_LEN)
+def test_a_template_that_fails_on_a_request_is_a_bad_request(processor):
     with pytest.raises(InvalidInput, match="the chat template") as caught:
-        processor.chat_prompt([{"role": "user", "content": "hi"}])
+        processor.chat_prompt([{"role": "user", "content": "hi"}],
+                              chat_template="{{ messages[5]['content'] }}")
     assert caught.value.param == "messages"
 
 
@@ -185,3 +186,30 @@ def test_detokenize_checks_the_vocabulary_and_keeps_special_tokens(processor):
     with pytest.raises(InvalidInput) as caught:
         processor.detokenize([1, 300])
     assert caught.value.param == "tokens"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": [{"role": "user", "content": "x"}] * 250_000}, "messages",
+     "messages has 250000 entries, more than this model's maximum context length of 16 tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 100}, {"role": "user", "content": [
+        {"type": "text", "text": "y" * 13}]}]}, "messages", "the messages' text is more than 112 characters"),
+    ({"prompt": list(range(1_900_000))}, "prompt", "maximum context length is 16 tokens (max_model_len) "
+                                                   "and the prompt has 1900000"),
+    ({"prompt": [[1, 2], list(range(17))]}, "prompt", "the prompt has 17"),
+    ({"prompt": ["hi", "x" * 113]}, "prompt", "the prompt is 113 characters"),
+    ({"prompt": "x" * 4_000_000}, "prompt", "the prompt is 4000000 characters"),
+    ({"prompt": ["hi"] * 65}, "prompt", "prompt lists 65 prompts; at most 64"),
+])
+def test_a_raw_body_past_a_cheap_bound_is_refused_before_parsing(processor, body, param, message):
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        processor.check_request_size(body, max_prompts=64)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}] * 16}, {"prompt": "x" * 112},
+    {"prompt": list(range(16))}, {"prompt": [[1, 2], [3]] * 32}, {"prompt": ["a", "b"]}, {},
+    {"messages": "not a list", "prompt": 5}, [], "text",
+])
+def test_bodies_within_the_bounds_are_left_to_the_schema(processor, body):
+    processor.check_request_size(body, max_prompts=64)

@@ -52,6 +52,14 @@ def test_top_k_one_is_greedy():
     assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-12])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    """float32 rounds 1e-46 to 0: the threshold must still keep the most likely token."""
+    logits = torch.randn(8, 300)
+    rows = [row(SamplingParams(temperature=1.5, top_p=top_p)) for _ in range(8)]
+    assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     sampler = Sampler(seed=0)

@@ -76,7 +76,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache
     (the new K/V already written by write_kv): [T, Hq, D]. softcap: scores become
-    softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    softcap * tanh(score / softcap) before the softmax (Gemma 2). With
+    attn_metadata.batch_invariant, each row's result is independent of the batch (the CPU
+    kernel's row-invariant entry; pagedllm.model.batch_invariant checked at start-up that it
+    takes this model)."""
+    if attn_metadata.batch_invariant:
+        return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                          sliding_window, softcap, row_invariant=True)
     if cpu_kernel.supports(query, key_cache):
         return cpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                           sliding_window, softcap)

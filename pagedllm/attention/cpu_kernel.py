@@ -1,11 +1,16 @@
 """The compiled CPU kernels: paged attention (csrc/paged_attention.cpp), the elementwise fusions
 around it in a layer (csrc/fused_ops.cpp: RMSNorm with the residual add, rotary in place,
-SiLU-and-mul) and matmuls over quantized weights (csrc/quant_matmul.cpp). Built on first use with
-the local C++ compiler, cached per machine kind, and skipped (with one log line) where they cannot
-be: callers then take the portable torch path.
+SiLU-and-mul) and matmuls over quantized weights (csrc/quant_matmul.cpp). Built (or found) when an
+engine starts on the CPU, with the local C++ compiler, cached per machine kind, and skipped (with one
+log line) where they cannot be: callers then take the portable torch path.
 
 The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
-torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes.
+torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes,
+and every checkout with the same sources shares one build. It runs in a child process, so it is
+bounded: one that has not finished within $PAGEDLLM_KERNEL_BUILD_TIMEOUT_S (default 900) is
+stopped and the engine takes the portable path, with one warning. A process stopped mid-build
+(Ctrl-C, a closed terminal) leaves no lock that blocks the next one (_build_lock), and a library
+counts as built only once its build finished (the BUILT marker), so the next start builds again.
 PAGEDLLM_ATTENTION=torch turns the kernel off (the portable torch path runs instead);
 PAGEDLLM_ATTENTION_AMX=0 keeps attention off the AMX tile unit (prefill then takes the AVX-512 path).
 """
@@ -14,10 +19,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -86,7 +94,8 @@ def _why_unavailable() -> str | None:
 
 
 def available() -> bool:
-    """Whether the kernel is loaded (building it on the first call where it can be)."""
+    """Whether the kernel is loaded (building it on the first call where it can be; an engine
+    calls this at start-up)."""
     if "ok" in _state:
         return bool(_state["ok"])
     with _lock:
@@ -95,23 +104,27 @@ def available() -> bool:
     return bool(_state["ok"])
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels did not load (None where they did, or were not tried yet)."""
+    return _state.get("why")
+
+
+_BUILT = "BUILT"  # written into the build folder once the library there is whole
+_DEFAULT_BUILD_TIMEOUT_S = 900.0
+
+
 def _load() -> bool:
     why = _why_unavailable()
     if why is None:
         try:
-            from torch.utils import cpp_extension
-
             name = _build_name()
             build_dir = cache_dir() / name
-            build_dir.mkdir(parents=True, exist_ok=True)
-            with _build_lock(build_dir):
-                sources = _copy_sources(build_dir / "src")
-                cpp_extension.load(name=name, sources=sources,
-                                   extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                                   build_directory=str(build_dir), is_python_module=False,
-                                   verbose=False)
-            logger.debug("CPU kernels loaded from %s", build_dir)
-            return True
+            if not (build_dir / _BUILT).is_file():
+                why = _build_in_child(build_dir, name)
+            if why is None:
+                torch.ops.load_library(str(build_dir / f"{name}.so"))
+                logger.debug("CPU kernels loaded from %s", build_dir)
+                return True
         except Exception as exc:  # a failed build must never stop the engine
             why = f"the build failed ({type(exc).__name__}: {str(exc).strip()[-500:]})"
     _state["why"] = why
@@ -119,17 +132,84 @@ def _load() -> bool:
     return False
 
 
-def _copy_sources(src_dir: Path) -> list[str]:
+def build_timeout_s() -> float:
+    value = os.environ.get("PAGEDLLM_KERNEL_BUILD_TIMEOUT_S")
+    try:
+        timeout = float(value) if value else _DEFAULT_BUILD_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_KERNEL_BUILD_TIMEOUT_S must be seconds; got {value!r}") from None
+    return timeout
+
+
+def _build_in_child(build_dir: Path, name: str) -> str | None:
+    """Build the library in a child process (its own process group, so a stop takes the compiler
+    with it), waiting at most build_timeout_s(). None once built; else why not."""
+    timeout = build_timeout_s()
+    spec = {"name": name, "build_dir": str(build_dir), "cflags": _cflags(),
+            "files": {n: str(_CSRC / n) for n in _SOURCES + _HEADERS}, "sources": list(_SOURCES)}
+    logger.info("building pagedllm's CPU kernels in %s: once per version of their sources, about "
+                "1-2 minutes (at most %.0f s, PAGEDLLM_KERNEL_BUILD_TIMEOUT_S)", build_dir, timeout)
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import json, sys; from pagedllm.attention import cpu_kernel; "
+                               "cpu_kernel.build(json.loads(sys.argv[1]))", json.dumps(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        output, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(child)
+        return f"the build did not finish within {timeout:.0f} s (PAGEDLLM_KERNEL_BUILD_TIMEOUT_S)"
+    except BaseException:
+        _stop(child)
+        raise
+    if child.returncode != 0:
+        text = output.decode(errors="replace").strip()
+        return f"the build failed (exit status {child.returncode}: {text[-500:]})"
+    logger.info("CPU kernels built in %.0f s", time.monotonic() - started)
+    return None
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """Kill a build child and the compilers under it."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+def build(spec: dict) -> None:
+    """The build itself (run in the child _build_in_child starts): under the build folder's lock,
+    unless another process finished it meanwhile; BUILT written last."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(spec["build_dir"])
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(build_dir):
+        if (build_dir / _BUILT).is_file():
+            return
+        # A build stopped while linking may have left a partial library that looks up to date.
+        (build_dir / f"{spec['name']}.so").unlink(missing_ok=True)
+        sources = _copy_sources(build_dir / "src", {n: Path(f) for n, f in spec["files"].items()})
+        cpp_extension.load(name=spec["name"], sources=[sources[n] for n in spec["sources"]],
+                           extra_cflags=spec["cflags"], extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        (build_dir / _BUILT).write_text("")
+
+
+def _copy_sources(src_dir: Path, files: dict[str, Path]) -> dict[str, str]:
     """The sources copied into the build folder, which is named by their hash: the build then
     names only paths inside it, so every checkout with the same sources shares one build instead
-    of rebuilding it in turn."""
+    of rebuilding it in turn. Their paths there, by name."""
     src_dir.mkdir(exist_ok=True)
-    for name in _SOURCES + _HEADERS:
+    for name, path in files.items():
         target = src_dir / name
-        text = (_CSRC / name).read_bytes()
+        text = path.read_bytes()
         if not target.is_file() or target.read_bytes() != text:
             target.write_bytes(text)
-    return [str(src_dir / name) for name in _SOURCES]
+    return {name: str(src_dir / name) for name in files}
 
 
 @contextmanager
@@ -189,15 +269,23 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     use_amx: bool | None = None,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """Same contract as torch_ref.paged_attention; call only where supports() is true. use_amx:
     whether bf16 prefill may run on AMX tiles where the CPU has them (None: unless
-    PAGEDLLM_ATTENTION_AMX=0)."""
+    PAGEDLLM_ATTENTION_AMX=0). row_invariant: each row's result independent of the batch
+    (pagedllm.model.batch_invariant; no AMX then)."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
+    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
+    if row_invariant:
+        return torch.ops.pagedllm_cpu.paged_attention_invariant(
+            query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
+            attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
+            sliding_window if sliding_window is not None else 0,
+            softcap if softcap is not None else 0.0)
     if use_amx is None:
         use_amx = os.environ.get("PAGEDLLM_ATTENTION_AMX", "1") != "0"
-    (key_data, key_scale), (value_data, value_scale) = _parts(key_cache), _parts(value_cache)
     return torch.ops.pagedllm_cpu.paged_attention(
         query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,

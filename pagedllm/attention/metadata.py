@@ -23,6 +23,8 @@ class AttentionMetadata:
     # The same numbers as Python ints, so backends can loop without a device sync.
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
+    # Each row's result independent of the rest of the batch (pagedllm.model.batch_invariant).
+    batch_invariant: bool = False
 
     @property
     def num_seqs(self) -> int:

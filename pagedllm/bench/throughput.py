@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     session = baseline.start(engine, args, workload + streams) if baseline else None
     ours = {"system": "pagedllm", "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device_name(engine.device), "quantization": engine.config.quantization,
+            "batch_invariant": engine.config.batch_invariant,
             "weights_mib": round(engine.weight_bytes / 2**20, 1),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
             "rss_after_startup_mib": rss_mib}
@@ -162,8 +163,7 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
     if not hasattr(engine.config, field) or not value:
         raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
                          f"got {args.lockstep_with!r}")
-    default = getattr(engine.config, field)
-    twin = LLMEngine(engine_config(args, **{field: type(default)(value) if default is not None else value}))
+    twin = LLMEngine(engine_config(args, **{field: _setting(getattr(engine.config, field), value)}))
     serve_one(twin)
     engines = {"this": engine, args.lockstep_with: twin}
     for e in engines.values():
@@ -183,6 +183,15 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
     return {**rates, "ratio_output_tokens_per_s": round(
         rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3),
         "ratio_output_tokens_per_cpu_s": round(cpu[args.lockstep_with] / cpu["this"], 3)}
+
+
+def _setting(default, value: str):
+    """A --lockstep-with value in the type of the setting's default (true/false for a flag)."""
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"--lockstep-with: a true/false setting; got {value!r}")
+        return value.lower() == "true"
+    return value if default is None else type(default)(value)
 
 
 def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summarize: bool = True):

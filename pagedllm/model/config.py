@@ -122,6 +122,9 @@ class ModelConfig:
         missing = [key for key in _REQUIRED_HF_KEYS if key not in config]
         if missing:
             raise ModelLoadError(f"config.json lacks required keys: {', '.join(missing)}")
+        _check_sizes(config, "config.json", {key: key for key in (
+            *_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")})
+        _check_numbers(config, "config.json", ("rms_norm_eps", "rope_theta"))
         architecture = _hf_architecture(config)
         arch = ARCHITECTURES[architecture]
         heads = config["num_attention_heads"]
@@ -180,6 +183,12 @@ class ModelConfig:
             default = _LLAMA_CPP_DEFAULTS.get(gguf_arch, {}).get(name, default)
             return metadata.get(f"{gguf_arch}.{name}", default)
 
+        _check_sizes(metadata, "the GGUF metadata", {f"{gguf_arch}.{name}": name for name in (
+            "attention.head_count", "embedding_length", "block_count", "feed_forward_length",
+            "attention.head_count_kv", "attention.key_length", "context_length", "vocab_size")})
+        _check_numbers(metadata, "the GGUF metadata", (
+            f"{gguf_arch}.attention.layer_norm_rms_epsilon", f"{gguf_arch}.rope.freq_base"))
+
         heads = key("attention.head_count")
         hidden = key("embedding_length")
         head_dim = key("attention.key_length") or hidden // heads
@@ -217,6 +226,33 @@ class ModelConfig:
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
         )
+
+
+# The largest value a size may have: token ids and tensor dimensions are int32-sized, and a larger
+# value in a config is damage, not a model.
+_MAX_SIZE = 2**31 - 1
+
+
+def _check_sizes(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
+    """ModelLoadError, in one line, for the first size (by its key in values) present and not a
+    positive integer within _MAX_SIZE; names maps each key to the name the message uses."""
+    for key, name in names.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_SIZE:
+            raise ModelLoadError(f"{source}: {name} must be a positive integer (at most "
+                                 f"{_MAX_SIZE}); got {value!r}")
+
+
+def _check_numbers(values: dict[str, Any], source: str, keys: tuple[str, ...]) -> None:
+    """ModelLoadError for the first of keys present and not a positive finite number."""
+    for key in keys:
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ModelLoadError(f"{source}: {key} must be a positive number; got {value!r}")
 
 
 def parse_dtype_name(name: str | torch.dtype) -> torch.dtype:

@@ -49,12 +49,15 @@ class QuantLinear(nn.Module):
         if any(p.shape[1] != self.in_features for p in self.parts):
             raise ValueError("the parts of a fused quantized weight must have the same input size")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Batch-invariant mode (pagedllm.model.batch_invariant): the few-rows kernel for any
+        # number of rows, whose sums run in one order per row.
+        self.row_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if not cpu_kernel.quant_support(rows) or rows.stride(-1) != 1:
             out = F.linear(rows, self.dequantize(rows.dtype), self.bias)
-        elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX:
+        elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant:
             out = self._kernel(rows, cpu_kernel.quant_linear)
         elif rows.dtype == torch.bfloat16 and self.in_features % 32 == 0 and cpu_kernel.quant_amx_available():
             out = self._kernel(rows, cpu_kernel.quant_linear_amx)

@@ -59,10 +59,10 @@ def _string_list(value: str) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedllm.chat_template import load_chat_template
     from pagedllm.engine import LLMEngine
     from pagedllm.server.app import Cors, build_app
     from pagedllm.server.async_engine import AsyncEngine
-    from pagedllm.tokenizer import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

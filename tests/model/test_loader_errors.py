@@ -39,6 +39,7 @@ def expect(error: type[Exception], *fragments: str):
     assert isinstance(info.value, ValueError)  # the server turns these into 400s
     for fragment in fragments:
         assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_unknown_architecture(folder):
@@ -160,3 +161,55 @@ def test_config_missing_a_required_key_names_it(tmp_path):
          "intermediate_size": 16, "num_hidden_layers": 1}))
     with pytest.raises(ModelLoadError, match="num_attention_heads"):
         load_model(tmp_path, dtype="float32")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", "576"), ("num_attention_heads", 0), ("vocab_size", 4e9),
+    ("vocab_size", 4_000_000_000), ("num_key_value_heads", -2), ("num_hidden_layers", True),
+    ("intermediate_size", "NoneType"), ("head_dim", 1.5),
+    ("max_position_embeddings", [2048]), ("rms_norm_eps", "1e-5"), ("rope_theta", 0),
+])
+def test_a_damaged_config_field_is_one_line_naming_it(folder, field, value):
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with expect(ModelLoadError, "config.json", field, repr(value)):
+        load_model(folder, dtype="float32")
+
+
+@pytest.mark.parametrize("field, value", [("attention.head_count", 0), ("embedding_length", -1),
+                                          ("vocab_size", 2**40)])
+def test_a_damaged_gguf_field_is_one_line_naming_it(tiny_checkpoint, tmp_path, field, value):
+    path = tmp_path / "damaged.gguf"
+    write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, path)
+    reader = gguf.GGUFReader(path)
+    metadata = {name: f.contents() for name, f in reader.fields.items()}
+    from pagedllm.model.config import ModelConfig
+
+    metadata[f"llama.{field}"] = value
+    with pytest.raises(ModelLoadError, match=f"GGUF metadata: {field} must be a positive integer") as info:
+        ModelConfig.from_gguf_metadata(metadata, {t.name for t in reader.tensors})
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.0, 0.3, 0.9])
+def test_a_truncated_tokenizer_json_is_one_line(folder, keep_fraction):
+    tokenizer = folder / "tokenizer.json"
+    os.truncate(tokenizer, int(tokenizer.stat().st_size * keep_fraction))
+    with expect(ValueError, str(tokenizer), "truncated or damaged"):
+        load_model(folder, dtype="float32")
+
+
+def test_the_cli_says_a_damaged_config_in_one_line(folder):
+    import subprocess
+    import sys
+
+    config = json.loads((folder / "config.json").read_text())
+    config["num_attention_heads"] = 0
+    (folder / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--model", str(folder)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pagedllm: error: config.json: num_attention_heads must be a positive integer (at most "
+        "2147483647); got 0"]

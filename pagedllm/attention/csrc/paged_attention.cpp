@@ -169,6 +169,11 @@ struct Problem {
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim, sliding_window;
   float scale;
   float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+  // Batch-invariant mode: every row takes the same path (the vector path's per-row dot products,
+  // never AMX or the transposed-K tiles) and key tiles start at multiples of kKeyTile, so a row's
+  // sums run in one order whatever else shares its work item (other tokens of its chunk, the chunk
+  // size, a decode step).
+  bool row_invariant = false;
 };
 
 // Rows of this many or fewer (decodes: the query heads of one kv head) take dot products folded
@@ -471,7 +476,7 @@ struct Kernel {
   static void run_item(const Problem<T, C>& p, const WorkItem& item, Scratch& sc) {
     const int64_t group = p.num_heads / p.num_kv_heads;
     const int64_t rows = item.num_tokens * group;  // per kv head: token r / group, query head r % group
-    const bool dot = rows <= kDotRows;
+    const bool dot = rows <= kDotRows || p.row_invariant;
     const int64_t padded = dot ? rows : round_up(rows, kTiledRows);
     const int64_t q_begin = p.query_start_loc[item.seq];
     const int64_t q_len = p.query_start_loc[item.seq + 1] - q_begin;
@@ -479,7 +484,8 @@ struct Kernel {
     const int64_t first_pos = ctx_len - q_len + item.token_begin;  // of the item's first token
     const int64_t last_pos = first_pos + item.num_tokens - 1;
     const int64_t key_end = last_pos + 1;
-    const int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
+    int64_t key_begin = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos - p.sliding_window + 1) : 0;
+    if (p.row_invariant) key_begin -= key_begin % kKeyTile;  // keys before the window are masked
     const int32_t* table = p.block_tables + item.seq * p.table_stride;
     const int64_t token_stride = p.num_kv_heads * D;  // between consecutive tokens in the cache
     const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
@@ -628,7 +634,7 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx) {
 template <typename T, typename C, int D>
 void run(const Problem<T, C>& p, int64_t num_seqs, bool use_amx) {
   using K = Kernel<T, C, D>;
-  const bool amx = K::kAmx && use_amx && amx_ready();
+  const bool amx = K::kAmx && use_amx && !p.row_invariant && amx_ready();
   const std::vector<WorkItem> items = plan(p, num_seqs, amx);
   const int64_t group = p.num_heads / p.num_kv_heads;
   std::atomic<int64_t> next{0};
@@ -702,11 +708,10 @@ void check_scale(const std::optional<at::Tensor>& scale, const at::Tensor& cache
               what, ": scales are float16 [blocks, block_size, Hkv], contiguous");
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                           double softcap, bool use_amx) {
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     double scale, int64_t sliding_window, double softcap, bool use_amx, bool row_invariant) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: query [T, Hq, D], caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_cache.is_contiguous() &&
@@ -738,7 +743,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                     out.mutable_data_ptr<T>(), tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
                     starts.const_data_ptr<int32_t>(), query.stride(0), tables.dim() == 2 ? tables.size(1) : 0,
                     key_cache.size(1), query.size(1), key_cache.size(2), head_dim, sliding_window,
-                    static_cast<float>(scale), static_cast<float>(softcap)};
+                    static_cast<float>(scale), static_cast<float>(softcap), row_invariant};
     run_any_head_dim(p, num_seqs, use_amx);
   };
   dispatch_model_dtype(query.scalar_type(), "paged_attention", [&](auto* query_tag) {
@@ -847,6 +852,26 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 
 }  // namespace
 
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                           double softcap, bool use_amx) {
+  return attention(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, query_start_loc,
+                   scale, sliding_window, softcap, use_amx, false);
+}
+
+// paged_attention in batch-invariant mode (Problem::row_invariant): a row's result depends on its
+// request's context only, not on the batch.
+at::Tensor paged_attention_invariant(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const std::optional<at::Tensor>& key_scale,
+                                     const std::optional<at::Tensor>& value_scale, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                     int64_t sliding_window, double softcap) {
+  return attention(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, query_start_loc,
+                   scale, sliding_window, softcap, false, true);
+}
+
 bool attention_amx_available() { return amx_ready(); }
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
@@ -854,11 +879,15 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale, "
         "Tensor? value_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
         "int sliding_window, float softcap, bool use_amx) -> Tensor");
+  m.def("paged_attention_invariant(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale, "
+        "Tensor? value_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "int sliding_window, float softcap) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor(c!)? key_scale, "
         "Tensor(d!)? value_scale, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_invariant", &paged_attention_invariant);
   m.impl("write_kv", &write_kv);
 }
