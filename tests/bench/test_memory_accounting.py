@@ -77,7 +77,7 @@ def test_simulation_matches_a_real_engine_run_step_by_step(default_model, monkey
     from pagedllm.config import EngineConfig
     from pagedllm.engine import LLMEngine
 
-    monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: default_model)
+    monkeypatch.setattr(engine_module, "load_engine_model", lambda *args, **kwargs: default_model)
     requests = random_workload(default_model.tokenizer, 8, "10-50", "3-12", seed=4)
     for layout in ("paged", "contiguous"):
         engine = LLMEngine(EngineConfig(dtype="float32", block_size=4, max_model_len=64,
