@@ -3,21 +3,26 @@
 The core (pagedllm.engine_core) takes EngineCoreRequests and answers each step with
 EngineCoreOutputs: for every sequence with news, its NEW token ids (never the whole list), their
 log-probabilities as plain numbers and, once it ends, why; plus the core's figures. Ids, numbers,
-short strings and the SamplingParams dataclass: nothing here would stop at a process boundary,
-so the front end (input and output processors, the server) can talk to a core in another
-process the way it talks to one in its own. No torch here.
+short strings and the SamplingParams dataclass: the same objects serve a core in this process
+(the offline LLM) and one in another process (the server), where pagedllm.core_channel carries
+them as msgspec Structs encoded with msgpack (never pickle). No torch here.
+
+A field added to EngineCoreRequest (a grammar spec, say) needs a default and a type msgspec
+can encode (a Struct, a dataclass, or plain containers of them): then it crosses the channel
+with nothing else to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import msgspec
+
 from pagedllm.kv.stats import KVStats
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
-class EngineCoreRequest:
+class EngineCoreRequest(msgspec.Struct):
     """A checked, tokenized request, as pagedllm.input_processor hands it to the core."""
 
     request_id: str
@@ -32,8 +37,9 @@ class EngineCoreRequest:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
+# Per-step outputs are many small objects: array_like encodes them as arrays (no field names on
+# the wire) and gc=False keeps them out of the garbage collector (they hold no cycles).
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Log-probability of the chosen token and the top-N alternatives (from the raw logits)."""
 
     token_id: int
@@ -42,8 +48,7 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step did for one sequence (output `index` of request `request_id`)."""
 
     request_id: str
@@ -83,8 +88,7 @@ class EngineCoreStats:
         return figures
 
 
-@dataclass
-class EngineCoreOutputs:
+class EngineCoreOutputs(msgspec.Struct):
     """One step's answer: every sequence with news, and the figures after it."""
 
     outputs: list[EngineCoreOutput]

@@ -7,7 +7,8 @@
 A request goes in through the input processor as an EngineCoreRequest; each step() runs one
 core step and turns its new token ids into RequestOutputs; a stop string the output processor
 finds is handed back to the core as an abort. The offline LLM drives this class; the server uses
-the same three parts, with the core stepping in a thread of its own (server/async_engine.py).
+the same three parts with the core in a process of its own (pagedllm/core_process.py, fed by
+pagedllm/server/async_engine.py over pagedllm/core_channel.py).
 """
 
 from __future__ import annotations
@@ -17,18 +18,14 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core_messages import EngineCoreStats
-from pagedllm.device import resolve_device
-from pagedllm.distributed.driver import load_engine_model
 from pagedllm.engine_core import EngineCore, StepError
 from pagedllm.generation_defaults import read_generation_defaults
 from pagedllm.input_processor import InputProcessor, PromptInput
-from pagedllm.kv.plan import KVPlan, describe_plan
+from pagedllm.kv.plan import KVPlan
 from pagedllm.kv.snapshot import BlockMap
-from pagedllm.model.loader import resolve_dtype
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +34,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
         started = time.monotonic()
-        self.device = resolve_device(self.config.device)
-        loaded = load_engine_model(self.config, self.device)
+        self.engine_core, loaded = EngineCore.load(self.config)
+        self.device = self.engine_core.device
+        self.dtype = self.engine_core.dtype
         self.weights_note = loaded.weights_note  # what stayed quantized, what is float
+        self.weight_bytes = self.engine_core.weight_bytes
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
-        self.dtype = resolve_dtype(self.config.dtype, self.device)
         # One compiler for the input processor and the core: what one compiled, the other finds.
-        self.grammar_compiler = GrammarCompiler(self.tokenizer)
-        self.engine_core = EngineCore(self.config, loaded.model, loaded.config, self.dtype,
-                                      self.grammar_compiler)
-        self.weight_bytes = loaded.model.weight_bytes()  # after the runner's prepacking
+        self.grammar_compiler = self.engine_core.grammar_compiler
         plan = self.engine_core.kv_plan
         self.input_processor = InputProcessor(
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
@@ -56,9 +51,7 @@ class LLMEngine:
             grammar_compiler=self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
-        logger.info("%s; weights %.1f MiB (%s); start-up %.2fs",
-                    describe_plan(plan, self.engine_core.kv_cache_dtype, self.config.kv_layout),
-                    self.weight_bytes / 2**20, self.weights_note, self.startup_s)
+        logger.info("%s; start-up %.2fs", self.engine_core.describe(self.weights_note), self.startup_s)
 
     @property
     def kv_plan(self) -> KVPlan:

@@ -43,9 +43,12 @@ from pagedllm.core_messages import (
     EngineCoreStats,
     TokenLogprobs,
 )
-from pagedllm.kv.plan import KVPlan, make_kv_manager, plan_kv_cache
+from pagedllm.device import resolve_device
+from pagedllm.distributed.driver import load_engine_model
+from pagedllm.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_kv_cache
 from pagedllm.kv.snapshot import BlockMap
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import LoadedModel, resolve_dtype
 from pagedllm.request import Request, RequestStatus
 from pagedllm.request_group import CoreSequence, RequestGroup
 from pagedllm.runner import ModelRunner
@@ -88,6 +91,8 @@ class EngineCore:
         self.device = next(model.parameters()).device  # where the loader put the weights
         if self.device.type == "cpu":
             cpu_kernel.available()  # build (or find) the kernels now, not in the first request
+        self.dtype = dtype
+        self.kv_layout = config.kv_layout
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         # The heads are this process's (model.config): under tensor parallelism its share, the
         # largest of any rank's, so the budget is what each rank's cache may take.
@@ -109,6 +114,7 @@ class EngineCore:
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
             kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant)
         self.sampler = Sampler(config.seed, self.device)
+        self.grammar_compiler = grammar_compiler
         self.structured = StructuredOutputManager(grammar_compiler)
         self._groups: dict[str, RequestGroup] = {}
         # Requests held back until their grammar compiles (only a core that did not compile it
@@ -122,11 +128,30 @@ class EngineCore:
         self._num_computed_tokens = 0
         self._step_num_requests = 0
         self._step_num_used_blocks = 0
+        self.weight_bytes = model.weight_bytes()  # after the runner's prepacking
         release_freed_memory()  # what loading and prepacking the weights freed
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> tuple[EngineCore, LoadedModel]:
+        """The core over config's model, loaded on config's device; and what the loader read
+        (the tokenizer among it, for whoever runs the core in its own process). The core gets a
+        grammar compiler of its own (EngineCore.grammar_compiler: one process's input processor
+        shares it)."""
+        device = resolve_device(config.device)
+        loaded = load_engine_model(config, device)
+        core = cls(config, loaded.model, loaded.config, resolve_dtype(config.dtype, device),
+                   GrammarCompiler(loaded.tokenizer))
+        return core, loaded
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
         return self.scheduler.config
+
+    def describe(self, weights_note: str) -> str:
+        """The start-up line: the KV cache's blocks, bytes and what fits; the weights' bytes and
+        weights_note (LoadedModel.weights_note: what stayed quantized, what is float)."""
+        return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
+                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note})")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

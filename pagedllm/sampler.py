@@ -3,6 +3,14 @@
 Rows are independent: a row's sample depends only on its own logits, parameters and (when
 seeded) its own generator, so the result never changes with what else is in the batch.
 
+Random rows are sampled by inverse CDF: one uniform number per row (one draw for every unseeded
+row; a seeded row's own from its own generator), then the first token whose cumulative
+probability passes it. Drawing noise for every token of a 49k vocabulary (an exponential race)
+cost ~200 ms a step at 64 rows on one core; this costs ~20. Top-k and top-p look only at the
+likeliest tokens (a partial sort, torch.topk) and fall back to more only when the nucleus is
+larger: what they keep is what a sort of the whole vocabulary keeps (tests/test_sampler.py
+checks it against that definition).
+
 Everything runs on the logits' device (generators included: a seeded request's draws come from a
 generator on that device, so the same seed gives other tokens on a GPU than on the CPU); the chosen
 ids and logprobs come back to the host once, at the end.
@@ -179,26 +187,38 @@ class Sampler:
 
     # -- choosing --------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        # max(dim).indices is argmax (the first maximal index too), three times faster on CPU.
-        chosen = logits.max(dim=-1).indices
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(random_rows) == len(rows):
+            chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        else:  # max(dim).indices is argmax (the first maximal index too), three times faster on CPU
+            chosen = logits.max(dim=-1).indices
         if not random_rows:
             return chosen
         index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         params = [rows[i].params for i in random_rows]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                              device=logits.device).unsqueeze(1)
-        scaled = logits[index] / temps
-        scaled = _top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-        probs = _min_p(probs, params)
-        # Exponential race (argmax p/q with q ~ Exp(1)) is an exact categorical sample and lets
-        # each seeded row draw its noise from its own generator.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=rows[i].generator or self.generator)
-        chosen[index] = (probs / noise).max(dim=-1).indices
+        scaled = logits[index].div_(temps)  # indexing copied the rows: dividing in place is safe
+        uniforms = self._uniforms([rows[i].generator for i in random_rows], logits.device)
+        picks = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
+        for group, values, token_ids in _candidates(scaled, params):
+            weights = _weights(values, [params[j] for j in group])
+            picked = _inverse_cdf(weights, uniforms[group])
+            if token_ids is not None:  # a position among the candidates: its token id
+                picked = token_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+            picks[group] = picked
+        chosen[index] = picks
         return chosen
+
+    def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """One uniform number per row, all of them from one draw of the shared generator, then
+        each seeded row's own from its own generator: a seeded row takes exactly one number per
+        step from its generator whatever else is in the batch, so its samples are reproducible."""
+        uniforms = torch.rand(len(generators), dtype=torch.float64, generator=self.generator, device=device)
+        for j, generator in enumerate(generators):
+            if generator is not None:
+                uniforms[j] = torch.rand((), dtype=torch.float64, generator=generator, device=device)
+        return uniforms
 
     # -- logprobs --------------------------------------------------------------------------
     def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor,
@@ -240,29 +260,128 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    top_ks = [p.top_k for p in params]
+# Rows with top-p but no top-k look for their nucleus among this many likeliest tokens first, then
+# among more (a partial sort: torch.topk), and sort the whole vocabulary only if the nucleus is
+# larger still (a very flat distribution). On a 49k vocabulary, 64 rows: topk(256) takes ~18 ms
+# on one core, a full sort ~500 ms.
+TOP_P_CANDIDATES = (256, 4096)
+# The inverse CDF sums blocks of this many weights first, then one block: two short cumulative
+# sums in float64 instead of one over the vocabulary (float32 over 49k tokens would round the
+# tail's bins by whole ulps of the running total, float64 over all of them is slow on CPU).
+CDF_BLOCK = 256
+
+
+def _candidates(scaled: torch.Tensor, params: list[SamplingParams]):
+    """The tokens each row may sample, in groups of rows: (row positions, logits [rows, C] with
+    -inf for the tokens top-k and top-p drop, their token ids [rows, C] or None for the whole
+    vocabulary in order).
+
+    Only the likeliest tokens can survive top-k and top-p, so those rows look at a few of them
+    (torch.topk, sorted) instead of sorting the vocabulary. The kept set is the one a full sort
+    keeps: top-k's k likeliest, then the smallest prefix whose probability (within those k)
+    reaches top_p. Rows without either sample from the whole vocabulary."""
+    vocab = scaled.shape[1]
+    plain = [j for j, p in enumerate(params) if p.top_k == -1 and p.top_p >= 1.0]
+    if plain:
+        yield plain, _rows(scaled, plain), None
+    pending = [j for j, p in enumerate(params) if p.top_k != -1 or p.top_p < 1.0]
+    # Where sorting is cheap (a GPU), sort at once: no candidate sets, no check read back.
+    counts = (*TOP_P_CANDIDATES, vocab) if scaled.device.type == "cpu" else (vocab,)
+    for count in counts:
+        if not pending:
+            return
+        wants = max(min(params[j].top_k, vocab) if params[j].top_k != -1 else count for j in pending)
+        rows = _rows(scaled, pending)
+        values, token_ids = rows.topk(min(wants, vocab), dim=-1)
+        values, fits = _truncate(values, rows, [params[j] for j in pending])
+        # Only a top-p row without top-k can miss, and not when every token was a candidate.
+        if values.shape[1] == vocab or all(params[j].top_k != -1 for j in pending):
+            fits = [True] * len(pending)
+        else:
+            fits = fits.tolist()
+        done = [k for k, ok in enumerate(fits) if ok]
+        if done:
+            yield [pending[k] for k in done], _rows(values, done), _rows(token_ids, done)
+        pending = [j for j, ok in zip(pending, fits) if not ok]
+
+
+def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Those rows of tensor; the tensor itself (no copy) when that is all of them."""
+    if len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows, dtype=torch.long, device=tensor.device)]
+
+
+def _truncate(values: torch.Tensor, scaled: torch.Tensor,
+              params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k then top-p over candidates sorted by likelihood (values [rows, C] of the rows
+    `scaled` [rows, vocab]; -inf = dropped), and for each row (a bool tensor) whether its cut
+    surely lies among the C candidates: always with top-k (the k likeliest are all there), with
+    top-p alone when the candidates hold at least top_p of the probability (every later token
+    has at least that much before it, so it is dropped)."""
+    rows, count = values.shape
+    device = values.device
+    ranks = torch.arange(count, device=device).unsqueeze(0)
+    ks = torch.tensor([p.top_k if p.top_k != -1 else count for p in params], device=device).unsqueeze(1)
+    values = values.masked_fill(ranks >= ks, float("-inf"))
     top_ps = [p.top_p for p in params]
-    if all(k == -1 for k in top_ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=logits.device).unsqueeze(1)
-    drop = ranks >= k
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    if all(p >= 1.0 for p in top_ps):
+        return values, torch.ones(rows, dtype=torch.bool, device=device)
+    # Probabilities within what top-k kept: the candidates' own mass with top-k, the whole
+    # row's without (its normalizer is one pass over the vocabulary, no sort).
+    has_k = torch.tensor([p.top_k != -1 for p in params], device=device)
+    log_norm = torch.where(has_k, values.logsumexp(dim=-1), scaled.logsumexp(dim=-1))
+    probs = (values - log_norm.unsqueeze(1)).exp()
+    cumulative = probs.cumsum(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
     # already reaches p (the first token is always kept).
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    p_column = torch.tensor(top_ps, dtype=probs.dtype, device=device).unsqueeze(1)
+    values = values.masked_fill(cumulative - probs >= p_column, float("-inf"))
+    return values, has_k | (cumulative[:, -1] >= p_column.squeeze(1))
 
 
-def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _weights(values: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each candidate's probability up to a per-row factor (the likeliest weighs 1), min_p
+    applied: a token is dropped when its probability is under min_p times the likeliest's,
+    which in these units is min_p itself. In place: values is the caller's own copy."""
+    weights = values.sub_(values.max(dim=-1, keepdim=True).values).exp_()
     min_ps = [p.min_p for p in params]
-    if not any(min_ps):
-        return probs
-    threshold = (torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-                 * probs.max(dim=-1, keepdim=True).values)
-    return probs.masked_fill(probs < threshold, 0.0)
+    if any(min_ps):
+        threshold = torch.tensor(min_ps, dtype=weights.dtype, device=weights.device).unsqueeze(1)
+        weights.masked_fill_(weights < threshold, 0.0)
+    return weights
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row, the first column whose cumulative weight passes uniform * total: an exact
+    categorical sample from one uniform number per row (a zero weight is never picked).
+
+    In two levels, both summed in float64: blocks of CDF_BLOCK weights, then the block picked."""
+    rows, count = weights.shape
+    device = weights.device
+    num_blocks = -(-count // CDF_BLOCK)
+    if num_blocks * CDF_BLOCK != count:
+        weights = torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - count))
+    blocks = weights.reshape(rows, num_blocks, CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum_(dim=-1)
+    grand_total = block_cdf[:, -1]
+    # Below the total even where uniform * total rounds up to it.
+    target = torch.minimum(uniforms * grand_total,
+                           torch.nextafter(grand_total, torch.zeros_like(grand_total)))
+    block = _first_above(block_cdf, target)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros_like(target))
+    within = blocks[torch.arange(rows, device=device), block].double().cumsum_(dim=-1)
+    # The block's mass summed again, in float64, may differ from its share of block_cdf by an
+    # ulp: rescale the remainder to it, below its total.
+    share = block_cdf.gather(1, block.unsqueeze(1)).squeeze(1) - before
+    total = within[:, -1]
+    remainder = ((target - before) / share * total).clamp_(min=0)
+    remainder = torch.minimum(remainder, torch.nextafter(total, torch.zeros_like(total)))
+    return block * CDF_BLOCK + _first_above(within, remainder)
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative value is above target (right bisection)."""
+    found = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    return found.clamp_(max=cdf.shape[1] - 1)

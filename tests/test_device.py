@@ -18,7 +18,7 @@ from pagedllm.device import resolve_device
 from pagedllm.model import llama
 from pagedllm.model.loader import load_model
 from pagedllm.runner import ModelRunner
-from pagedllm.sampler import Sampler, _min_p, _top_k_top_p
+from pagedllm.sampler import Sampler, _candidates, _inverse_cdf, _weights
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import ScheduledRequest
 
@@ -51,7 +51,7 @@ def test_cli_device_cuda_without_cuda(monkeypatch, capsys):
     from pagedllm import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("pagedllm.engine.load_engine_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("pagedllm.engine_core.load_engine_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert cli.main(["generate", "hello", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pagedllm: error: device 'cuda': CUDA is not available")
@@ -167,8 +167,10 @@ def test_sampling_math_stays_on_the_device():
     with fake_device():
         logits = torch.empty(2, 300, device=DEVICE)
         processed = sampler._ban_early_stops(sampler._apply_penalties(logits, rows), rows)
-        filtered = _min_p(torch.softmax(_top_k_top_p(processed[1:], params[1:]), dim=-1), params[1:])
+        ((group, values, token_ids),) = _candidates(processed[1:] / 0.7, params[1:])
+        filtered = _weights(values, params[1:])
+        picked = _inverse_cdf(filtered, torch.rand(1, dtype=torch.float64, device=DEVICE))
         greedy = sampler._choose(processed[:1], rows[:1])
         with pytest.raises(Exception, match="_local_scalar_dense"):
             greedy.tolist()
-    assert {processed.device, filtered.device, greedy.device} == {DEVICE}
+    assert {processed.device, filtered.device, picked.device, token_ids.device, greedy.device} == {DEVICE}

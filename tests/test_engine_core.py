@@ -4,8 +4,7 @@ requests and single sequences, a failing step, and the figures it reports."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -65,7 +64,7 @@ def test_each_step_answers_with_plain_data_and_only_the_new_tokens(core, engine)
     steps = []
     while core.has_unfinished_requests():
         steps.append(core.step())
-    assert all(is_plain(dataclasses.asdict(step)) for step in steps)
+    assert all(is_plain(msgspec.to_builtins(step)) for step in steps)  # as the channel carries it
     outputs = [o for step in steps for o in step.outputs]
     assert [len(o.new_token_ids) for o in outputs] == [1] * 5
     assert [o.finish_reason for o in outputs] == [None] * 4 + ["length"]
@@ -189,8 +188,8 @@ def test_a_request_id_in_use_is_refused_and_nothing_is_kept(core):
 
 
 def greedy_tokens(core: EngineCore, max_tokens: int, eos=(), **params) -> list[int]:
-    core.add_request(dataclasses.replace(request("g", max_tokens=max_tokens, temperature=0, **params),
-                                         eos_token_ids=tuple(eos)))
+    core.add_request(msgspec.structs.replace(
+        request("g", max_tokens=max_tokens, temperature=0, **params), eos_token_ids=tuple(eos)))
     return run(core)[("g", 0)].new_token_ids
 
 

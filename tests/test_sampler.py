@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.request import Request
 from pagedllm.sampler import Sampler, SamplingRow, TokenRules
@@ -199,3 +201,108 @@ def test_bad_sampling_params_name_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_refused():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+# -- the sampling method: candidates and an inverse CDF, against a full sort ------------------------
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a row samples from, by the definition: temperature, top-k and top-p over the whole
+    vocabulary sorted, softmax over what is kept, then min_p."""
+    scaled = logits / params.temperature
+    vocab = scaled.shape[0]
+    sorted_logits, order = scaled.sort(descending=True)
+    k = vocab if params.top_k == -1 else min(params.top_k, vocab)
+    drop = torch.arange(vocab) >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= probs.cumsum(-1) - probs >= params.top_p
+    kept = torch.empty_like(scaled).scatter_(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(kept, dim=-1)
+    probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sampler_probs(logits: torch.Tensor, params: list[SamplingParams]) -> list[torch.Tensor]:
+    """What the sampler's candidates and weights give each row, normalized, over the vocabulary."""
+    from pagedllm.sampler import _candidates, _weights
+
+    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    result = [None] * len(params)
+    for group, values, token_ids in _candidates(logits / temps, params):
+        weights = _weights(values.clone(), [params[j] for j in group])
+        for k, j in enumerate(group):
+            probs = torch.zeros(logits.shape[1])
+            ids = torch.arange(logits.shape[1]) if token_ids is None else token_ids[k]
+            probs[ids] = weights[k]
+            result[j] = probs / probs.sum()
+    return result
+
+
+params_strategy = st.builds(
+    SamplingParams, temperature=st.floats(0.3, 3.0), top_k=st.sampled_from([-1, 1, 5, 40, 300, 5000]),
+    top_p=st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.0, 0.05, 0.3]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.lists(params_strategy, min_size=1, max_size=6), vocab=st.sampled_from([7, 300, 5000]),
+       spread=st.sampled_from([0.01, 1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_candidates_keep_what_a_full_sort_keeps(params, vocab, spread, seed):
+    """Whatever the batch, each row's tokens and probabilities are those of the definition,
+    including flat rows whose nucleus is larger than the first candidate sets (spread 0.01)."""
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * spread
+    for j, (got, p) in enumerate(zip(sampler_probs(logits, params), params)):
+        expected = reference_probs(logits[j], p)
+        assert torch.allclose(got, expected, atol=1e-5), (p, (got - expected).abs().max())
+
+
+def test_inverse_cdf_picks_each_bin_at_its_edges_and_never_a_zero_weight():
+    from pagedllm.sampler import _inverse_cdf
+
+    weights = torch.zeros(3, 700)
+    weights[0, [0, 255, 256, 699]] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # bins across blocks
+    weights[1, 300] = 5.0  # one token: always it
+    weights[2] = torch.rand(700) * (torch.rand(700) < 0.3)
+    edges = weights.double().cumsum(-1) / weights.double().sum(-1, keepdim=True)
+    for u in [0.0, 0.1, 0.3, 0.5, 0.6, 0.9, 1 - 2**-52]:
+        picks = _inverse_cdf(weights.clone(), torch.full((3,), u, dtype=torch.float64))
+        assert (weights[torch.arange(3), picks] > 0).all()
+        targets = torch.full((3, 1), u, dtype=torch.float64)
+        expected = torch.searchsorted(edges, targets, right=True).squeeze(1)
+        assert picks.tolist() == expected.tolist(), u
+    assert _inverse_cdf(weights[:1].clone(), torch.tensor([0.1 - 1e-9], dtype=torch.float64)).item() == 0
+    assert _inverse_cdf(weights[:1].clone(), torch.tensor([0.1 + 1e-9], dtype=torch.float64)).item() == 255
+
+
+def test_samples_across_blocks_follow_the_distribution():
+    probs = torch.full((1, 1000), 0.2 / 997)
+    probs[0, [3, 400, 999]] = torch.tensor([0.5, 0.2, 0.1])
+    sampler = Sampler(seed=5)
+    logits = torch.log(probs).repeat(500, 1)
+    counts = torch.bincount(torch.tensor(
+        [t for _ in range(8) for t in sampler(logits, [row(SamplingParams())] * 500).token_ids]),
+        minlength=1000)
+    for token, p in [(3, 0.5), (400, 0.2), (999, 0.1)]:
+        assert abs(counts[token].item() / 4000 - p) < 0.03, token
+    assert abs(counts.sum().item() - counts[[3, 400, 999]].sum().item() - 0.2 * 4000) < 120
+
+
+@pytest.mark.parametrize("fields", [{}, {"top_p": 0.9}, {"top_k": 20},
+                                    {"top_k": 50, "top_p": 0.8, "min_p": 0.05}])
+def test_seeded_rows_repeat_over_steps_whatever_the_batch(fields):
+    """A seeded row takes one number per step from its own generator, whatever the other rows
+    ask for (their top-k decides how many candidates the batch looks at)."""
+    logits = torch.randn(4, 6000, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(seed=11, **fields)
+
+    def walk(batch_rows):
+        seeded = row(params, seed=11)
+        sampler = Sampler(seed=len(batch_rows))
+        tokens = []
+        for step in range(5):
+            rows = [seeded, *batch_rows]
+            tokens.append(sampler(logits[:len(rows)] + step, rows).token_ids[0])
+        return tokens
+
+    alone = walk([])
+    assert walk([row(SamplingParams(top_k=5000)), row(SamplingParams(temperature=0))]) == alone
+    others = [row(SamplingParams(top_p=0.5)), row(SamplingParams(), seed=3), row(SamplingParams())]
+    assert walk(others) == alone

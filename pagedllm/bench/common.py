@@ -56,12 +56,12 @@ class RunResult:
 
 def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: bool = False,
                  tag: str = "bench", on_step: Callable[[float], None] | None = None,
-                 structured_outputs: GrammarSpec | None = None) -> RunResult:
-    """Add every request at once (ignore_eos, greedy, constrained to structured_outputs if
-    given) and step until all finish. on_step, if given, is called after each step with the
-    time since the start (a step record's t_s)."""
+                 structured_outputs: GrammarSpec | None = None, temperature: float = 0.0) -> RunResult:
+    """Add every request at once (ignore_eos; greedy unless a temperature is given; constrained
+    to structured_outputs if given) and step until all finish. on_step, if given, is called after
+    each step with the time since the start (a step record's t_s)."""
     for i, r in enumerate(requests):
-        params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
+        params = SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY,
                                 structured_outputs=structured_outputs)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
@@ -148,7 +148,7 @@ def shared_model_loads():
     """Engines made inside load each (path, dtype, device, quantization) once: a bench that builds
     one engine per setting (layout, block size) reuses the weights. The model holds no per-engine state; the
     KV cache belongs to each engine's runner."""
-    import pagedllm.engine as engine_module
+    import pagedllm.engine_core as engine_module
 
     original = engine_module.load_model
     loaded: dict = {}

@@ -21,7 +21,7 @@ def add_args(parser) -> None:
 
 
 class Session:
-    def __init__(self, engine, batch_size: int | None):
+    def __init__(self, engine, batch_size: int | None, temperature: float = 0.0):
         from pagedllm.bench.hf_model import load_hf_model
 
         started = time.time()
@@ -30,6 +30,9 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.batch_size = batch_size
+        # Sampling as ours does: the whole vocabulary (transformers' default top_k is 50).
+        self.sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
+            if temperature > 0 else dict(do_sample=False)
         self.pad_id = engine.tokenizer.eos_token_id or 0
         self.info = {"load_s": round(time.time() - started, 2), "device": device_name(self.device),
                      "dtype": str(engine.dtype).removeprefix("torch.")}
@@ -55,11 +58,11 @@ class Session:
             mask[i, width - len(r.prompt_token_ids):] = 1
         longest = max(r.max_tokens for r in batch)
         self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=longest,
-                            min_new_tokens=longest, do_sample=False, pad_token_id=self.pad_id)
+                            min_new_tokens=longest, pad_token_id=self.pad_id, **self.sampling)
 
     def close(self) -> dict:
         return {}
 
 
 def start(engine, args, requests: list[BenchRequest]) -> Session:
-    return Session(engine, args.hf_batch_size)
+    return Session(engine, args.hf_batch_size, args.temperature)

@@ -31,7 +31,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.kv.contiguous import ContiguousKVManager
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.model.loader import load_tokenizer
+from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler

@@ -161,7 +161,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.model.loader import load_tokenizer
+    from pagedllm.model.tokenizer_files import load_tokenizer
 
     apply_threads(args)
     kinds = [k.strip() for k in args.kinds.split(",")]

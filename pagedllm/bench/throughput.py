@@ -55,6 +55,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="also run the batched workload on a second engine with this engine setting "
                              "changed (e.g. quantization=none), stepped in turn with the first, so load "
                              "on the machine falls on both alike; reports the ratio")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy; 1 measures "
+                             "random sampling, what OpenAI clients that send none get); the hf "
+                             "baseline samples alike, the others run greedy only")
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256")
 
 
@@ -62,6 +66,9 @@ def main(args: argparse.Namespace) -> int:
     process_started = psutil.Process().create_time()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+    if args.temperature > 0 and args.baseline not in ("none", "hf"):
+        raise ValueError(f"--temperature applies to pagedllm and the hf baseline; the {args.baseline} "
+                         "baseline runs greedy only")
     apply_threads(args)
     engine = LLMEngine(engine_config(args))
     serve_one(engine)  # start-up counts until a first request is served, as a user sees it
@@ -80,10 +87,11 @@ def main(args: argparse.Namespace) -> int:
             "weights_mib": round(engine.weight_bytes / 2**20, 1),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
             "rss_after_startup_mib": rss_mib}
-    payload = {"workload": summarize(workload), "single_stream_len": args.single_stream_len, "pagedllm": ours}
+    payload = {"workload": {**summarize(workload), "temperature": args.temperature},
+               "single_stream_len": args.single_stream_len, "pagedllm": ours}
     try:
         rival = session if session is not None and "batched" in baseline.SCENARIOS else None
-        results, rival_runs = _batched_runs(engine, rival, workload, args.repeats)
+        results, rival_runs = _batched_runs(engine, rival, workload, args.repeats, args.temperature)
         ours.update(peak_rss_mib=round(peak_rss_bytes() / 2**20, 1),
                     num_preemptions=results[-1].num_preemptions,
                     kv_cache_mib=round(engine.kv_plan.kv_cache_bytes / 2**20, 1),
@@ -106,7 +114,8 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batched_runs(engine: LLMEngine, rival, workload: list[BenchRequest], repeats: int):
+def _batched_runs(engine: LLMEngine, rival, workload: list[BenchRequest], repeats: int,
+                  temperature: float):
     """The workload, all at once, `repeats` times on the engine and, in turn, on rival (a
     baseline session, or None): pagedllm, rival, pagedllm, rival, ... Each run starts with an
     empty prefix cache (the rival's worker empties its own), so no run reuses an earlier one's
@@ -114,7 +123,7 @@ def _batched_runs(engine: LLMEngine, rival, workload: list[BenchRequest], repeat
     results, rival_runs = [], []
     for k in range(repeats):
         forget_cached_prefixes(engine)
-        results.append(run_workload(engine, workload, tag=f"bench{k}"))
+        results.append(run_workload(engine, workload, tag=f"bench{k}", temperature=temperature))
         if rival is not None:
             rival_runs.append(summarize_run(rival.batched(workload), workload))
     return results, rival_runs

@@ -303,21 +303,3 @@ def _read_json(path: Path, required: bool = True) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Only the tokenizer of the model at path (None: the default model); no weights read."""
-    if path is None:
-        from pagedllm.default_model import default_model_path
-
-        path = default_model_path()
-    path = Path(path).expanduser()
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return Tokenizer.from_hf_folder(path)
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        path = ggufs[0] if len(ggufs) == 1 else path
-    if path.suffix == ".gguf" and path.is_file():
-        return Tokenizer.from_gguf(GGUFCheckpoint(path).metadata)
-    raise ModelFileNotFoundError(
-        f"{path}: no tokenizer.json or .gguf file to read a tokenizer from")

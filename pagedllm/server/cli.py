@@ -1,10 +1,15 @@
-"""`pagedllm serve [MODEL]`: load the engine, then serve the OpenAI-compatible API with uvicorn."""
+"""`pagedllm serve`: start the engine core process, then serve the OpenAI-compatible API with
+uvicorn in this process (the API process: HTTP, tokenizing, detokenizing; see
+pagedllm/server/core_client.py for why two processes)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import sys
+import time
 
 from pagedllm.cli import add_engine_args, engine_config_from_args
 from pagedllm.default_model import DEFAULT_MODEL_NAME
@@ -33,6 +38,9 @@ def register(sub) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                        help="requests past this many waiting for the engine get a fast 503 with "
                             f"Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})")
+    serve.add_argument("--num-threads", type=int, default=None,
+                       help="torch threads of the engine core process (default: one per core, "
+                            "less one left to the API process; at least 1)")
     cors = serve.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument("--allowed-origins", type=_string_list, default=None,
                       help='origins browsers may call from: a JSON list (\'["https://a.example"]\', '
@@ -56,13 +64,23 @@ def _string_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def choose_num_threads(requested: int | None) -> tuple[int, str]:
+    """How many torch threads the core computes with, and why (for the start-up line).
 
-    from pagedllm.chat_template import load_chat_template
-    from pagedllm.engine import LLMEngine
-    from pagedllm.server.app import Cors, build_app
+    The API process needs CPU too: under load it parses, tokenizes, detokenizes and streams for
+    every request, most of a core at a few hundred tokens/s. OpenMP threads that share a core with
+    it wait for each other at every barrier, so the core gets the other cores: one fewer than
+    this process may use. docs/benchmarks.md (Serving) has the measurements behind this."""
+    if requested is not None:
+        return requested, "--num-threads"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1), f"{cores} cores, one left to the API process; --num-threads to change"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.server.async_engine import AsyncEngine
+    from pagedllm.server.core_client import CoreProcess
+    from pagedllm.chat_template import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -70,19 +88,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be positive; got {args.max_body_bytes}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be at least 1; got {args.num_threads}")
     async_engine_args = dict(max_waiting_requests=args.max_waiting_requests)
     AsyncEngine.check_args(**async_engine_args)  # before the minutes a model load may take
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
-    cors = None
-    if args.allowed_origins is not None:
-        cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
-                    tuple(args.allowed_headers), args.allow_credentials)
-    engine = LLMEngine(engine_config_from_args(args))
-    name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
-    app = build_app(AsyncEngine(engine, **async_engine_args), name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes, chat_template=chat_template, cors=cors)
-    # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
-    # (bounded by the timeout), then runs the app's shutdown, which stops the engine thread.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=30)
+    config = engine_config_from_args(args)
+    num_threads, why = choose_num_threads(args.num_threads)
+    core = CoreProcess(config, num_threads)  # loads the model while this process reads the tokenizer
+    try:
+        import uvicorn
+
+        from pagedllm.model.tokenizer_files import load_tokenizer
+        from pagedllm.server.app import Cors, build_app
+
+        try:
+            tokenizer, tokenizer_error = load_tokenizer(config.model), None
+        except (ValueError, FileNotFoundError) as exc:  # the core's own error about it says more
+            tokenizer, tokenizer_error = None, exc
+        ready = core.wait_ready()
+        if tokenizer_error is not None:
+            raise tokenizer_error
+        logger.info("engine core ready (pid %d, %s, %s): %s; %d torch thread%s (%s); ready %.2f s "
+                    "after its start, %.2f s after this process's", ready.pid, ready.device,
+                    ready.dtype, ready.description, ready.num_threads,
+                    "" if ready.num_threads == 1 else "s", why, ready.startup_s, _since_process_start())
+        engine = AsyncEngine(core, tokenizer, **async_engine_args)
+        cors = None
+        if args.allowed_origins is not None:
+            cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                        tuple(args.allowed_headers), args.allow_credentials)
+        name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
+        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        chat_template=chat_template, cors=cors)
+        # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
+        # (bounded by the timeout), then runs the app's shutdown, which stops the core. A core
+        # that dies stops the server the same way.
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                               timeout_graceful_shutdown=30))
+        engine.on_dead = lambda reason: setattr(server, "should_exit", True)
+        server.run()
+    finally:
+        core.close()
+    if engine.dead_reason is not None:
+        print(f"pagedllm: error: {engine.dead_reason}; the server stopped", file=sys.stderr)
+        return 1
     return 0
+
+
+def _since_process_start() -> float:
+    import psutil
+
+    return time.time() - psutil.Process().create_time()

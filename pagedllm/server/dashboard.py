@@ -32,8 +32,10 @@ from pagedllm.server.async_engine import EngineDeadError
 from pagedllm.server.dashboard_page import render_page
 
 if TYPE_CHECKING:
+    from pagedllm.core_messages import EngineCoreStats
     from pagedllm.engine import LLMEngine
     from pagedllm.engine_core import EngineCore
+    from pagedllm.kv.snapshot import BlockMap
     from pagedllm.server.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -108,20 +110,25 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-# -- where snapshots come from: THE PLACE ISSUE 12 CHANGES ----------------------------------------
-# Today the engine steps in a thread of this process, so a snapshot is taken by that thread
-# between two steps. With the engine core in a process of its own, engine_snapshot_fn becomes
-# one request/reply on the core's channel, and the core runs engine_snapshot (plain data, made to
-# cross a process boundary as it is).
+# -- where snapshots come from ----------------------------------------------------------------------
+# In the server the engine core runs in a process of its own: a snapshot is one request/reply on
+# its channel, answered between two steps with the figures and the block map as plain data (the
+# block map's bytes cross raw); the payload is built here. The offline benches build the same
+# payload from an engine in their own process (core_snapshot).
 
 def engine_snapshot_fn(async_engine: AsyncEngine) -> SnapshotFn:
     async def snapshot() -> dict:
-        return await async_engine.between_steps(core_snapshot)
+        stats, blocks = await async_engine.snapshot()
+        return snapshot_payload(stats, blocks)
 
     return snapshot
 
 
 def core_snapshot(core: EngineCore | LLMEngine) -> dict:
-    """What the page shows: the core's figures and its KV block map, as plain data."""
-    return {"time_s": time.monotonic(), "stats": core.stats().to_dict(),
-            "blocks": core.block_map().to_dict()}
+    """What the page shows, from a core (or engine) in this process."""
+    return snapshot_payload(core.stats(), core.block_map())
+
+
+def snapshot_payload(stats: EngineCoreStats, blocks: BlockMap) -> dict:
+    """The figures and the KV block map as one JSON-ready event."""
+    return {"time_s": time.monotonic(), "stats": stats.to_dict(), "blocks": blocks.to_dict()}

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -66,8 +65,12 @@ class BitmaskFiller:
             for matcher, row in matchers:
                 matcher.fill_bitmask(bitmask, row)
             return
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m.handle, row) for m, row in matchers], bitmask)
+        # As llguidance.torch.fill_next_token_bitmask_par, without importing that module (see
+        # GrammarMatcher.fill_bitmask).
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(m.handle, row) for m, row in matchers],
+                                               bitmask.data_ptr(), words * 4, rows)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,

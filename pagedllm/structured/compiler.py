@@ -29,14 +29,17 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 
-from pagedllm.structured.matcher import GrammarMatcher
 from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
 from pagedllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedllm.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,10 @@ class CompiledGrammar:
         self._template = template  # never advanced: only copied
 
     def matcher(self) -> GrammarMatcher:
+        # Here, not at the top: compiling needs no torch (the API process of `pagedllm serve`
+        # compiles to check a request; only the engine core makes matchers).
+        from pagedllm.structured.matcher import GrammarMatcher
+
         return GrammarMatcher(self._template, self.vocab_size)
 
 
@@ -173,8 +180,8 @@ class GrammarCompiler:
             raise GrammarError(_error_text(spec, template.get_error()))
         for warning in template.get_grammar_warnings():
             logger.info("grammar %s: %s", spec.describe(), warning)
-        scratch = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(template, scratch)  # builds the lexer's start
+        scratch = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(template, scratch)  # builds the lexer's start
         if template.is_error():
             raise GrammarError(_error_text(spec, template.get_error()))
         logger.debug("compiled %s in %.1f ms", spec.describe(), (time.perf_counter() - started) * 1e3)

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
 import torch
 
-from pagedllm.structured.bitmask import allowed_ids
+from pagedllm.structured.bitmask import allocate_token_bitmask, allowed_ids
 
 
 class GrammarMatcher:
@@ -71,11 +70,15 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (bit i of word j: token 32*j + i).
         A matcher in error allows nothing but EOS; a terminated one only EOS."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # llguidance.torch's helper is this call; importing that module costs torch._dynamo
+        # (2-4 s of every start-up), for a decorator on a function we never call.
+        words = bitmask[row]
+        assert words.dtype == torch.int32 and words.is_cpu and words.is_contiguous()
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def allowed_token_ids(self) -> list[int]:
         """The allowed next tokens as ids (one mask computed; for checks, not for the hot path)."""
-        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
         self.fill_bitmask(bitmask, 0)
         return allowed_ids(bitmask[0], self.vocab_size)
 

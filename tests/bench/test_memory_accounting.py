@@ -72,7 +72,7 @@ def test_simulation_of_a_tiny_workload_exactly():
 def test_simulation_matches_a_real_engine_run_step_by_step(default_model, monkeypatch):
     """With ignore_eos the model's tokens decide nothing, so the scheduler alone reproduces the
     engine's memory timeline: under preemption (paged) and reservation (contiguous)."""
-    import pagedllm.engine as engine_module
+    import pagedllm.engine_core as engine_module
     from pagedllm.bench.common import run_workload
     from pagedllm.config import EngineConfig
     from pagedllm.engine import LLMEngine

@@ -1,9 +1,12 @@
-"""A real uvicorn server on a free loopback port, running the default model in float32, and
-a tiny random Llama (byte tokenizer, 64 positions) for tests that need many fast requests or
-an engine of their own (storms, faults, fuzzing, limits)."""
+"""A real uvicorn server on a free loopback port, its engine core in a process of its own as
+`pagedllm serve` runs it, over the default model in float32, or a tiny random Llama (byte
+tokenizer, 64 positions) for tests that need many fast requests or a server of their own (storms,
+faults, fuzzing, limits). Faults are injected into the core process through its test hooks
+(tests/server/core_hooks.py, RunningServer.debug)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
@@ -15,10 +18,13 @@ import pytest
 import torch
 import uvicorn
 
+from pagedllm.config import EngineConfig
+from pagedllm.core_channel import TEST_HOOKS_ENV
 from pagedllm.core_messages import EngineCoreStats
-from pagedllm.engine import LLMEngine
+from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.app import build_app
 from pagedllm.server.async_engine import AsyncEngine
+from pagedllm.server.core_client import CoreProcess
 from tests.conftest import requires_default_model
 
 MODEL_NAME = "smollm2-test"
@@ -38,14 +44,24 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine: LLMEngine, api_key: str | None = None,
-                 async_engine_kwargs: dict | None = None, **app_kwargs) -> None:
-        self.async_engine = AsyncEngine(engine, **(async_engine_kwargs or {}))
+    """`pagedllm serve` inside the test process, but for the core: the core is a real process
+    (one torch thread: the tiny model's matmuls are too small to share), the API runs in a
+    thread here, so tests can look at its AsyncEngine."""
+
+    def __init__(self, config: EngineConfig, api_key: str | None = None,
+                 async_engine_kwargs: dict | None = None, core_log: Path | None = None,
+                 **app_kwargs) -> None:
+        self.core_log = open(core_log, "w") if core_log is not None else None
+        self.core = CoreProcess(config, num_threads=1, env={TEST_HOOKS_ENV: "tests.server.core_hooks"},
+                                stderr=self.core_log)
+        ready = self.core.wait_ready()
+        self.async_engine = AsyncEngine(self.core, load_tokenizer(ready.model_path),
+                                        **(async_engine_kwargs or {}))
         self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        uvicorn_config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(uvicorn_config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> RunningServer:
@@ -58,11 +74,23 @@ class RunningServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        self.__exit__()
         raise RuntimeError("server did not start")
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.core.close()
+        if self.core_log is not None:
+            self.core_log.close()
+
+    def debug(self, name: str, **args):
+        """Run test hook `name` (tests/server/core_hooks.py) in the core, between two steps."""
+        call = self.async_engine.debug_call(name, **args)
+        return asyncio.run_coroutine_threadsafe(call, self.async_engine._loop).result(timeout=60)
+
+    def poison_ids(self, prompt: str) -> list[int]:
+        return self.async_engine.input_processor.tokenizer.encode(prompt)
 
     def wait_idle(self, timeout_s: float = 30) -> EngineCoreStats:
         """Wait until the engine has nothing running or waiting; return its last figures."""
@@ -77,30 +105,29 @@ class RunningServer:
 
 
 @pytest.fixture(scope="session")
-def server_engine():
+def server_config():
     if requires_default_model.args[0]:
         pytest.skip(requires_default_model.kwargs["reason"])
-    return LLMEngine(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
-                     enable_prefix_caching=False)
+    return EngineConfig(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+                        enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="session")
-def server(server_engine):
-    with RunningServer(server_engine) as running:
+def server(server_config):
+    with RunningServer(server_config) as running:
         yield running
 
 
-def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:
-    """An engine over the tiny model: float32, max_model_len 64; kwargs override."""
-    return LLMEngine(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, **kwargs})
+def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
+    """The tiny model: float32, max_model_len 64; kwargs override."""
+    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, **kwargs})
 
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The tiny model's matmuls are too small to share: on a busy machine, OpenMP threads
-    spin-waiting for each other make a step many times slower than one thread. Module-scoped,
-    and requested by the module-scoped servers, because an engine thread keeps the setting it
-    started with."""
+    spin-waiting for each other make a step many times slower than one thread. For the engines
+    tests make in this process (the servers' cores take one thread each)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

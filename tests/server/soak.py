@@ -61,6 +61,11 @@ def metrics(base_url: str) -> dict[str, float]:
     return values
 
 
+def rss_of(process: psutil.Process) -> int:
+    """Resident memory of the server: the API process and its engine core process."""
+    return process.memory_info().rss + sum(child.memory_info().rss for child in process.children())
+
+
 def wait_for(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -104,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
         wait_for(started, 600, "the server to start")
         process = psutil.Process(server.pid)
-        rss_loaded = process.memory_info().rss
+        rss_loaded = rss_of(process)
         warmup = bench(base_url, args, rate="inf", num_prompts=args.warmup_requests,
                        duration_s=None, output_json=workdir / "warmup.json")
         warmup.wait()
-        rss_start = process.memory_info().rss
+        rss_start = rss_of(process)
         before = metrics(base_url)
 
         started = time.monotonic()
@@ -116,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                     duration_s=args.duration_s, output_json=workdir / "bench.json")
         samples = []
         while run.poll() is None:
-            samples.append((round(time.monotonic() - started, 1), process.memory_info().rss))
+            samples.append((round(time.monotonic() - started, 1), rss_of(process)))
             time.sleep(args.sample_s)
         served = json.loads((workdir / "bench.json").read_text())
 
         wait_for(lambda: (lambda m: m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0)(
             metrics(base_url)), 120, "the server to go idle")
         after = metrics(base_url)
-        rss_end = process.memory_info().rss
+        rss_end = rss_of(process)
         health = httpx.get(f"{base_url}/health", timeout=10).status_code
     finally:
         server.terminate()

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 
 import httpx
 import pytest
@@ -17,9 +15,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pagedllm.kv.snapshot import STATE_NAMES, BlockMap
-from pagedllm.server.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.server.async_engine import EngineDeadError
 from pagedllm.server.dashboard import EVENTS_PATH, _SharedSnapshot, dashboard_router
-from tests.server.conftest import API_KEY, RunningServer, metric_value, tiny_engine
+from tests.server.conftest import API_KEY, RunningServer, metric_value, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -27,8 +25,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def dashboard_server(tiny_model_dir, one_torch_thread):
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=96, block_size=4)
-    with RunningServer(engine, api_key=API_KEY) as running:
+    config = tiny_config(tiny_model_dir, num_kv_blocks=96, block_size=4)
+    with RunningServer(config, api_key=API_KEY) as running:
         yield running
 
 
@@ -71,30 +69,21 @@ def test_an_idle_engine_shows_every_block_free(dashboard_server):
     assert counts["free"] + counts["cached"] == 96 and blocks.owners == {}
 
 
-def slow_steps(monkeypatch, server: RunningServer, seconds: float) -> None:
-    """Each engine step takes at least this long: the tiny model would finish before a watcher
-    could look."""
-    runner = server.async_engine.engine.engine_core.runner
-    execute = runner.execute
-
-    def slow_execute(*args, **kwargs):
-        time.sleep(seconds)
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", slow_execute)
-
-
-def test_a_running_request_owns_blocks_and_gives_them_back(dashboard_server, monkeypatch):
+def test_a_running_request_owns_blocks_and_gives_them_back(dashboard_server):
     base = dashboard_server.base_url
     # 40 steps of 0.1 s: the request still runs when the watcher connects, even on a busy machine.
-    slow_steps(monkeypatch, dashboard_server, 0.1)
+    dashboard_server.debug("slow_steps", seconds=0.1)
     body = {"prompt": "abcdefghij" * 2, "max_tokens": 40, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))  # it is running
-        event = first_event(base)
-        for _ in lines:  # let it finish
-            pass
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH,
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it is running
+            event = first_event(base)
+            for _ in lines:  # let it finish
+                pass
+    finally:
+        dashboard_server.debug("restore")
     blocks = BlockMap.from_dict(event["blocks"])
     (request_id, runs), = blocks.owners.items()
     assert request_id.startswith("cmpl-")
@@ -162,22 +151,17 @@ def test_one_snapshot_serves_every_watcher():
     assert len(calls) == 1 and len(set(events)) == 1
 
 
-def test_between_steps_runs_in_the_engine_thread_and_fails_cleanly(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=16)
+def test_a_snapshot_is_one_request_and_reply_with_the_core(dashboard_server):
+    """The core answers between two steps with its figures and block map (its bytes raw);
+    a stopped engine refuses."""
+    engine = dashboard_server.async_engine
+    stats, blocks = asyncio.run_coroutine_threadsafe(engine.snapshot(), engine._loop).result(30)
+    assert isinstance(blocks, BlockMap) and isinstance(blocks.states, bytes)
+    assert blocks.num_blocks == stats.kv.num_blocks == 96
 
-    def boom(_):
-        raise ValueError("from the engine thread")
 
-    async def main():
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
-        thread = await async_engine.between_steps(lambda e: threading.current_thread().name)
-        blocks = await async_engine.between_steps(lambda core: core.kv_plan.num_blocks)
-        with pytest.raises(ValueError, match="from the engine thread"):
-            await async_engine.between_steps(boom)
-        await async_engine.stop()
-        with pytest.raises(EngineDeadError):
-            await async_engine.between_steps(lambda core: core.kv_plan.num_blocks)
-        return thread, blocks
-
-    assert asyncio.run(main()) == ("pagedllm-engine", 16)
+def test_a_stopped_engine_refuses_snapshots(tiny_model_dir):
+    with RunningServer(tiny_config(tiny_model_dir, num_kv_blocks=16)) as server:
+        engine = server.async_engine
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.snapshot())

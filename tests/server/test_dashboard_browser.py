@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pagedllm.cli import main as cli_main
-from tests.server.conftest import API_KEY, RunningServer, metric_value, tiny_engine
+from tests.server.conftest import API_KEY, RunningServer, metric_value, tiny_config
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: pip install playwright (make install does)")
@@ -81,8 +81,8 @@ def wait_until(page, predicate_js: str, timeout_s: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir, one_torch_thread):
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=384, block_size=4, max_num_seqs=48)
-    with RunningServer(engine, api_key=API_KEY) as running:
+    config = tiny_config(tiny_model_dir, num_kv_blocks=384, block_size=4, max_num_seqs=48)
+    with RunningServer(config, api_key=API_KEY) as running:
         yield running
 
 

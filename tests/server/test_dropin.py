@@ -26,7 +26,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.server.app import Cors
 from pagedllm.server.protocol import NOT_IMPLEMENTED_FIELDS
 from tests.model.tiny import CHAT_TEMPLATE
-from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, free_port, tiny_engine
+from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, free_port, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -82,8 +82,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = tiny_engine(model_dir, block_size=4, enable_prefix_caching=True)
-    with RunningServer(engine, chat_template=SERVER_TEMPLATE) as running:
+    config = tiny_config(model_dir, block_size=4, enable_prefix_caching=True)
+    with RunningServer(config, chat_template=SERVER_TEMPLATE) as running:
         yield running
 
 
@@ -374,8 +374,8 @@ def test_cors_preflight_passes_only_when_enabled(server, model_dir):
     origin = "https://app.example"
     off = httpx.options(f"{server.base_url}/v1/completions", headers={"Origin": origin, **PREFLIGHT})
     assert off.status_code != 200 and "access-control-allow-origin" not in off.headers
-    engine = tiny_engine(model_dir)
-    with RunningServer(engine, api_key=API_KEY, cors=Cors((origin,))) as running:
+    config = tiny_config(model_dir)
+    with RunningServer(config, api_key=API_KEY, cors=Cors((origin,))) as running:
         url = f"{running.base_url}/v1/completions"
         ok = httpx.options(url, headers={"Origin": origin, **PREFLIGHT})
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -18,53 +17,31 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from pagedllm.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
-from tests.server.conftest import RunningServer, free_port, tiny_engine
+from pagedllm.core_process import MAX_CONSECUTIVE_STEP_FAILURES
+from tests.server.conftest import RunningServer, free_port, tiny_config
+from tests.server.core_hooks import POISON
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-POISON = "POISON"  # a prompt starting with this fails every step it is scheduled in
 NORMAL = "A normal request"
 
 
-class InjectedFault(RuntimeError):
-    pass
-
-
-def has_poison(engine, scheduled) -> bool:
-    poison_ids = engine.tokenizer.encode(POISON)
-    return any(s.request.prompt_token_ids[:len(poison_ids)] == poison_ids for s in scheduled)
-
-
 @contextmanager
-def failing_steps(engine, *, when=None):
-    """Make the model step raise InjectedFault when `when(scheduled)` is true (default: a
-    request whose prompt starts with POISON is in the batch)."""
-    when = when or (lambda scheduled: has_poison(engine, scheduled))
-    real_execute = engine.engine_core.runner.execute
-    calls = {"failed": 0}
-
-    def execute(scheduled):
-        if when(scheduled):
-            calls["failed"] += 1
-            raise InjectedFault("injected fault in the model step")
-        return real_execute(scheduled)
-
-    engine.engine_core.runner.execute = execute
+def failing_steps(server: RunningServer, when: str, **args):
+    """Make the core's model step raise InjectedFault (see core_hooks.fail_steps); yields the
+    number of failed steps, filled in when the context ends."""
+    calls = {}
+    server.debug("fail_steps", when=when, poison_ids=server.poison_ids(POISON), **args)
     try:
         yield calls
     finally:
-        engine.engine_core.runner.execute = real_execute
+        calls.update(server.debug("restore"))
 
 
 @pytest.fixture(scope="module")
-def fault_engine(tiny_model_dir, one_torch_thread):
-    return tiny_engine(tiny_model_dir, num_kv_blocks=32)
-
-
-@pytest.fixture(scope="module")
-def fault_server(fault_engine):
-    with RunningServer(fault_engine) as running:
+def fault_server(tiny_model_dir, one_torch_thread, tmp_path_factory):
+    core_log = tmp_path_factory.mktemp("fault-core") / "core.log"
+    with RunningServer(tiny_config(tiny_model_dir, num_kv_blocks=32), core_log=core_log) as running:
         yield running
 
 
@@ -79,31 +56,26 @@ def assert_all_blocks_free(server) -> None:
     assert not server.async_engine._streams
 
 
-def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server, fault_engine, caplog):
+def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server):
     solo = complete(fault_server, NORMAL).json()["choices"][0]["text"]
-    with caplog.at_level(logging.ERROR), failing_steps(fault_engine) as calls:
+    with failing_steps(fault_server, "poison") as calls:
         response = complete(fault_server, POISON + " non-streamed")
     assert calls["failed"] == 1
     assert response.status_code == 500
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "server_error" and "injected fault" in error["message"]
-    assert "InjectedFault: injected fault in the model step" in caplog.text  # the cause, logged
+    core_log = fault_server.core_log.name
+    assert "InjectedFault: injected fault in the model step" in open(core_log).read()  # the cause, logged
     assert_all_blocks_free(fault_server)
     assert httpx.get(f"{fault_server.base_url}/health").status_code == 200
     after = complete(fault_server, NORMAL)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo
 
 
-def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine):
+def test_failed_step_mid_stream_sends_an_error_event(fault_server):
     # Fail on the request's 8th step, after some tokens have gone out.
-    steps = {"n": 0}
-
-    def eighth_step(scheduled):
-        steps["n"] += 1
-        return steps["n"] == 8
-
-    with failing_steps(fault_engine, when=eighth_step), httpx.stream(
+    with failing_steps(fault_server, "nth", nth=8), httpx.stream(
             "POST", f"{fault_server.base_url}/v1/completions", timeout=60,
             json={"prompt": NORMAL, "max_tokens": 20, "temperature": 0, "stream": True,
                   "ignore_eos": True}) as response:
@@ -119,17 +91,8 @@ def test_failed_step_mid_stream_sends_an_error_event(fault_server, fault_engine)
 def test_only_the_failing_steps_requests_fail(tiny_model_dir):
     """One request per step: the poisoned request fails while another waits in the scheduler's
     queue behind it; the waiting one is untouched, runs next and gets its solo text."""
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
-    with RunningServer(engine) as server:
+    with RunningServer(tiny_config(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)) as server:
         solo = complete(server, NORMAL, max_tokens=12).json()["choices"][0]["text"]
-
-        def poisoned_while_another_waits(scheduled) -> bool:
-            if not has_poison(engine, scheduled):
-                return False
-            if engine.stats().num_waiting == 0:
-                time.sleep(0.02)  # keep the poisoned request going until the other is queued
-                return False
-            return True
 
         async def both():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
@@ -141,7 +104,7 @@ def test_only_the_failing_steps_requests_fail(tiny_model_dir):
                     "/v1/completions", json={"prompt": NORMAL, "max_tokens": 12, "temperature": 0})
                 return await poisoned, normal
 
-        with failing_steps(engine, when=poisoned_while_another_waits) as calls:
+        with failing_steps(server, "poison_while_another_waits") as calls:
             poisoned, normal = asyncio.run(both())
         assert calls["failed"] == 1
         assert poisoned.status_code == 500
@@ -151,27 +114,27 @@ def test_only_the_failing_steps_requests_fail(tiny_model_dir):
 
 
 def test_engine_that_keeps_failing_is_dead_and_health_says_503(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)
-    with RunningServer(engine) as server:
+    with RunningServer(tiny_config(tiny_model_dir, num_kv_blocks=32, max_num_seqs=1)) as server:
         async def many():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
                 return await asyncio.gather(*(client.post(
                     "/v1/completions", json={"prompt": f"{NORMAL} {i}", "max_tokens": 4})
                     for i in range(2 * MAX_CONSECUTIVE_STEP_FAILURES)))
 
-        with failing_steps(engine, when=lambda scheduled: True) as calls:
-            responses = asyncio.run(many())
-            assert calls["failed"] == MAX_CONSECUTIVE_STEP_FAILURES
-            # Every client got an answer (none hangs): 500 for a failed step, 503 once dead.
-            assert sorted({r.status_code for r in responses}) == [500, 503]
-            assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in responses)
-            health = httpx.get(f"{server.base_url}/health")
-            assert health.status_code == 503 and health.headers["retry-after"]
-            assert "failed 3 steps in a row" in health.json()["error"]["message"]
-            refused = complete(server, NORMAL)
-            assert refused.status_code == 503 and refused.headers["retry-after"]
-            snap = engine.stats()
-            assert snap.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
+        server.debug("fail_steps", when="always")
+        responses = asyncio.run(many())
+        # Every client got an answer (none hangs): 500 for a failed step, 503 once dead.
+        assert sorted({r.status_code for r in responses}) == [500, 503]
+        assert sum(r.status_code == 500 for r in responses) == MAX_CONSECUTIVE_STEP_FAILURES
+        assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in responses)
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 503 and health.headers["retry-after"]
+        assert "failed 3 steps in a row" in health.json()["error"]["message"]
+        refused = complete(server, NORMAL)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        # The core gave up and exited; nothing is left waiting in the API process.
+        assert server.core.wait_exit(30) == 1
+        assert not server.async_engine.has_unfinished_requests() and not server.async_engine._streams
 
 
 # -- a damaged model file stops `pagedllm serve` at start -----------------------------------------

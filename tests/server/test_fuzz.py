@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from tests.server.conftest import MODEL_NAME, RunningServer, tiny_engine  # noqa: E402
+from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,8 +49,8 @@ ANSWER_KEY = {"/v1/completions": "choices", "/v1/chat/completions": "choices", "
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir, one_torch_thread):
     # Room for a fuzzed request with many prompts and large n without endless preemption.
-    engine = tiny_engine(tiny_model_dir, num_kv_blocks=1024, max_num_seqs=256)
-    with RunningServer(engine) as running:
+    config = tiny_config(tiny_model_dir, num_kv_blocks=1024, max_num_seqs=256)
+    with RunningServer(config) as running:
         yield running
 
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 
 from pagedllm.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pagedllm.server.protocol import MAX_PROMPTS_PER_REQUEST, MAX_STOP_TOKEN_IDS
-from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,13 +23,9 @@ MAX_BODY_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
-def limits_engine(tiny_model_dir, one_torch_thread):
-    return tiny_engine(tiny_model_dir)  # max_model_len 64
-
-
-@pytest.fixture(scope="module")
-def limits_server(limits_engine):
-    with RunningServer(limits_engine, max_body_bytes=MAX_BODY_BYTES) as running:
+def limits_server(tiny_model_dir, one_torch_thread):
+    config = tiny_config(tiny_model_dir)  # max_model_len 64
+    with RunningServer(config, max_body_bytes=MAX_BODY_BYTES) as running:
         yield running
 
 
@@ -136,35 +133,34 @@ def test_limits_at_the_edge_are_served(limits_server):
 # -- the waiting queue ----------------------------------------------------------------------------
 
 @contextmanager
-def stalled_engine(engine):
-    """Hold the engine thread inside its next model step until the context ends, so requests
-    pile up in front of it."""
-    release, stalled = threading.Event(), threading.Event()
-    real_execute = engine.engine_core.runner.execute
+def stalled_core(server: RunningServer, tmp_path: Path):
+    """Hold the core inside its next model step until the context ends, so requests pile up in
+    front of it; yields a function that waits until it holds."""
+    stalled, release = tmp_path / "stalled", tmp_path / "release"
+    server.debug("stall_steps", stalled_path=str(stalled), release_path=str(release))
 
-    def execute(scheduled):
-        stalled.set()
-        release.wait(60)
-        return real_execute(scheduled)
+    def wait_stalled() -> None:
+        deadline = time.monotonic() + 30
+        while not stalled.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
-    engine.engine_core.runner.execute = execute
     try:
-        yield stalled
+        yield wait_stalled
     finally:
-        release.set()
-        engine.engine_core.runner.execute = real_execute
+        release.touch()
+        server.debug("restore")
 
 
-def test_full_waiting_queue_gives_a_fast_503_with_retry_after(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir, max_num_seqs=1)
-    with RunningServer(engine, async_engine_kwargs={"max_waiting_requests": 2}) as server:
+def test_full_waiting_queue_gives_a_fast_503_with_retry_after(tiny_model_dir, tmp_path):
+    config = tiny_config(tiny_model_dir, max_num_seqs=1)
+    with RunningServer(config, async_engine_kwargs={"max_waiting_requests": 2}) as server:
         body = {"prompt": "hello", "max_tokens": 3}
 
         async def storm():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-                with stalled_engine(engine) as stalled:
+                with stalled_core(server, tmp_path) as wait_stalled:
                     running = asyncio.ensure_future(client.post("/v1/completions", json=body))
-                    await asyncio.to_thread(stalled.wait, 30)  # the first request is in a step
+                    await asyncio.to_thread(wait_stalled)  # the first request is in a step
                     waiting = [asyncio.ensure_future(client.post("/v1/completions", json=body))
                                for _ in range(2)]
                     while server.async_engine.num_waiting < 2:

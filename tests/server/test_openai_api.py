@@ -135,8 +135,8 @@ def test_metrics_names(server):
     assert 'pagedllm:kv_cache_info{kv_cache_dtype="float32"} 1.0' in text
 
 
-def test_api_key_guards_v1_only(server_engine):
-    with RunningServer(server_engine, api_key=API_KEY) as s:
+def test_api_key_guards_v1_only(server_config):
+    with RunningServer(server_config, api_key=API_KEY) as s:
         assert httpx.get(f"{s.base_url}/v1/models").status_code == 401
         wrong = httpx.get(f"{s.base_url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"

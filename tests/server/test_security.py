@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import pagedllm
-from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, tiny_engine
+from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,7 +30,7 @@ def test_serve_binds_to_loopback_by_default():
 
 @pytest.fixture(scope="module")
 def secured_server(tiny_model_dir, one_torch_thread):
-    with RunningServer(tiny_engine(tiny_model_dir), api_key=API_KEY, max_body_bytes=4096) as running:
+    with RunningServer(tiny_config(tiny_model_dir), api_key=API_KEY, max_body_bytes=4096) as running:
         yield running
 
 
@@ -82,7 +82,7 @@ def test_model_field_only_names_the_served_model(secured_server, model, monkeypa
 
 
 def test_served_model_path_is_not_a_model_name(secured_server):
-    path = str(secured_server.async_engine.engine.model_path)
+    path = str(secured_server.async_engine.model_path)
     response = httpx.post(f"{secured_server.base_url}/v1/chat/completions",
                           headers={"Authorization": f"Bearer {API_KEY}"},
                           json={"model": path, "messages": [{"role": "user", "content": "hi"}]})

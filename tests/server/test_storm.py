@@ -15,14 +15,14 @@ import json
 import os
 import random
 import re
-import time
 
 import httpx
 import pytest
 
+from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
-from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,13 +40,14 @@ def prompt_of(i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def storm_engine(tiny_model_dir, one_torch_thread):
+def storm_config(tiny_model_dir, one_torch_thread):
     # Each request needs 2-3 blocks; 12 blocks hold about 5 of the 300 at once.
-    return tiny_engine(tiny_model_dir, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64)
+    return tiny_config(tiny_model_dir, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64)
 
 
-def solo_texts(engine, prompts: list[str]) -> dict[str, str]:
-    """Each prompt run alone through the engine, before the server owns it."""
+def solo_texts(config, prompts: list[str]) -> dict[str, str]:
+    """Each prompt run alone through an engine of the server's settings, in this process."""
+    engine = LLMEngine(config)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     texts = {}
     for k, prompt in enumerate(prompts):
@@ -110,14 +111,13 @@ def plans(rng: random.Random) -> list[tuple[str, float]]:
     return result
 
 
-def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
+def test_storm_with_hangups_on_a_tiny_kv_cache(storm_config):
     prompts = [prompt_of(i) for i in range(NUM_REQUESTS)]
-    solo = solo_texts(storm_engine, sorted(set(prompts)))
-    preemptions_before = storm_engine.stats().num_preemptions
+    solo = solo_texts(storm_config, sorted(set(prompts)))
     rng = random.Random(SEED)
     order = plans(rng)
 
-    with RunningServer(storm_engine, async_engine_kwargs={"max_waiting_requests": MAX_WAITING}) as server:
+    with RunningServer(storm_config, async_engine_kwargs={"max_waiting_requests": MAX_WAITING}) as server:
         async def run():
             limits = httpx.Limits(max_connections=NUM_REQUESTS + 10, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=server.base_url, limits=limits,
@@ -132,6 +132,7 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
         after = httpx.post(f"{server.base_url}/v1/completions",
                            json={"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0})
         leftover_streams = dict(server.async_engine._streams)
+        unfinished = server.async_engine.has_unfinished_requests()
 
     # Past the queue limit a client is refused at once (503, Retry-After), never queued.
     refused = [r for r in results if r["status"] == 503]
@@ -152,43 +153,36 @@ def test_storm_with_hangups_on_a_tiny_kv_cache(storm_engine):
     assert sum(r["status"] == "hung up" for r in hangups) >= len(hangups) // 3
 
     # Preempted and counted, then nothing in use and nothing queued anywhere.
-    assert storm_engine.stats().num_preemptions > preemptions_before
+    assert snap.num_preemptions > 0
     counted = float(re.search(r"^pagedllm:num_preemptions_total (\S+)$", metrics, re.M).group(1))
-    assert counted == storm_engine.stats().num_preemptions
+    assert counted == snap.num_preemptions
     assert snap.kv.num_used_blocks == 0 and snap.kv.usage == 0
     assert snap.kv.num_free_blocks == snap.kv.num_blocks
-    assert storm_engine.stats().num_running == 0 and storm_engine.stats().num_waiting == 0
-    assert not storm_engine.has_unfinished_requests()
+    assert snap.num_running == 0 and snap.num_waiting == 0
+    assert not unfinished
     assert not leftover_streams
     assert healthy == 200
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo[prompts[0]]
 
 
-def test_non_streamed_clients_that_time_out_are_aborted(storm_engine):
+def test_non_streamed_clients_that_time_out_are_aborted(storm_config):
     """A client that gives up on a non-streamed request (a timeout, a closed socket) stops the
     work for it: the server notices the disconnect, aborts the request and frees its blocks."""
-    real_execute = storm_engine.engine_core.runner.execute
+    with RunningServer(storm_config) as server:
+        tokens_before = server.async_engine.stats.num_generation_tokens
+        server.debug("slow_steps", seconds=0.05)  # ~50 ms a step: 30 tokens take seconds
 
-    def slow_execute(scheduled):  # ~50 ms a step: 30 tokens take seconds
-        time.sleep(0.05)
-        return real_execute(scheduled)
+        async def give_up_early():
+            async with httpx.AsyncClient(base_url=server.base_url) as client:
+                tasks = [client.post("/v1/completions", timeout=0.5, json={
+                    "prompt": prompt_of(i), "max_tokens": 30, "ignore_eos": True}) for i in range(4)]
+                return await asyncio.gather(*tasks, return_exceptions=True)
 
-    with RunningServer(storm_engine) as server:
-        tokens_before = storm_engine.stats().num_generation_tokens
-        storm_engine.engine_core.runner.execute = slow_execute
-        try:
-            async def give_up_early():
-                async with httpx.AsyncClient(base_url=server.base_url) as client:
-                    tasks = [client.post("/v1/completions", timeout=0.5, json={
-                        "prompt": prompt_of(i), "max_tokens": 30, "ignore_eos": True}) for i in range(4)]
-                    return await asyncio.gather(*tasks, return_exceptions=True)
-
-            outcomes = asyncio.run(give_up_early())
-            assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
-            snap = server.wait_idle(timeout_s=30)
-        finally:
-            storm_engine.engine_core.runner.execute = real_execute
-        assert storm_engine.stats().num_generation_tokens - tokens_before < 4 * 30
+        outcomes = asyncio.run(give_up_early())
+        assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
+        snap = server.wait_idle(timeout_s=30)
+        server.debug("restore")
+        assert snap.num_generation_tokens - tokens_before < 4 * 30
         assert snap.kv.num_used_blocks == 0 and not server.async_engine._streams
         after = httpx.post(f"{server.base_url}/v1/completions",
                            json={"prompt": prompt_of(0), "max_tokens": 4}, timeout=30)

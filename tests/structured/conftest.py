@@ -12,7 +12,7 @@ from tests.model.tiny import BOS, EOS, tokenizer_backend
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(default_model_path) -> Tokenizer:
-    from pagedllm.model.loader import load_tokenizer
+    from pagedllm.model.tokenizer_files import load_tokenizer
 
     return load_tokenizer(default_model_path)
 
