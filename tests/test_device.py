@@ -51,7 +51,8 @@ def test_cli_device_cuda_without_cuda(monkeypatch, capsys):
     from pagedllm import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("pagedllm.engine_core.load_engine_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("pagedllm.engine_core.load_engine_model",
+                        lambda *a, **k: pytest.fail("loaded a model"))
     assert cli.main(["generate", "hello", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pagedllm: error: device 'cuda': CUDA is not available")

@@ -78,9 +78,9 @@ def choose_num_threads(requested: int | None) -> tuple[int, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.chat_template import load_chat_template
     from pagedllm.server.async_engine import AsyncEngine
     from pagedllm.server.core_client import CoreProcess
-    from pagedllm.chat_template import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
