@@ -146,24 +146,28 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 @contextlib.contextmanager
 def shared_model_loads():
     """Engines made inside load each (path, dtype, device, quantization) once: a bench that builds
-    one engine per setting (layout, block size) reuses the weights. The model holds no per-engine state; the
-    KV cache belongs to each engine's runner."""
-    import pagedllm.engine_core as engine_module
+    one engine per setting (layout, block size) reuses the weights. The model holds no per-engine
+    state; the KV cache belongs to each engine's runner. Tensor-parallel engines load their own
+    (their workers belong to one engine)."""
+    import pagedllm.engine_core as engine_core_module
 
-    original = engine_module.load_model
+    original = engine_core_module.load_engine_model
     loaded: dict = {}
 
-    def load_once(path=None, dtype="auto", device="cpu", *quantization):
-        key = (str(path), str(dtype), str(device), *quantization)
+    def load_once(config, device):
+        if config.tensor_parallel_size > 1:
+            return original(config, device)
+        key = (str(config.model), str(config.dtype), str(device), config.quantization,
+               config.quantization_group_size)
         if key not in loaded:
-            loaded[key] = original(path, dtype, device, *quantization)
+            loaded[key] = original(config, device)
         return loaded[key]
 
-    engine_module.load_model = load_once
+    engine_core_module.load_engine_model = load_once
     try:
         yield
     finally:
-        engine_module.load_model = original
+        engine_core_module.load_engine_model = original
 
 
 @dataclass
