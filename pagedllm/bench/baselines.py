@@ -7,8 +7,9 @@ A baseline is a module with:
 - add_args(parser): its own flags (every baseline's flags are always accepted);
 - start(engine, args, requests) -> a session: it loads the rival on engine's model (requests: all
   it will be given, to size its context) with .info (facts for the JSON: version, load time,
-  RSS), .stream(request) -> StreamTiming, .batched(requests) -> elapsed seconds, and .close()
-  -> facts known at the end (peak RSS).
+  RSS), .stream(request) -> StreamTiming, .batched(requests) -> elapsed seconds (and, where the
+  rival can count them, .cpu_s: the CPU seconds of its last batched run), and .close() -> facts
+  known at the end (peak RSS).
 Adding a rival is one module and one line in BASELINES.
 """
 

@@ -45,13 +45,18 @@ class RunResult:
     num_preemptions: int
     steps: list[StepRecord] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)  # each request's output, in order
+    cpu_s: float | None = None  # this process's CPU time over the run (every thread)
 
     def rates(self) -> dict:
         e = max(self.elapsed_s, 1e-9)
-        return {"elapsed_s": round(self.elapsed_s, 3),
-                "requests_per_s": round(self.num_requests / e, 3),
-                "output_tokens_per_s": round(self.output_tokens / e, 2),
-                "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / e, 2)}
+        rates = {"elapsed_s": round(self.elapsed_s, 3),
+                 "requests_per_s": round(self.num_requests / e, 3),
+                 "output_tokens_per_s": round(self.output_tokens / e, 2),
+                 "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / e, 2)}
+        if self.cpu_s is not None:
+            rates.update(cpu_s=round(self.cpu_s, 3),
+                         output_tokens_per_cpu_s=round(self.output_tokens / max(self.cpu_s, 1e-9), 2))
+        return rates
 
 
 def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: bool = False,
@@ -68,7 +73,7 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
     steps: list[StepRecord] = []
     finished: dict[str, list[int]] = {}
     preemptions_before = engine.stats().num_preemptions
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         outputs = engine.step()
         t_s = time.perf_counter() - started
@@ -79,11 +84,11 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: 
         if on_step is not None:
             on_step(t_s)
         finished.update((o.request_id, o.outputs[0].token_ids) for o in outputs if o.finished)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
     token_ids = [finished[f"{tag}-{i}"] for i in range(len(requests))]
     return RunResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests),
                      sum(map(len, token_ids)), engine.stats().num_preemptions - preemptions_before,
-                     steps, token_ids)
+                     steps, token_ids, cpu_s)
 
 
 def serve_one(engine: LLMEngine) -> None:

@@ -67,13 +67,19 @@ def summarize_streams(timings: list[StreamTiming]) -> dict:
     return summary
 
 
-def summarize_run(elapsed_s: float, requests: list[BenchRequest]) -> dict:
-    """Rates of serving requests in elapsed_s (all at once or one by one alike)."""
+def summarize_run(elapsed_s: float, requests: list[BenchRequest], cpu_s: float | None = None) -> dict:
+    """Rates of serving requests in elapsed_s (all at once or one by one alike); given the CPU
+    seconds the system spent on them (every process of it), the generated tokens per CPU second
+    too: on a shared machine wall time measures the share of the cores a system got as much as
+    the system."""
     prompt = sum(len(r.prompt_token_ids) for r in requests)
     output = sum(r.max_tokens for r in requests)
-    return {"elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(requests) / elapsed_s, 3),
-            "output_tokens_per_s": round(output / elapsed_s, 2),
-            "total_tokens_per_s": round((prompt + output) / elapsed_s, 2)}
+    rates = {"elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(requests) / elapsed_s, 3),
+             "output_tokens_per_s": round(output / elapsed_s, 2),
+             "total_tokens_per_s": round((prompt + output) / elapsed_s, 2)}
+    if cpu_s is not None:
+        rates.update(cpu_s=round(cpu_s, 3), output_tokens_per_cpu_s=round(output / max(cpu_s, 1e-9), 2))
+    return rates
 
 
 def stream_one(engine: LLMEngine, request: BenchRequest, request_id: str) -> StreamTiming:

@@ -125,17 +125,20 @@ def _batched_runs(engine: LLMEngine, rival, workload: list[BenchRequest], repeat
         forget_cached_prefixes(engine)
         results.append(run_workload(engine, workload, tag=f"bench{k}", temperature=temperature))
         if rival is not None:
-            rival_runs.append(summarize_run(rival.batched(workload), workload))
+            elapsed_s = rival.batched(workload)
+            rival_runs.append(summarize_run(elapsed_s, workload, getattr(rival, "cpu_s", None)))
     return results, rival_runs
 
 
 def _median_run(runs: list[dict]) -> dict:
     """The run of median output tokens/s (the lower middle one of an even count), with every
-    run's tokens/s beside it."""
+    run's tokens/s (and tokens per CPU second, where counted) beside it."""
     ranked = sorted(runs, key=lambda r: r["output_tokens_per_s"])
     median = dict(ranked[(len(ranked) - 1) // 2])
     if len(runs) > 1:
-        median["output_tokens_per_s_each"] = [r["output_tokens_per_s"] for r in runs]
+        for key in ("output_tokens_per_s", "output_tokens_per_cpu_s"):
+            if all(key in r for r in runs):
+                median[f"{key}_each"] = [r[key] for r in runs]
     return median
 
 
@@ -215,23 +218,31 @@ def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summa
 def _report(payload: dict, rival: str | None) -> None:
     ours, theirs = payload["pagedllm"], payload.get(rival, {})
     columns = ("system", "device", "dtype", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-               "elapsed_s", "startup_s", "peak_rss_mib")
-    rows = [[ours[c] for c in columns]]
+               "elapsed_s", "cpu_s", "output_tokens_per_cpu_s", "startup_s", "peak_rss_mib")
+    rows = [[ours.get(c, "-") for c in columns]]
     if "output_tokens_per_s" in theirs:
         rows.append([theirs.get(c, "-") for c in columns])
-        payload["ratio_output_tokens_per_s"] = round(
-            ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2)
-        if "output_tokens_per_s_each" in theirs:  # run by run, in the order they ran
-            payload["ratio_each_run"] = [round(a / b, 2) for a, b in zip(
-                ours["output_tokens_per_s_each"], theirs["output_tokens_per_s_each"])]
+        # (ratio key, its run by run key, the rows' key)
+        for ratio, each_run, key in (("ratio_output_tokens_per_s", "ratio_each_run", "output_tokens_per_s"),
+                                     ("ratio_output_tokens_per_cpu_s", "ratio_per_cpu_s_each_run",
+                                      "output_tokens_per_cpu_s")):
+            if key in ours and key in theirs:
+                payload[ratio] = round(ours[key] / theirs[key], 2)
+            if f"{key}_each" in ours and f"{key}_each" in theirs:  # run by run, in the order they ran
+                pairs = zip(ours[f"{key}_each"], theirs[f"{key}_each"])
+                payload[each_run] = [round(a / b, 2) for a, b in pairs]
     print_table(f"Offline throughput, all requests at once: {payload['workload']}",
-                ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "start-up s",
-                 "peak RSS MiB"], rows)
+                ["system", "device", "dtype", "req/s", "out tok/s", "total tok/s", "time s", "CPU s",
+                 "out tok / CPU s", "start-up s", "peak RSS MiB"], rows)
     if "ratio_output_tokens_per_s" in payload:
         print(f"\npagedllm / {rival} generated tokens/s: {payload['ratio_output_tokens_per_s']}x")
     if "ratio_each_run" in payload:
         print(f"each pair of runs: {payload['ratio_each_run']} (tok/s: pagedllm "
               f"{ours['output_tokens_per_s_each']}, {rival} {theirs['output_tokens_per_s_each']})")
+    if "ratio_output_tokens_per_cpu_s" in payload:
+        each = payload.get("ratio_per_cpu_s_each_run")
+        print(f"per CPU second (every process of each system): {payload['ratio_output_tokens_per_cpu_s']}x"
+              + (f", each pair of runs: {each}" if each else ""))
     if "same_output" in payload:
         same = payload["same_output"]
         print(f"greedy outputs identical to {rival}'s: {same['requests_identical']:.0%} of requests; "

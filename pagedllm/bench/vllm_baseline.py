@@ -44,6 +44,7 @@ class Session:
                          threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
                          kv_cache_space_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))
         self.token_ids: list[list[int]] = []  # the last run's outputs, request by request
+        self.cpu_s: float | None = None  # the last run's CPU seconds, all of vLLM's processes
 
     def _ask(self, message: dict) -> dict:
         self.process.stdin.write(json.dumps(message) + "\n")
@@ -56,7 +57,7 @@ class Session:
     def batched(self, requests: list[BenchRequest]) -> float:
         reply = self._ask({"requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
                                         for r in requests]})
-        self.token_ids = reply["token_ids"]
+        self.token_ids, self.cpu_s = reply["token_ids"], reply["cpu_s"]
         return reply["elapsed_s"]
 
     def close(self) -> dict:

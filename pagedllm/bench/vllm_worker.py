@@ -7,9 +7,10 @@ imported):
   in:  {"model": PATH, "dtype": "bfloat16", "max_model_len": N, "seed": N}
   out: {"ready": true, "load_s", "rss_after_startup_mib", "version"}
   in:  {"requests": [{"prompt_token_ids": [...], "max_tokens": N}, ...]}
-  out: {"elapsed_s", "token_ids": [[...], ...]}   (every request at once, one generate call)
-and at the end of its input answers {"done": true, "peak_rss_mib"} and exits. Memory is summed
-over its processes (vLLM runs its engine core and its model worker in processes of their own).
+  out: {"elapsed_s", "cpu_s", "token_ids": [[...], ...]}   (every request at once, one generate call)
+and at the end of its input answers {"done": true, "peak_rss_mib"} and exits. Memory and CPU time
+are summed over its processes (vLLM runs its engine core and its model worker in processes of
+their own; the engine core waits for the worker by polling, which counts too).
 Greedy decoding, exactly max_tokens tokens (EOS ignored); the prefix cache is emptied before each
 run, so no run reuses another's prompts.
 """
@@ -51,6 +52,19 @@ def tree_memory_mib(field: str) -> float:
     return round(total / 1024, 1)
 
 
+def tree_cpu_s() -> float:
+    """User and system CPU seconds of the process tree's live processes so far."""
+    ticks = 0
+    for pid in process_tree():
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def private_stdout():
     """A text stream on the original stdout; fd 1 (and Python's sys.stdout) now go to stderr."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
@@ -64,10 +78,11 @@ def generate(llm, vllm, requests: list[dict]) -> dict:
     params = [vllm.SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], min_tokens=r["max_tokens"],
                                   ignore_eos=True) for r in requests]
     llm.reset_prefix_cache()
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), tree_cpu_s()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    return {"elapsed_s": elapsed, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+    elapsed, cpu_s = time.perf_counter() - started, tree_cpu_s() - started_cpu
+    return {"elapsed_s": elapsed, "cpu_s": cpu_s,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
 def main() -> int:

@@ -161,6 +161,9 @@ FAKE_VLLM = textwrap.dedent('''
         def generate(self, prompts, params, use_tqdm):
             assert len(prompts) == len(params) and not use_tqdm
             time.sleep(0.2)  # a rate of the order of the engine's, so the ratio shows in 2 decimals
+            busy_until = time.process_time() + 0.05  # and some CPU time for the worker to count
+            while time.process_time() < busy_until:
+                pass
             return [_Output([(p["prompt_token_ids"][-1] + i + 1) % 256 for i in range(s.max_tokens)])
                     for p, s in zip(prompts, params)]
 ''')
@@ -186,9 +189,14 @@ def test_vllm_baseline_runs_the_workload_in_turn(tmp_path, tiny_model, fake_vllm
         assert len(system["output_tokens_per_s_each"]) == 2
         assert system["output_tokens_per_s"] in system["output_tokens_per_s_each"]
     assert len(result["ratio_each_run"]) == 2 and result["ratio_output_tokens_per_s"] > 0
+    for system in (ours, theirs):  # CPU seconds beside wall time: ours in process, vLLM's over its processes
+        assert system["cpu_s"] > 0 and len(system["output_tokens_per_cpu_s_each"]) == 2
+    assert theirs["cpu_s"] >= 0.04
+    assert len(result["ratio_per_cpu_s_each_run"]) == 2 and result["ratio_output_tokens_per_cpu_s"] > 0
     assert 0 <= result["same_output"]["requests_identical"] <= 1
     printed = capsys.readouterr().out
     assert "pagedllm / vllm generated tokens/s" in printed and "each pair of runs" in printed
+    assert "per CPU second" in printed
 
 
 def test_vllm_baseline_needs_its_interpreter_and_a_folder(tmp_path, tiny_gguf, capsys):
