@@ -52,6 +52,14 @@ class CoreProcess:
         self.config = config
         self.addresses = Addresses()
         self._context = zmq.Context()
+        try:
+            self._start(config, num_threads, env, log_level, stderr)
+        except BaseException:
+            self._context.destroy(linger=0)  # an unclosed context blocks whoever collects it
+            self.addresses.remove()
+            raise
+
+    def _start(self, config, num_threads, env, log_level, stderr) -> None:
         self._to_core = self._context.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy core
         self._to_core.setsockopt(zmq.LINGER, 0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import LLMEngine
+from pagedllm.config import EngineConfig
 from tests.model.tiny import make_hf_model, save_checkpoint
 from tests.server.conftest import MODEL_NAME, RunningServer, free_port
 
@@ -84,11 +84,11 @@ def test_serve_with_tensor_parallel_size_two(model_dir):
 
 
 def test_a_dead_worker_makes_the_server_say_503(model_dir):
-    engine = LLMEngine(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    with RunningServer(engine) as running:
+    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    with RunningServer(config) as running:
         assert complete(running.base_url).status_code == 200
-        (worker,) = engine.engine_core.runner.tp._processes
-        os.kill(worker.pid, signal.SIGKILL)
+        (worker,) = workers_of(running.core.pid)  # the core process started it
+        worker.kill()
         statuses = [complete(running.base_url).status_code for _ in range(4)]
         assert statuses[0] == 500 and statuses[-1] == 503, statuses
         health = httpx.get(f"{running.base_url}/health", timeout=10)
