@@ -325,5 +325,6 @@ def error_body(message: str, error_type: str, param: str | None = None,
 
 
 def _type_for(status_code: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 503: "service_unavailable"}.get(status_code, "server_error")
+    """OpenAI's error type for a status: the client's fault below 500 (405, 408, 421 too)."""
+    named = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+    return named.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
