@@ -30,9 +30,11 @@ from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestO
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
 from pagedllm.server.dashboard import EVENTS_PATH, dashboard_router, engine_snapshot_fn
-from pagedllm.server.limits import DEFAULT_BODY_TIMEOUT_S, InputWorkers, RequestPrecheck
+from pagedllm.server.hosts import host_allowed
+from pagedllm.server.limits import InputWorkers, RequestPrecheck
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     MAX_PROMPTS_PER_REQUEST,
     APIError,
@@ -87,8 +89,10 @@ class Cors:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
-              cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
-    """The app over engine. chat_template: replaces the model's for every chat request."""
+              cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+    """The app over engine. chat_template: replaces the model's for every chat request;
+    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
     workers = InputWorkers()
@@ -109,7 +113,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     _install_error_handlers(app)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout_s=body_timeout_s,
-                       precheck=RequestPrecheck(engine.input_processor, workers))
+                       precheck=RequestPrecheck(engine.input_processor, workers),
+                       allowed_hosts=allowed_hosts)
     if cors is not None:  # added last, so outermost: it answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods),
@@ -177,7 +182,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """The API key (on /v1/*, /tokenize, /detokenize and the dashboard's events), the body's size
+    """The Host header (pagedllm.server.hosts), the API key (on /v1/*, /tokenize, /detokenize and
+    the dashboard's events), the body's size
     and time limits, and the cheap bounds on a JSON body (RequestPrecheck), checked before any
     endpoint runs.
 
@@ -187,8 +193,10 @@ class _Guard:
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 precheck: RequestPrecheck | None = None) -> None:
+                 precheck: RequestPrecheck | None = None,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
+        self.allowed_hosts = allowed_hosts
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -199,6 +207,11 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        if self.allowed_hosts is not None and not host_allowed(headers.get("host"), self.allowed_hosts):
+            await _error(APIError(f"this server does not answer for host {_short(headers.get('host'))}"
+                                  " (see --allowed-hosts)", 421, code="misdirected_request")
+                         )(scope, receive, send)
+            return
         if self.expected_auth is not None and scope["path"].startswith(_GUARDED_PATHS):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):  # constant time

@@ -28,8 +28,6 @@ from pagedllm.server.protocol import MAX_PROMPTS_PER_REQUEST, APIError
 
 T = TypeVar("T")
 
-# A request's body must arrive within this (uvicorn bounds neither its time nor its rate).
-DEFAULT_BODY_TIMEOUT_S = 30.0
 # Threads for a request's expensive input work; more would only share the same cores.
 NUM_INPUT_WORKERS = 4
 # JSON values any request needs beyond its prompts' token ids and a vocabulary-sized list

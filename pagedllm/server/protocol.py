@@ -32,6 +32,11 @@ MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
+# Connections (pagedllm.server.connections) and the body's time (the app's guard).
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # request headers must arrive within this
+DEFAULT_BODY_TIMEOUT_S = 30.0  # and the body within this: a 408, the connection closed
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's: an idle kept-alive connection closes after this
 
 
 # Fields of OpenAI's or vLLM's API that change what the answer means and that this server does not
