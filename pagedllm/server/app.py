@@ -588,7 +588,9 @@ async def _collect_or_abort(streams, raw: Request) -> list[RequestOutput]:
             gathered.cancel()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Both awaited, the gathering future too: cancelled, it ends with a CancelledError
+            # that asyncio would otherwise log as "exception was never retrieved".
+            await asyncio.gather(*tasks, gathered, return_exceptions=True)
             await _close_all(streams)
 
 
@@ -720,6 +722,10 @@ class _Format:
                             "usage": self.usage(prompts, sum(generated.values()), sum(cached.values()))})
         except (RequestFailed, EngineDeadError) as exc:
             yield _sse(error_body(str(exc), "server_error", code=500))
+        except asyncio.CancelledError:  # the server stopped it (its shutdown grace ran out)
+            yield _sse(error_body("the server is shutting down and cut this stream; retry it",
+                                  "service_unavailable", code=503))
+            raise
         except Exception:  # the 200 is sent already: the client can only hear it in the stream
             logger.exception("streaming response %s failed", response_id)
             yield _sse(error_body("internal server error", "server_error", code=500))
