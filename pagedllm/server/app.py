@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 # What /openapi.json documents, so that clients (and the fuzz test) know every answer there is.
 _ERROR = {"model": ErrorResponse}
 _V1_ERRORS = {401: {**_ERROR, "description": "Missing or wrong API key"},
-              413: {**_ERROR, "description": "Request body too large"}}
+              408: {**_ERROR, "description": "The request body did not arrive in time"},
+              413: {**_ERROR, "description": "Request body too large"},
+              421: {**_ERROR, "description": "A Host this server does not answer for"}}
 _GENERATE_RESPONSES = {
     200: {"description": "The completion, or with stream=true server-sent events",
           "content": {"application/json": {}, "text/event-stream": {}}},
@@ -183,9 +185,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 class _Guard:
     """The Host header (pagedllm.server.hosts), the API key (on /v1/*, /tokenize, /detokenize and
-    the dashboard's events), the body's size
-    and time limits, and the cheap bounds on a JSON body (RequestPrecheck), checked before any
-    endpoint runs.
+    the dashboard's events), the body's size and time limits, and the cheap bounds on a JSON body
+    (RequestPrecheck), checked before any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
     (no Content-Length) as it arrives and refuse it past the limit without buffering more, and
