@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Descriptors kept for everything but client connections: model files, the engine, logs, pipes.
 FD_MARGIN = 256
+_NO_LIMIT = 1 << 20  # what "unlimited" open files comes to
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,18 @@ class ConnectionLimits:
 def raise_open_files_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit; the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft >= hard:
-        return hard if soft == resource.RLIM_INFINITY else soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:  # some containers refuse; keep the soft limit
-        logger.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    if soft == resource.RLIM_INFINITY:
+        return _NO_LIMIT
+    # Linux refuses more than fs.nr_open (2^20 by default) even under an unlimited hard limit.
+    target = _NO_LIMIT if hard == resource.RLIM_INFINITY else hard
+    if soft >= target:
         return soft
-    return hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:  # some containers refuse; keep the soft limit
+        logger.warning("could not raise the open-files limit from %d to %d: %s", soft, target, exc)
+        return soft
+    return target
 
 
 def fit_to_open_files(limits: ConnectionLimits) -> ConnectionLimits:
