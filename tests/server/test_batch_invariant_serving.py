@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pagedllm.attention import cpu_kernel
-from pagedllm.engine import LLMEngine
+from pagedllm.config import EngineConfig
 from tests.model.tiny import make_hf_model, save_checkpoint
 from tests.server.conftest import RunningServer, metric_value
 
@@ -30,10 +30,10 @@ def bf16_server(tmp_path_factory, one_torch_thread):
                           intermediate_size=256)
     folder = save_checkpoint(model, tmp_path_factory.mktemp("tiny_bf16_server"))
     # Too few blocks for the load (preemption), prompts cut into 64-token chunks.
-    engine = LLMEngine(model=str(folder), dtype="bfloat16", num_kv_blocks=30, block_size=16,
-                       max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=False,
-                       batch_invariant=True)
-    with RunningServer(engine) as running:
+    config = EngineConfig(model=str(folder), dtype="bfloat16", num_kv_blocks=30, block_size=16,
+                          max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=False,
+                          batch_invariant=True)
+    with RunningServer(config) as running:
         yield running
 
 

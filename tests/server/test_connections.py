@@ -22,7 +22,7 @@ from pagedllm.server.connections import (
     fit_to_open_files,
     uvicorn_settings,
 )
-from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,9 +31,9 @@ MAX_CONNECTIONS = 500
 IDLE_CONNECTIONS = 2000
 
 
-def guarded_server(engine, limits: ConnectionLimits, **app_kwargs) -> RunningServer:
+def guarded_server(config, limits: ConnectionLimits, **app_kwargs) -> RunningServer:
     """A RunningServer whose uvicorn applies limits, as `pagedllm serve` does."""
-    running = RunningServer(engine, **app_kwargs)
+    running = RunningServer(config, **app_kwargs)
     config = uvicorn.Config(running.app, host="127.0.0.1", port=running.port, log_level="warning",
                             **uvicorn_settings(limits))
     running.server = uvicorn.Server(config)
@@ -44,7 +44,7 @@ def guarded_server(engine, limits: ConnectionLimits, **app_kwargs) -> RunningSer
 @pytest.fixture(scope="module")
 def conn_server(tiny_model_dir, one_torch_thread):
     limits = ConnectionLimits(max_connections=MAX_CONNECTIONS, header_timeout_s=HEADER_TIMEOUT_S)
-    with guarded_server(tiny_engine(tiny_model_dir), limits, body_timeout_s=1.0) as running:
+    with guarded_server(tiny_config(tiny_model_dir), limits, body_timeout_s=1.0) as running:
         yield running
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagedllm.server.protocol import DEFAULT_MAX_BODY_BYTES
-from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,7 +27,7 @@ LOOPING_TEMPLATE = ("{% if messages|length > 1 %}{% for i in range(100000) %}"
 
 @pytest.fixture(scope="module")
 def hostile_server(tiny_model_dir, one_torch_thread):
-    with RunningServer(tiny_engine(tiny_model_dir), chat_template=LOOPING_TEMPLATE) as running:
+    with RunningServer(tiny_config(tiny_model_dir), chat_template=LOOPING_TEMPLATE) as running:
         yield running
 
 

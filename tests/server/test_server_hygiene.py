@@ -18,43 +18,37 @@ import uvicorn
 
 from pagedllm.server.hosts import LOOPBACK_HOSTS, allowed_hosts_for
 from pagedllm.server.keys import API_KEY_ENV, VLLM_API_KEY_ENV, read_api_key
-from tests.server.conftest import RunningServer, tiny_engine
+from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @contextmanager
-def slow_steps(engine, step_s: float):
-    """Each model step takes at least step_s, so requests last long enough to be cut."""
-    runner = engine.engine_core.runner
-    real_execute = runner.execute
-
-    def execute(scheduled):
-        time.sleep(step_s)
-        return real_execute(scheduled)
-
-    runner.execute = execute
+def slow_steps(server: RunningServer, step_s: float):
+    """Each model step (in the core process) takes at least step_s, so requests last long enough
+    to be cut."""
+    server.debug("slow_steps", seconds=step_s)
     try:
         yield
     finally:
-        runner.execute = real_execute
+        server.debug("restore")
 
 
 @pytest.fixture(scope="module")
-def hygiene_engine(tiny_model_dir, one_torch_thread):
-    return tiny_engine(tiny_model_dir)
+def hygiene_config(tiny_model_dir):
+    return tiny_config(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
-def hygiene_server(hygiene_engine):
-    with RunningServer(hygiene_engine, allowed_hosts=LOOPBACK_HOSTS) as running:
+def hygiene_server(hygiene_config):
+    with RunningServer(hygiene_config, allowed_hosts=LOOPBACK_HOSTS) as running:
         yield running
 
 
 # -- disconnects ----------------------------------------------------------------------------------
 
-def test_client_leaving_a_non_streamed_request_logs_no_traceback(hygiene_server, hygiene_engine, caplog):
-    with caplog.at_level(logging.ERROR), slow_steps(hygiene_engine, 0.05):
+def test_client_leaving_a_non_streamed_request_logs_no_traceback(hygiene_server, caplog):
+    with caplog.at_level(logging.ERROR), slow_steps(hygiene_server, 0.05):
         for _ in range(3):
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(f"{hygiene_server.base_url}/v1/completions", timeout=0.3,
@@ -140,14 +134,16 @@ def test_405_is_the_clients_error(hygiene_server):
 
 # -- shutdown -------------------------------------------------------------------------------------
 
-def test_stream_cut_at_the_shutdown_grace_limit_gets_an_error_event(hygiene_engine):
-    running = RunningServer(hygiene_engine)
+def test_stream_cut_at_the_shutdown_grace_limit_gets_an_error_event(hygiene_config):
+    running = RunningServer(hygiene_config)
     config = uvicorn.Config(running.app, host="127.0.0.1", port=running.port, log_level="warning",
                             timeout_graceful_shutdown=0.5)
     running.server = uvicorn.Server(config)
     running.thread = threading.Thread(target=running.server.run, daemon=True)
     events: list[str] = []
-    with slow_steps(hygiene_engine, 0.1), running:
+    with running:
+        running.debug("slow_steps", seconds=0.1)  # the core goes with the server: no restore
+
         def stream() -> None:
             body = {"prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=30) as r:
