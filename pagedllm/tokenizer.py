@@ -125,7 +125,9 @@ class Tokenizer:
         whole, except inside plain_spans (character spans: a chat's message texts), where they
         are text like any other (HF's split_special_tokens); add_special_tokens adds the BOS/EOS
         the tokenizer is configured to add."""
-        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch releases the GIL while it works (encode holds it: a long prompt tokenized
+        # in a server's worker thread would still stall the event loop); same ids.
+        encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         special = self._special_token_ids
         if not plain_spans or special.isdisjoint(encoding.ids):
             return encoding.ids

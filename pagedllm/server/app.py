@@ -23,14 +23,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
+from pagedllm.chat_template import TemplateTimeout
 from pagedllm.core_messages import EngineCoreRequest
 from pagedllm.input_processor import InvalidInput, PromptInput, prompt_list
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
 from pagedllm.server.dashboard import EVENTS_PATH, dashboard_router, engine_snapshot_fn
+from pagedllm.server.hosts import host_allowed
+from pagedllm.server.limits import InputWorkers, RequestPrecheck
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     MAX_PROMPTS_PER_REQUEST,
     APIError,
@@ -52,7 +56,9 @@ logger = logging.getLogger(__name__)
 # What /openapi.json documents, so that clients (and the fuzz test) know every answer there is.
 _ERROR = {"model": ErrorResponse}
 _V1_ERRORS = {401: {**_ERROR, "description": "Missing or wrong API key"},
-              413: {**_ERROR, "description": "Request body too large"}}
+              408: {**_ERROR, "description": "The request body did not arrive in time"},
+              413: {**_ERROR, "description": "Request body too large"},
+              421: {**_ERROR, "description": "A Host this server does not answer for"}}
 _GENERATE_RESPONSES = {
     200: {"description": "The completion, or with stream=true server-sent events",
           "content": {"application/json": {}, "text/event-stream": {}}},
@@ -67,6 +73,8 @@ _TOKENIZE_RESPONSES = {400: {**_ERROR, "description": "Invalid request"},
                        404: {**_ERROR, "description": "No such model"}, **_V1_ERRORS}
 # Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
 _GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize", EVENTS_PATH)
+# Bodies measured by RequestPrecheck before the schema reads them.
+_PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -83,11 +91,14 @@ class Cors:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
-              cors: Cors | None = None) -> FastAPI:
-    """The app over engine. chat_template: replaces the model's for every chat request."""
+              cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+    """The app over engine. chat_template: replaces the model's for every chat request;
+    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
-    api = _Api(engine, model_name, chat_template)
+    workers = InputWorkers()
+    api = _Api(engine, model_name, chat_template, workers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,13 +106,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             yield
         finally:
+            workers.close()
             await engine.stop()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     _install_error_handlers(app)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s,
+                       precheck=RequestPrecheck(engine.input_processor, workers),
+                       allowed_hosts=allowed_hosts)
     if cors is not None:  # added last, so outermost: it answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods),
@@ -139,11 +154,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
-        return api.tokenize(body)
+        return await workers.run(api.tokenize, body)
 
     @app.post("/detokenize", responses=_TOKENIZE_RESPONSES)
     async def detokenize(body: DetokenizeRequest):
-        return api.detokenize(body)
+        return await workers.run(api.detokenize, body)
 
     app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
@@ -169,22 +184,35 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _Guard:
-    """The API key (on /v1/*, /tokenize, /detokenize and the dashboard's events) and the body-size
-    limit, checked before any endpoint runs.
+    """The Host header (pagedllm.server.hosts), the API key (on /v1/*, /tokenize, /detokenize and
+    the dashboard's events), the body's size and time limits, and the cheap bounds on a JSON body
+    (RequestPrecheck), checked before any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
-    (no Content-Length) as it arrives and refuse it past the limit without buffering more."""
+    (no Content-Length) as it arrives and refuse it past the limit without buffering more, and
+    give up on a body that arrives too slowly (uvicorn has no body timeout)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 precheck: RequestPrecheck | None = None,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
+        self.allowed_hosts = allowed_hosts
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.precheck = precheck
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        if self.allowed_hosts is not None and not host_allowed(headers.get("host"), self.allowed_hosts):
+            await _error(APIError(f"this server does not answer for host {_short(headers.get('host'))}"
+                                  " (see --allowed-hosts)", 421, code="misdirected_request")
+                         )(scope, receive, send)
+            return
         if self.expected_auth is not None and scope["path"].startswith(_GUARDED_PATHS):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):  # constant time
@@ -192,20 +220,28 @@ class _Guard:
                                       "<key>'", 401))(scope, receive, send)
                 return
         length = headers.get("content-length")
-        if length is not None:
-            # The HTTP server already holds the body to its declared length.
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                await self._too_large(f"{length} bytes")(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._too_large(f"{length} bytes")(scope, receive, send)
             return
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        body = await self._read_limited(receive)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_limited(receive)
+        except TimeoutError:  # a client sending its body slowly holds a connection: close it
+            error = APIError(f"the request body did not arrive within {self.body_timeout_s:g} s",
+                             408, code="request_timeout")
+            await _error(error, close=True)(scope, receive, send)
+            return
         if body is None:
             await self._too_large("larger (sent in chunks, without Content-Length)")(scope, receive, send)
             return
+        if self.precheck is not None and scope["path"] in _PRECHECKED_PATHS:
+            error = await self.precheck.check(body)
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_limited(self, receive: Receive) -> bytes | None:
@@ -242,8 +278,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-def _error(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status_code == 503 else None
+def _error(exc: APIError, close: bool = False) -> JSONResponse:
+    """exc in OpenAI's shape; close: end the connection after it (uvicorn does, on this header)."""
+    headers = {"Retry-After": "1"} if exc.status_code == 503 else {}
+    if close:
+        headers["Connection"] = "close"
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 
@@ -303,10 +342,13 @@ def _first_param(exc: RequestValidationError) -> str | None:
 
 class _Api:
     """The endpoint logic: turn OpenAI bodies into engine requests and outputs into responses.
-    Prompts are checked and tokenized by the engine's input processor, as everywhere else."""
+    Prompts are checked and tokenized by the engine's input processor, as everywhere else, in the
+    input workers (templates and tokenizing never run on the event loop)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
+                 workers: InputWorkers) -> None:
         self.engine = engine
+        self.workers = workers
         self.model_name = model_name
         self.chat_template = chat_template  # None: the model's
         self.processor = engine.input_processor
@@ -329,19 +371,20 @@ class _Api:
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
         params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs,
                                        constraint.spec)
-        requests = self._process(response_id, body, prompts, params, "prompt",
-                                 add_special_tokens=body.add_special_tokens)
+        requests = await self.workers.run(self._process, response_id, body, prompts, params,
+                                          "prompt", add_special_tokens=body.add_special_tokens)
         return await self._respond(body, raw, response_id, requests, _CompletionFormat(self, body))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
-        prompt = self._chat_prompt(body, constraint.tools)
+        prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, constraint.spec)
-        requests = self._process(response_id, body, [prompt], params, "messages")
+        requests = await self.workers.run(self._process, response_id, body, [prompt], params,
+                                          "messages")
         return await self._respond(body, raw, response_id, requests, _ChatFormat(self, body, constraint))
 
     def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
@@ -385,11 +428,15 @@ class _Api:
             raise APIError(str(exc), param=exc.param) from exc
         except ValueError as exc:  # a content part that is not text
             raise APIError(str(exc), param="messages") from exc
+        except TemplateTimeout as exc:  # the server's template is at fault, not the request
+            logger.error("chat template cut by its time budget: %s", exc)
+            raise APIError(f"{exc}; the server's chat template is at fault, not this request",
+                           500, error_type="server_error", code="chat_template_timeout") from exc
 
     # -- checks --------------------------------------------------------------------------------
     def _check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise APIError(f"model {body.model!r} does not exist; this server serves "
+            raise APIError(f"model {_short(body.model)} does not exist; this server serves "
                            f"{self.model_name!r}", 404, param="model", code="model_not_found")
 
     def _check_common(self, body, response_id: str) -> None:
@@ -470,6 +517,15 @@ class _Api:
         return streams
 
 
+_CLIENT_STRING = reprlib.Repr()
+_CLIENT_STRING.maxstring = _CLIENT_STRING.maxother = 100
+
+
+def _short(value) -> str:
+    """A client's value, quoted and cut to about 100 characters, for an error message."""
+    return _CLIENT_STRING.repr(value)
+
+
 def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, keyed by token ids written as strings, keyed by the ids (the input
     processor checks their range). Keys that are no integer: a 400 naming them all."""
@@ -533,7 +589,9 @@ async def _collect_or_abort(streams, raw: Request) -> list[RequestOutput]:
             gathered.cancel()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Both awaited, the gathering future too: cancelled, it ends with a CancelledError
+            # that asyncio would otherwise log as "exception was never retrieved".
+            await asyncio.gather(*tasks, gathered, return_exceptions=True)
             await _close_all(streams)
 
 
@@ -665,6 +723,10 @@ class _Format:
                             "usage": self.usage(prompts, sum(generated.values()), sum(cached.values()))})
         except (RequestFailed, EngineDeadError) as exc:
             yield _sse(error_body(str(exc), "server_error", code=500))
+        except asyncio.CancelledError:  # the server stopped it (its shutdown grace ran out)
+            yield _sse(error_body("the server is shutting down and cut this stream; retry it",
+                                  "service_unavailable", code=503))
+            raise
         except Exception:  # the 200 is sent already: the client can only hear it in the stream
             logger.exception("streaming response %s failed", response_id)
             yield _sse(error_body("internal server error", "server_error", code=500))

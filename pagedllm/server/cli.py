@@ -13,7 +13,16 @@ import time
 
 from pagedllm.cli import add_engine_args, engine_config_from_args
 from pagedllm.default_model import DEFAULT_MODEL_NAME
-from pagedllm.server.protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from pagedllm.server.hosts import allowed_hosts_for
+from pagedllm.server.keys import API_KEY_ENV, VLLM_API_KEY_ENV, read_api_key
+from pagedllm.server.protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +37,11 @@ def register(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                            "and on the live data of the dashboard at / (the page asks for it)")
+                            "and on the live data of the dashboard at / (the page asks for it); "
+                            f"or set {API_KEY_ENV} (or {VLLM_API_KEY_ENV}), or --api-key-file, "
+                            "so that the key is not in the process list")
+    serve.add_argument("--api-key-file", default=None,
+                       help="a file holding the API key (its first line)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, for every chat request "
@@ -41,6 +54,25 @@ def register(sub) -> None:
     serve.add_argument("--num-threads", type=int, default=None,
                        help="torch threads of the engine core process (default: one per core, "
                             "less one left to the API process; at least 1)")
+    conns = serve.add_argument_group("connections")
+    conns.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="open connections at most (kept under the open-files limit): past it "
+                            "the oldest one still waiting for its request headers is closed, or, "
+                            f"when all are busy, a new one gets 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    conns.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                       help="a connection's request headers must arrive within this, or it is "
+                            f"closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    conns.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help="a request's body must arrive within this, or it gets 408 and the "
+                            f"connection is closed (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    conns.add_argument("--keep-alive-s", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                       help="an idle kept-alive connection is closed after this "
+                            f"(default {DEFAULT_KEEP_ALIVE_S:g})")
+    conns.add_argument("--allowed-hosts", type=_string_list, default=None,
+                       help="Host header values accepted (JSON list or comma-separated; a port "
+                            "may follow each); others get 421. Default: for a loopback --host, "
+                            "localhost, 127.0.0.1 and [::1] (against DNS rebinding); otherwise any. "
+                            "'*' accepts any")
     cors = serve.add_argument_group("CORS (off unless --allowed-origins is given)")
     cors.add_argument("--allowed-origins", type=_string_list, default=None,
                       help='origins browsers may call from: a JSON list (\'["https://a.example"]\', '
@@ -80,6 +112,12 @@ def choose_num_threads(requested: int | None) -> tuple[int, str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.chat_template import load_chat_template
     from pagedllm.server.async_engine import AsyncEngine
+    from pagedllm.server.connections import (
+        ConnectionLimits,
+        fit_to_open_files,
+        limit_repeated_log_lines,
+        uvicorn_settings,
+    )
     from pagedllm.server.core_client import CoreProcess
 
     if args.model_tag is not None:
@@ -90,6 +128,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes must be positive; got {args.max_body_bytes}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1; got {args.num_threads}")
+    if not args.body_timeout_s > 0:
+        raise ValueError(f"--body-timeout-s must be positive; got {args.body_timeout_s}")
+    api_key = read_api_key(args.api_key, args.api_key_file)
+    allowed_hosts = allowed_hosts_for(args.host, args.allowed_hosts)
+    limits = fit_to_open_files(ConnectionLimits(args.max_connections, args.header_timeout_s,
+                                                args.keep_alive_s))
     async_engine_args = dict(max_waiting_requests=args.max_waiting_requests)
     AsyncEngine.check_args(**async_engine_args)  # before the minutes a model load may take
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
@@ -119,13 +163,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                         tuple(args.allowed_headers), args.allow_credentials)
         name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
-        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        chat_template=chat_template, cors=cors)
+        app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                        chat_template=chat_template, cors=cors, body_timeout_s=args.body_timeout_s,
+                        allowed_hosts=allowed_hosts)
+        limit_repeated_log_lines()
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
         # (bounded by the timeout), then runs the app's shutdown, which stops the core. A core
         # that dies stops the server the same way.
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                               timeout_graceful_shutdown=30))
+                                               timeout_graceful_shutdown=30,
+                                               **uvicorn_settings(limits)))
         engine.on_dead = lambda reason: setattr(server, "should_exit", True)
         server.run()
     finally:

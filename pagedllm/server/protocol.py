@@ -32,6 +32,11 @@ MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
+# Connections (pagedllm.server.connections) and the body's time (the app's guard).
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # request headers must arrive within this
+DEFAULT_BODY_TIMEOUT_S = 30.0  # and the body within this: a 408, the connection closed
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's: an idle kept-alive connection closes after this
 
 
 # Fields of OpenAI's or vLLM's API that change what the answer means and that this server does not
@@ -325,5 +330,6 @@ def error_body(message: str, error_type: str, param: str | None = None,
 
 
 def _type_for(status_code: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 503: "service_unavailable"}.get(status_code, "server_error")
+    """OpenAI's error type for a status: the client's fault below 500 (405, 408, 421 too)."""
+    named = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+    return named.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
