@@ -106,7 +106,10 @@ class CoreProcess:
 
     # -- messages -------------------------------------------------------------------------------
     def send(self, message) -> None:
-        """Queue a message for the core (never blocks)."""
+        """Queue a message for the core (never blocks). Once closed, nothing: the core is gone,
+        and an abort for it (a client leaving during shutdown) has nobody to read it."""
+        if self._closed:
+            return
         self._to_core.send(self._encoder.encode(message), copy=False)
 
     def send_raw(self, data: bytes) -> None:

@@ -80,6 +80,8 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        if self.thread.is_alive():  # closing the sockets under its event loop would crash libzmq
+            raise AssertionError("the server thread did not stop within 30 s")
         self.core.close()
         if self.core_log is not None:
             self.core_log.close()
