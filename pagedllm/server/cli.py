@@ -52,8 +52,8 @@ def register(sub) -> None:
                        help="requests past this many waiting for the engine get a fast 503 with "
                             f"Retry-After (default {DEFAULT_MAX_WAITING_REQUESTS})")
     serve.add_argument("--num-threads", type=int, default=None,
-                       help="torch threads of the engine core process (default: one per core, "
-                            "less one left to the API process; at least 1)")
+                       help="torch threads of the engine core process (default: one per core; "
+                            "fewer where other busy processes share the cores)")
     conns = serve.add_argument_group("connections")
     conns.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="open connections at most (kept under the open-files limit): past it "
@@ -99,14 +99,16 @@ def _string_list(value: str) -> list[str]:
 def choose_num_threads(requested: int | None) -> tuple[int, str]:
     """How many torch threads the core computes with, and why (for the start-up line).
 
-    The API process needs CPU too: under load it parses, tokenizes, detokenizes and streams for
-    every request, most of a core at a few hundred tokens/s. OpenMP threads that share a core with
-    it wait for each other at every barrier, so the core gets the other cores: one fewer than
-    this process may use. docs/benchmarks.md (Serving) has the measurements behind this."""
+    One per core this process may use, as vLLM serves here (its OpenMP threads bound to every
+    core). The API process is idle ~95% of the time while the core is busy (py-spy over both,
+    docs/benchmarks.md Serving), so keeping a core for it cost more than it gave: on a quiet
+    machine one thread left the core's TPOT at rate 2 at 79 ms against 37 ms with two. On a
+    machine whose cores other busy processes share, fewer threads (--num-threads 1) wait less at
+    the OpenMP barriers: the same page has that measurement too."""
     if requested is not None:
         return requested, "--num-threads"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1), f"{cores} cores, one left to the API process; --num-threads to change"
+    return cores, f"one per core ({cores}); --num-threads to change"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
