@@ -107,10 +107,15 @@ class CoreProcess:
     # -- messages -------------------------------------------------------------------------------
     def send(self, message) -> None:
         """Queue a message for the core (never blocks). Once closed, nothing: the core is gone,
-        and an abort for it (a client leaving during shutdown) has nobody to read it."""
+        and an abort for it (a client leaving during shutdown) has nobody to read it. The same
+        when the core has closed its end (it is exiting): a PUSH socket without a peer would
+        block the event loop until one came."""
         if self._closed:
             return
-        self._to_core.send(self._encoder.encode(message), copy=False)
+        try:
+            self._to_core.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("the engine core is gone: %s not sent", type(message).__name__)
 
     def send_raw(self, data: bytes) -> None:
         """Bytes as they are, message or not: for tests of the core's refusal of garbage."""
