@@ -27,13 +27,11 @@ graceful shutdown has let the running requests finish.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -61,18 +59,18 @@ from pagedllm.core_channel import (
     StepReport,
     ToCore,
 )
+from pagedllm.parent_watch import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     context = zmq.Context()
@@ -103,23 +101,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the API process does, however it ends (see the module docstring)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watchdog below still works
-        logger.debug("PR_SET_PDEATHSIG is not available; relying on the stdin watchdog")
-    if os.getppid() != parent_pid:  # the parent died before the line above
-        os._exit(1)
-
-    def watch_stdin() -> None:
-        while os.read(0, 4096):  # the parent never writes: only end of file comes
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_stdin, name="pagedllm-parent-watchdog", daemon=True).start()
 
 
 def _start(args: argparse.Namespace, codec: Codec, outbox: zmq.Socket):

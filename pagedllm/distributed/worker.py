@@ -17,13 +17,11 @@ out: status 1), and, when spawned, with the process that spawned it (see driver.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 from datetime import timedelta
 
 import torch
@@ -36,11 +34,11 @@ from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.config import parse_dtype_name
 from pagedllm.model.loader import load_model, read_model_config
+from pagedllm.parent_watch import die_with_parent
 from pagedllm.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[tp rank {rank}]: %(message)s")
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the engine decides
     store, rank, size = next(dist.rendezvous("env://", timeout=CONNECT_TIMEOUT))
     store = dist.PrefixStore("pagedllm", store)
@@ -122,25 +120,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="(set by the engine that spawns it) exit when that process does")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the spawning process does, however it ends: SIGKILL from the kernel
-    (PR_SET_PDEATHSIG), and a thread that sees end of file on stdin, a pipe whose other end only
-    the parent holds."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watchdog below still works
-        logger.debug("PR_SET_PDEATHSIG is not available; relying on the stdin watchdog")
-    if os.getppid() != parent_pid:  # the parent died before the line above
-        os._exit(1)
-
-    def watch_stdin() -> None:
-        while os.read(0, 4096):  # the parent never writes: only end of file comes
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_stdin, name="pagedllm-parent-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":
