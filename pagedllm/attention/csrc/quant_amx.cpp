@@ -27,39 +27,16 @@
 #include <memory>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDLLM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "quant_packed.h"
 
 namespace {
 using namespace pagedllm_quant;
 
 #ifdef PAGEDLLM_AMX
+using pagedllm_amx::configure_tiles;
 
 constexpr int kRowsPerChunk = 256;  // rows of x per pass over the weights: their B tiles stay in L2
-
-bool request_amx() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;  // every tile: 16 rows of 64 bytes
-  _tile_loadconfig(&config);
-}
 
 // Scratch memory left uninitialized (every use writes it whole before reading it).
 template <typename T>
@@ -178,14 +155,7 @@ void multiply_panel(const BF16* weights, int64_t K, int64_t p, const uint32_t* x
 
 #endif  // PAGEDLLM_AMX
 
-bool quant_amx_available() {
-#ifdef PAGEDLLM_AMX
-  static const bool ready = request_amx();
-  return ready;
-#else
-  return false;
-#endif
-}
+bool quant_amx_available() { return pagedllm_amx::amx_ready(); }
 
 void quant_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
