@@ -1,6 +1,7 @@
 """The compiled CPU kernels: paged attention (csrc/paged_attention.cpp), the elementwise fusions
 around it in a layer (csrc/fused_ops.cpp: RMSNorm with the residual add, rotary in place,
-SiLU-and-mul) and matmuls over quantized weights (csrc/quant_matmul.cpp). Built (or found) when an
+SiLU-and-mul), matmuls over quantized weights (csrc/quant_matmul.cpp, quant_amx.cpp) and over bf16
+weights packed for AMX tiles (csrc/dense_amx.cpp). Built (or found) when an
 engine starts on the CPU, with the local C++ compiler, cached per machine kind, and skipped (with one
 log line) where they cannot be: callers then take the portable torch path.
 
@@ -41,14 +42,14 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp")
 _HEADERS = ("vec.h", "quant_packed.h", "amx.h")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls), AMX
-# tiles (quantized matmuls over many rows).
+# tiles (bf16 matmuls, quantized matmuls over many rows, attention over prefill chunks).
 _OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16", "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 _DTYPES = (torch.float32, torch.bfloat16)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # compressed caches (kv_quant)
@@ -358,6 +359,22 @@ def quant_amx_available() -> bool:
 def quant_linear_amx(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out = x @ weight^T (+ bias) with AMX tiles, for bf16 x of many rows (K a multiple of 32)."""
     torch.ops.pagedllm_cpu.quant_linear_amx.default(x, *weight.kernel_args, bias, out)
+
+
+def dense_amx_available() -> bool:
+    """Whether dense_amx_linear runs here (AMX-BF16 compiled in, and the OS lets us use it)."""
+    return available() and torch.ops.pagedllm_cpu.dense_amx_available()
+
+
+def dense_amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (K a multiple of 32) in the panel layout dense_amx_linear reads."""
+    return torch.ops.pagedllm_cpu.dense_amx_pack.default(weight)
+
+
+def dense_amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     out: torch.Tensor) -> None:
+    """out [M, N] = x [M, K] @ weight^T (+ bias, float32 [N]), bf16, from dense_amx_pack(weight)."""
+    torch.ops.pagedllm_cpu.dense_amx_linear.default(x, packed, bias, out)
 
 
 def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:

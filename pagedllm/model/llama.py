@@ -8,8 +8,8 @@ q/k/v projection, one gate/up projection): fewer, larger matmuls are faster on C
 
 On CPUs where pagedllm's compiled kernels are built (pagedllm.attention.cpu_kernel), the
 elementwise work between the matmuls runs fused: the residual add inside RMSNorm, rotary in place
-on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() stores bf16 matmul weights in oneDNN's
-blocked layout once instead of on every call. Elsewhere the plain torch code below runs.
+on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() packs bf16 matmul weights once for the
+CPU's matmul kernels (packed_linear.py). Elsewhere the plain torch code below runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pagedllm.attention import AttentionMetadata, KVCache, cpu_kernel, paged_att
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight
 
@@ -408,13 +409,11 @@ class LlamaForCausalLM(nn.Module):
         return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     def prepack_for_cpu(self, max_num_tokens: int) -> bool:
-        """Store the bf16 matmul weights (and a copy of a tied LM head) in oneDNN's blocked layout,
-        so no matmul reorders its weight on every call (1.5-1.9x faster at decode batch sizes; the
-        same results but for an element now and then one bf16 step apart, as oneDNN's kernel for
-        the packed layout sums in another order). Only for bfloat16 on CPU; returns whether it
-        packed."""
+        """Pack the bf16 matmul weights (and a copy of a tied LM head) for the CPU's matmul kernels
+        (packed_linear.py: the same results as F.linear but for an element now and then one bf16
+        step apart). Only for bfloat16 on CPU; returns whether it packed."""
         weight = self.norm.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _can_pack(max_num_tokens):
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not can_pack(max_num_tokens):
             return False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
@@ -439,7 +438,7 @@ class LlamaForCausalLM(nn.Module):
                 w = module.weight_q
                 tensors += [w.codes, w.scales, w.mins, w.codebook]
             elif isinstance(module, PackedLinear):
-                tensors.append(module.packed_weight)
+                tensors += [module.packed_weight, getattr(module, "bias_f32", None)]
             for t in tensors:
                 if t is not None and t.device.type != "meta":
                     seen[t.data_ptr() if t.layout == torch.strided else id(t)] = t.numel() * t.element_size()
@@ -580,27 +579,3 @@ def fused_state_dict(
         if shard_parameter is not None:
             state[ours] = shard_parameter(ours, state[ours])
     return state
-
-
-class PackedLinear(nn.Module):
-    """nn.Linear over a weight reordered once for oneDNN (mkldnn), as torch.compile's CPU freezing
-    does; the results of F.linear."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_num_tokens: int):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max_num_tokens)
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def _can_pack(max_num_tokens: int) -> bool:
-    """Whether this torch build packs and runs a bf16 linear correctly here."""
-    try:
-        x = torch.arange(-80, 80).reshape(5, 32).to(torch.bfloat16) / 64
-        weight = torch.arange(48 * 32).reshape(48, 32).remainder(7).to(torch.bfloat16) - 3
-        return torch.equal(PackedLinear(weight, None, max_num_tokens)(x), F.linear(x, weight))
-    except (AttributeError, RuntimeError):
-        return False

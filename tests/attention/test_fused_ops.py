@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import cpu_kernel
-from pagedllm.model.llama import PackedLinear, RMSNorm, _can_pack, apply_rotary
+from pagedllm.model.llama import RMSNorm, apply_rotary
+from pagedllm.model.packed_linear import PackedLinear, can_pack
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason=f"CPU kernels unavailable: {cpu_kernel._state.get('why')}")
@@ -73,7 +74,7 @@ def test_rotary_in_place(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(v, expected_v, atol=0, rtol=0)  # v untouched
 
 
-@pytest.mark.skipif(not _can_pack(64), reason="this torch build cannot prepack bf16 linear weights")
+@pytest.mark.skipif(not can_pack(64), reason="this torch build cannot prepack bf16 linear weights")
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_linear_equals_linear(rows):
     gen = torch.Generator().manual_seed(rows)

@@ -1,0 +1,196 @@
+// out = x @ W^T (+ bias) for bf16 activations and bf16 weights on AMX tiles, every row count from a
+// decode step's few rows to a prefill chunk's thousands. Written for the decode case, where the
+// step streams every weight from memory once: the weight is packed once, at load, into panels of 32
+// output features whose bytes lie in the order the tile loads read them, so each thread streams
+// its share of the panels front to back; x is read in place (tile rows at its row stride), and
+// each accumulator row goes to out as it is (no transposes). oneDNN's packed kernel, which this
+// replaces where AMX is present, streamed the weights at 11-16 GB/s on two cores where this
+// reaches 14-21 (docs/benchmarks.md, CPU speed).
+//
+// Packed layout: panel p holds output features [32 p, 32 p + 32) (zeros past N): for each run of
+// 32 inputs, two B tiles (features +0..15, +16..31) of 16 input pairs x 16 features, each element
+// a pair (w[n][k], w[n][k + 1]) as the tile unit's dot products take them: 2 KiB per run, K / 32
+// runs per panel. The same bytes as the weight (plus the padding of the last panel).
+//
+// Sums: each output is accumulated in fp32 over K in the same order whatever the number of rows,
+// so a row's result does not depend on the rows beside it; rounded to bf16 once, bias included.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#include "amx.h"
+
+namespace {
+
+using BF16 = c10::BFloat16;
+constexpr int64_t kPanel = 32;       // output features per panel
+constexpr int64_t kRun = 32;         // inputs per run (one A tile's width)
+constexpr int64_t kRunElems = 1024;  // bf16 per run of a panel (2 tiles x 16 pairs x 16 features x 2)
+
+bool dense_amx_available() { return pagedllm_amx::amx_ready(); }
+
+at::Tensor dense_amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "dense_amx_pack: the weight must be bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kRun == 0, "dense_amx_pack: K must be a multiple of 32, got ", K);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({panels * kPanel * K}, weight.options());
+  const BF16* src = w.const_data_ptr<BF16>();
+  BF16* dst = packed.mutable_data_ptr<BF16>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t run = 0; run < K / kRun; ++run) {
+        BF16* out = dst + (p * K / kRun + run) * kRunElems;
+        for (int64_t f = 0; f < kPanel; ++f) {  // feature f of the panel: tile f / 16, column f % 16
+          const int64_t n = p * kPanel + f;
+          BF16* col = out + (f / 16) * 512 + (f % 16) * 2;
+          for (int64_t pair = 0; pair < kRun / 2; ++pair) {
+            col[pair * 32] = n < N ? src[n * K + run * kRun + 2 * pair] : BF16(0.0f);
+            col[pair * 32 + 1] = n < N ? src[n * K + run * kRun + 2 * pair + 1] : BF16(0.0f);
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+#ifdef PAGEDLLM_AMX
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// rows x 16 fp32 accumulators (+ bias) rounded into out[m][n0 ..], features past N dropped.
+inline void store_tile(const float* tile, int64_t rows, int64_t n0, int64_t N, const float* bias, BF16* out,
+                       int64_t ldo) {
+  const __mmask16 cols = tail_mask(N - n0);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(tile + m * 16), b);
+    _mm256_mask_storeu_epi16(out + m * ldo + n0, cols, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// out rows [0, rows) (rows <= 16 kRowTiles) x the panel's 32 features, from x rows a (stride lda,
+// at least 16 kRowTiles rows readable). Tiles 0-3: accumulators (row tile r, feature tile f at
+// 2 r + f), 4-5: x, 6-7: the weight.
+template <int kRowTiles>
+void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t n0, int64_t N,
+                    const float* bias, BF16* out, int64_t ldo) {
+  alignas(64) float tiles[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kRowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += kRun) {
+    const BF16* run = panel + k / kRun * kRunElems;
+    _tile_loadd(6, run, 64);
+    _tile_loadd(7, run + 512, 64);
+    _tile_loadd(4, a + k, lda * sizeof(BF16));
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kRowTiles == 2) {
+      _tile_loadd(5, a + 16 * lda + k, lda * sizeof(BF16));
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, tiles[0], 64);  // tile numbers are immediates: no loop
+  _tile_stored(1, tiles[1], 64);
+  if (kRowTiles == 2) {
+    _tile_stored(2, tiles[2], 64);
+    _tile_stored(3, tiles[3], 64);
+  }
+  for (int r = 0; r < kRowTiles; ++r) {
+    const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
+    for (int f = 0; f < 2 && n0 + 16 * f < N; ++f)
+      store_tile(tiles[2 * r + f], tile_rows, n0 + 16 * f, N, bias, out + 16 * r * ldo, ldo);
+  }
+}
+
+// Panels a thread takes in one pass over the rows of x: their weights stay in cache while every
+// 32-row block of x goes by. Few rows: one panel (from DRAM for the first block, from L1 for the
+// second); many rows: about 1 MiB of panels in L2, so x is read from L3 once per group.
+inline int64_t panels_per_group(int64_t M, int64_t K) {
+  const int64_t bytes = M <= 128 ? 64 * 1024 : 1024 * 1024;
+  return std::max<int64_t>(1, bytes / (kPanel * K * static_cast<int64_t>(sizeof(BF16))));
+}
+
+#endif  // PAGEDLLM_AMX
+
+void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      at::Tensor& out) {
+  TORCH_CHECK(dense_amx_available(), "dense_amx_linear: AMX-BF16 is not available here");
+#ifdef PAGEDLLM_AMX
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "dense_amx_linear: x must be bfloat16 [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kRun == 0 && packed.numel() == panels * kPanel * K && packed.scalar_type() == at::kBFloat16,
+              "dense_amx_linear: the packed weight does not match x [M, K] and out [M, N]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == at::kBFloat16,
+              "dense_amx_linear: out must be bfloat16 [M, N] with contiguous rows");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "dense_amx_linear: bias must be contiguous float32 [N]");
+  if (M == 0) return;
+  // The tile loads read whole 16-row tiles of x: past a partial last tile, rows of zeros.
+  const int64_t rows = (M + 15) / 16 * 16;
+  const BF16* xp = x.const_data_ptr<BF16>();
+  int64_t ldx = x.stride(0);
+  std::unique_ptr<BF16[]> padded;
+  if (rows != M) {
+    padded.reset(new BF16[rows * K]);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.get() + m * K, xp + m * ldx, K * sizeof(BF16));
+    std::memset(static_cast<void*>(padded.get() + M * K), 0, (rows - M) * K * sizeof(BF16));
+    xp = padded.get();
+    ldx = K;
+  }
+  const BF16* wp = packed.const_data_ptr<BF16>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  BF16* op = out.mutable_data_ptr<BF16>();
+  const int64_t ldo = out.stride(0), group = panels_per_group(M, K);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    pagedllm_amx::configure_tiles();
+    for (int64_t g0 = p0; g0 < p1; g0 += group) {
+      const int64_t g1 = std::min(p1, g0 + group);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t block_rows = std::min<int64_t>(32, M - m0);
+        for (int64_t p = g0; p < g1; ++p) {
+          const BF16* panel = wp + p * kPanel * K;
+          if (rows - m0 >= 32) {
+            multiply_block<2>(panel, K, xp + m0 * ldx, ldx, block_rows, p * kPanel, N, bp, op + m0 * ldo, ldo);
+          } else {
+            multiply_block<1>(panel, K, xp + m0 * ldx, ldx, block_rows, p * kPanel, N, bp, op + m0 * ldo, ldo);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("dense_amx_available", &dense_amx_available);
+  m.def("dense_amx_pack(Tensor weight) -> Tensor");
+  m.def("dense_amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("dense_amx_pack", &dense_amx_pack);
+  m.impl("dense_amx_linear", &dense_amx_linear);
+}
