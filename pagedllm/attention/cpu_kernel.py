@@ -366,15 +366,17 @@ def dense_amx_available() -> bool:
     return available() and torch.ops.pagedllm_cpu.dense_amx_available()
 
 
-def dense_amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K a multiple of 32) in the panel layout dense_amx_linear reads."""
-    return torch.ops.pagedllm_cpu.dense_amx_pack.default(weight)
+def dense_amx_pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """A bf16 weight [N, K] (K a multiple of 32) in the panel layout dense_amx_linear reads; gated:
+    a fused [gate | up] projection, its halves side by side in each panel."""
+    return torch.ops.pagedllm_cpu.dense_amx_pack.default(weight, gated)
 
 
 def dense_amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                     out: torch.Tensor) -> None:
-    """out [M, N] = x [M, K] @ weight^T (+ bias, float32 [N]), bf16, from dense_amx_pack(weight)."""
-    torch.ops.pagedllm_cpu.dense_amx_linear.default(x, packed, bias, out)
+                     out: torch.Tensor, gated: bool = False) -> None:
+    """out [M, N] = x [M, K] @ weight^T (+ bias, float32 [N]), bf16, from dense_amx_pack(weight);
+    gated: out [M, N / 2] = silu(gate) * up, rounded as silu_and_mul rounds."""
+    torch.ops.pagedllm_cpu.dense_amx_linear.default(x, packed, bias, out, gated)
 
 
 def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:

@@ -312,6 +312,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if getattr(self.gate_up_proj, "gated_silu", False):  # SiLU-and-mul done (packed_linear.py)
+            return self.down_proj(gate_up)
         if self.fused_silu and cpu_kernel.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(cpu_kernel.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -418,7 +420,8 @@ class LlamaForCausalLM(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, PackedLinear(child.weight, child.bias, max_num_tokens))
+                    gated = isinstance(module, MLP) and module.fused_silu and name == "gate_up_proj"
+                    setattr(module, name, PackedLinear(child.weight, child.bias, max_num_tokens, gated))
         if isinstance(getattr(self, "_packed_lm_head", None), QuantLinear):
             pass  # a quantized head stays as it is
         elif self.lm_head is not None:

@@ -8,6 +8,8 @@ Two packings, one copy of the weight each way:
 - oneDNN's blocked layout otherwise (`mkldnn._reorder_linear_weight` + `_linear_pointwise`, as
   torch.compile's CPU freezing does): plain F.linear reorders the weight on every call (1.5-1.9x
   slower at decode batch sizes).
+On AMX a fused gate/up projection of a SwiGLU MLP also applies SiLU-and-mul as it stores its
+tiles (gated_silu: out [M, I], the 2 I-wide intermediate never written).
 PAGEDLLM_DENSE_AMX=0 keeps oneDNN's. Both sum in fp32 in another order than F.linear, so an
 element now and then comes out one bf16 step apart from it.
 """
@@ -24,16 +26,21 @@ from pagedllm.attention import cpu_kernel
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear over a bf16 weight packed for the CPU kernels; the results of F.linear."""
+    """nn.Linear over a bf16 weight packed for the CPU kernels; the results of F.linear, or with
+    gated_silu (asked for a [gate | up] weight, granted on AMX only) those of silu_and_mul after it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_num_tokens: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_num_tokens: int,
+                 gated_silu: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.amx = (self.in_features % 32 == 0 and os.environ.get("PAGEDLLM_DENSE_AMX", "1") != "0"
                     and cpu_kernel.dense_amx_available())
+        self.gated_silu = gated_silu and self.amx
+        if self.gated_silu:
+            self.out_features //= 2
         if self.amx:
-            self.packed_weight = cpu_kernel.dense_amx_pack(weight.detach())
+            self.packed_weight = cpu_kernel.dense_amx_pack(weight.detach(), self.gated_silu)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max_num_tokens)
@@ -45,7 +52,7 @@ class PackedLinear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        cpu_kernel.dense_amx_linear(rows, self.packed_weight, self.bias_f32, out)
+        cpu_kernel.dense_amx_linear(rows, self.packed_weight, self.bias_f32, out, self.gated_silu)
         return out.view(*x.shape[:-1], self.out_features)
 
 

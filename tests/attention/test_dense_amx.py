@@ -63,3 +63,17 @@ def test_a_rows_result_does_not_depend_on_its_batch(rows, row, seed):
     layer = PackedLinear(weight, bias, 2048)
     x = _random((rows, 96), seed + 2)
     assert torch.equal(layer(x)[row], layer(x[row:row + 1])[0])
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+@pytest.mark.parametrize("intermediate", [1536, 40])
+def test_gated_silu_equals_linear_then_silu_and_mul(rows, intermediate):
+    """A [gate | up] projection with SiLU-and-mul in its store: the separate ops' result, rounding
+    for rounding (gate and up rounded to bf16 first, as the stored gate_up would be)."""
+    weight, bias = _random((2 * intermediate, 64), 7), _random((2 * intermediate,), 8)
+    x = _random((rows, 64), 9)
+    for b in (None, bias):
+        gated = PackedLinear(weight, b, 2048, gated_silu=True)
+        assert gated.gated_silu and gated.out_features == intermediate
+        gate_up = PackedLinear(weight, b, 2048)(x)
+        torch.testing.assert_close(gated(x), cpu_kernel.silu_and_mul(gate_up), atol=0, rtol=0)

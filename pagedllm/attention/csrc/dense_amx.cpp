@@ -14,6 +14,12 @@
 //
 // Sums: each output is accumulated in fp32 over K in the same order whatever the number of rows,
 // so a row's result does not depend on the rows beside it; rounded to bf16 once, bias included.
+//
+// Gated (a fused gate/up projection [gate | up] of I features each, SwiGLU): panel p's first tile
+// holds gate features [16 p, 16 p + 16), its second the matching up features, and the store writes
+// round(round(silu(gate)) * up) from the two rounded halves, as the separate silu_and_mul
+// (fused_ops.cpp) would from the stored gate_up: out [M, I], and the 2 I-wide intermediate never
+// goes to memory.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,6 +36,7 @@
 #include <optional>
 
 #include "amx.h"
+#include "vec.h"
 
 namespace {
 
@@ -40,11 +47,22 @@ constexpr int64_t kRunElems = 1024;  // bf16 per run of a panel (2 tiles x 16 pa
 
 bool dense_amx_available() { return pagedllm_amx::amx_ready(); }
 
-at::Tensor dense_amx_pack(const at::Tensor& weight) {
+// Panels of a weight with N rows (outputs), or of a gated one with N = 2 I rows (I outputs).
+int64_t num_panels(int64_t N, bool gated) { return gated ? (N / 2 + 15) / 16 : (N + kPanel - 1) / kPanel; }
+
+// The weight row that feature f (0..31) of panel p comes from, or -1 (padding).
+int64_t source_row(int64_t p, int64_t f, int64_t N, bool gated) {
+  if (!gated) return p * kPanel + f < N ? p * kPanel + f : -1;
+  const int64_t I = N / 2, i = p * 16 + f % 16;
+  return i < I ? (f < 16 ? i : I + i) : -1;
+}
+
+at::Tensor dense_amx_pack(const at::Tensor& weight, bool gated) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "dense_amx_pack: the weight must be bfloat16 [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  const int64_t N = weight.size(0), K = weight.size(1), panels = num_panels(N, gated);
   TORCH_CHECK(K % kRun == 0, "dense_amx_pack: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(!gated || N % 2 == 0, "dense_amx_pack: a gated weight has an even number of rows");
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::empty({panels * kPanel * K}, weight.options());
   const BF16* src = w.const_data_ptr<BF16>();
@@ -54,11 +72,11 @@ at::Tensor dense_amx_pack(const at::Tensor& weight) {
       for (int64_t run = 0; run < K / kRun; ++run) {
         BF16* out = dst + (p * K / kRun + run) * kRunElems;
         for (int64_t f = 0; f < kPanel; ++f) {  // feature f of the panel: tile f / 16, column f % 16
-          const int64_t n = p * kPanel + f;
+          const int64_t n = source_row(p, f, N, gated);
           BF16* col = out + (f / 16) * 512 + (f % 16) * 2;
           for (int64_t pair = 0; pair < kRun / 2; ++pair) {
-            col[pair * 32] = n < N ? src[n * K + run * kRun + 2 * pair] : BF16(0.0f);
-            col[pair * 32 + 1] = n < N ? src[n * K + run * kRun + 2 * pair + 1] : BF16(0.0f);
+            col[pair * 32] = n >= 0 ? src[n * K + run * kRun + 2 * pair] : BF16(0.0f);
+            col[pair * 32 + 1] = n >= 0 ? src[n * K + run * kRun + 2 * pair + 1] : BF16(0.0f);
           }
         }
       }
@@ -69,7 +87,12 @@ at::Tensor dense_amx_pack(const at::Tensor& weight) {
 
 #ifdef PAGEDLLM_AMX
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+using pagedllm_vec::exp_f32;
+using pagedllm_vec::tail_mask;
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 // rows x 16 fp32 accumulators (+ bias) rounded into out[m][n0 ..], features past N dropped.
 inline void store_tile(const float* tile, int64_t rows, int64_t n0, int64_t N, const float* bias, BF16* out,
@@ -82,11 +105,27 @@ inline void store_tile(const float* tile, int64_t rows, int64_t n0, int64_t N, c
   }
 }
 
-// out rows [0, rows) (rows <= 16 kRowTiles) x the panel's 32 features, from x rows a (stride lda,
-// at least 16 kRowTiles rows readable). Tiles 0-3: accumulators (row tile r, feature tile f at
-// 2 r + f), 4-5: x, 6-7: the weight.
-template <int kRowTiles>
-void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t n0, int64_t N,
+// rows x 16 outputs [i0, i0 + 16) of a gated panel: round(round(silu(gate)) * up), gate and up
+// each rounded first (bias included; the up bias is I past the gate's).
+inline void store_gated(const float* gate, const float* up, int64_t rows, int64_t i0, int64_t I, const float* bias,
+                        BF16* out, int64_t ldo) {
+  const __mmask16 cols = tail_mask(I - i0);
+  const __m512 gb = bias ? _mm512_maskz_loadu_ps(cols, bias + i0) : _mm512_setzero_ps();
+  const __m512 ub = bias ? _mm512_maskz_loadu_ps(cols, bias + I + i0) : _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 g = round_bf16(_mm512_add_ps(_mm512_loadu_ps(gate + m * 16), gb));
+    const __m512 u = round_bf16(_mm512_add_ps(_mm512_loadu_ps(up + m * 16), ub));
+    const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp_f32(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    _mm256_mask_storeu_epi16(out + m * ldo + i0, cols, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u)));
+  }
+}
+
+// out rows [0, rows) (rows <= 16 kRowTiles) x panel p's outputs (32, or 16 gated), from x rows a
+// (stride lda, at least 16 kRowTiles rows readable). N: the weight's rows. Tiles 0-3: accumulators
+// (row tile r, feature tile f at 2 r + f), 4-5: x, 6-7: the weight.
+template <int kRowTiles, bool kGated>
+void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
                     const float* bias, BF16* out, int64_t ldo) {
   alignas(64) float tiles[4][256];
   _tile_zero(0);
@@ -116,8 +155,13 @@ void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, in
   }
   for (int r = 0; r < kRowTiles; ++r) {
     const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
-    for (int f = 0; f < 2 && n0 + 16 * f < N; ++f)
-      store_tile(tiles[2 * r + f], tile_rows, n0 + 16 * f, N, bias, out + 16 * r * ldo, ldo);
+    BF16* dst = out + 16 * r * ldo;
+    if (kGated) {
+      store_gated(tiles[2 * r], tiles[2 * r + 1], tile_rows, 16 * p, N / 2, bias, dst, ldo);
+      continue;
+    }
+    for (int f = 0; f < 2 && kPanel * p + 16 * f < N; ++f)
+      store_tile(tiles[2 * r + f], tile_rows, kPanel * p + 16 * f, N, bias, dst, ldo);
   }
 }
 
@@ -129,21 +173,47 @@ inline int64_t panels_per_group(int64_t M, int64_t K) {
   return std::max<int64_t>(1, bytes / (kPanel * K * static_cast<int64_t>(sizeof(BF16))));
 }
 
+template <bool kGated>
+void multiply_panels(const BF16* wp, int64_t K, const BF16* xp, int64_t ldx, int64_t M, int64_t rows, int64_t N,
+                     const float* bp, BF16* op, int64_t ldo) {
+  const int64_t panels = num_panels(N, kGated), group = panels_per_group(M, K);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    pagedllm_amx::configure_tiles();
+    for (int64_t g0 = p0; g0 < p1; g0 += group) {
+      const int64_t g1 = std::min(p1, g0 + group);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t block_rows = std::min<int64_t>(32, M - m0);
+        for (int64_t p = g0; p < g1; ++p) {
+          const BF16* panel = wp + p * kPanel * K;
+          if (rows - m0 >= 32) {
+            multiply_block<2, kGated>(panel, K, xp + m0 * ldx, ldx, block_rows, p, N, bp, op + m0 * ldo, ldo);
+          } else {
+            multiply_block<1, kGated>(panel, K, xp + m0 * ldx, ldx, block_rows, p, N, bp, op + m0 * ldo, ldo);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
 #endif  // PAGEDLLM_AMX
 
+// out = x @ W^T (+ bias) from dense_amx_pack(W, gated); gated: out [M, I] = SwiGLU of the gate and up halves.
 void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                      at::Tensor& out) {
+                      at::Tensor& out, bool gated) {
   TORCH_CHECK(dense_amx_available(), "dense_amx_linear: AMX-BF16 is not available here");
 #ifdef PAGEDLLM_AMX
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "dense_amx_linear: x must be bfloat16 [M, K] with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), panels = (N + kPanel - 1) / kPanel;
+  const int64_t M = x.size(0), K = x.size(1), N = (gated ? 2 : 1) * out.size(1);
+  const int64_t panels = num_panels(N, gated);
   TORCH_CHECK(K % kRun == 0 && packed.numel() == panels * kPanel * K && packed.scalar_type() == at::kBFloat16,
               "dense_amx_linear: the packed weight does not match x [M, K] and out [M, N]");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && out.scalar_type() == at::kBFloat16,
               "dense_amx_linear: out must be bfloat16 [M, N] with contiguous rows");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "dense_amx_linear: bias must be contiguous float32 [N]");
+              "dense_amx_linear: bias must be contiguous float32 [N] (2 I gated)");
   if (M == 0) return;
   // The tile loads read whole 16-row tiles of x: past a partial last tile, rows of zeros.
   const int64_t rows = (M + 15) / 16 * 16;
@@ -160,25 +230,11 @@ void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const BF16* wp = packed.const_data_ptr<BF16>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   BF16* op = out.mutable_data_ptr<BF16>();
-  const int64_t ldo = out.stride(0), group = panels_per_group(M, K);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    pagedllm_amx::configure_tiles();
-    for (int64_t g0 = p0; g0 < p1; g0 += group) {
-      const int64_t g1 = std::min(p1, g0 + group);
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int64_t block_rows = std::min<int64_t>(32, M - m0);
-        for (int64_t p = g0; p < g1; ++p) {
-          const BF16* panel = wp + p * kPanel * K;
-          if (rows - m0 >= 32) {
-            multiply_block<2>(panel, K, xp + m0 * ldx, ldx, block_rows, p * kPanel, N, bp, op + m0 * ldo, ldo);
-          } else {
-            multiply_block<1>(panel, K, xp + m0 * ldx, ldx, block_rows, p * kPanel, N, bp, op + m0 * ldo, ldo);
-          }
-        }
-      }
-    }
-    _tile_release();
-  });
+  if (gated) {
+    multiply_panels<true>(wp, K, xp, ldx, M, rows, N, bp, op, out.stride(0));
+  } else {
+    multiply_panels<false>(wp, K, xp, ldx, M, rows, N, bp, op, out.stride(0));
+  }
 #endif
 }
 
@@ -186,8 +242,8 @@ void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("dense_amx_available", &dense_amx_available);
-  m.def("dense_amx_pack(Tensor weight) -> Tensor");
-  m.def("dense_amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("dense_amx_pack(Tensor weight, bool gated) -> Tensor");
+  m.def("dense_amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, bool gated) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
