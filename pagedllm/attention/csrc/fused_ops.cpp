@@ -25,7 +25,7 @@ using namespace pagedllm_vec;
 // Below this much work a call stays on one thread: a parallel region costs tens of microseconds
 // when the other threads sleep (OMP_WAIT_POLICY=PASSIVE) or are busy, more than a decode step's
 // elementwise work (64 rows x 1536 take ~60 us on one thread).
-constexpr int64_t kGrainElements = 1 << 18;
+constexpr int64_t kGrainElements = 1 << 14;
 
 int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1)); }
 

@@ -826,7 +826,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
     char* kc = static_cast<char*>(key_cache.mutable_data_ptr());
     char* vc = static_cast<char*>(value_cache.mutable_data_ptr());
     const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-    at::parallel_for(0, key.size(0), 256, [&](int64_t t0, int64_t t1) {
+    // From 16 rows on, both cores: each row's lines are write-allocated from DRAM (fresh slots).
+    at::parallel_for(0, key.size(0), 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
         std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
