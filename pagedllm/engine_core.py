@@ -52,7 +52,7 @@ from pagedllm.model.loader import LoadedModel, resolve_dtype
 from pagedllm.request import Request, RequestStatus
 from pagedllm.request_group import CoreSequence, RequestGroup
 from pagedllm.runner import ModelRunner
-from pagedllm.sampler import Sampler
+from pagedllm.sampler import Sampler, takes_argmax
 from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
@@ -250,21 +250,27 @@ class EngineCore:
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
         self.runner.copy_blocks(out.block_copies)
-        logits, sample_idx, hidden = self.runner.execute(out.scheduled)
+        sampling = [self._seqs[s.request.request_id] for s in out.scheduled if s.samples]
+        argmax_only = choose is None and all(map(_takes_argmax, sampling))
+        logits, sample_idx, hidden = self.runner.execute(out.scheduled, argmax_only)
         if self._collecting_prompt_logprobs:
             self._add_prompt_logprobs(out, hidden)
         seqs = [self._seqs[out.scheduled[i].request.request_id] for i in sample_idx]
-        logits = self.structured.mask_logits(logits, [s.matcher for s in seqs])
         if not seqs:  # prompt chunks only: nothing to sample, but the update counts them
             choices, logprobs = [], []
-        elif choose is None:
-            choices, logprobs = self._sample(logits, seqs)
+        elif argmax_only:  # every row greedy with nothing else to read: the model gave the tokens
+            choices, logprobs = [[token] for token in logits.tolist()], [[None]] * len(seqs)
         else:
-            choices = choose(logits, [(s.group.request_id, s.index) for s in seqs])
-            if len(choices) != len(seqs):
-                raise ValueError(f"the chooser gave {len(choices)} choices for {len(seqs)} rows")
-            logprobs = [[None] * len(tokens) for tokens in choices]
+            logits = self.structured.mask_logits(logits, [s.matcher for s in seqs])
+            choices, logprobs = (self._sample(logits, seqs) if choose is None
+                                 else self._choose(choose, logits, seqs))
         return self._update(out, seqs, choices, logprobs)
+
+    def _choose(self, choose: Chooser, logits: torch.Tensor, seqs: list[CoreSequence]):
+        choices = choose(logits, [(s.group.request_id, s.index) for s in seqs])
+        if len(choices) != len(seqs):
+            raise ValueError(f"the chooser gave {len(choices)} choices for {len(seqs)} rows")
+        return choices, [[None] * len(tokens) for tokens in choices]
 
     def _add_prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
         """The prompt logprobs this step's chunks give, for the groups that ask: position p's
@@ -400,6 +406,11 @@ class EngineCore:
             num_computed_tokens=self._num_computed_tokens, kv_cache_dtype=self.kv_cache_dtype,
             step_num_requests=self._step_num_requests,
             step_num_used_blocks=self._step_num_used_blocks)
+
+
+def _takes_argmax(seq: CoreSequence) -> bool:
+    """Whether the sequence's next token is its logits' argmax alone (no grammar, no fan-out)."""
+    return seq.matcher is None and seq.group.fan_out == 1 and takes_argmax(seq.row)
 
 
 def _output(seq: CoreSequence, token: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:

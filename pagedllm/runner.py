@@ -93,7 +93,9 @@ class PacketLayout(NamedTuple):
 class StepOutput(NamedTuple):
     """What one model step gives back."""
 
-    logits: torch.Tensor  # [S, vocab]: of each request that reached the end of its known tokens
+    # [S, vocab] float32: of each request that reached the end of its known tokens; with
+    # execute(argmax_only=True), [S] int64: each such request's argmax token instead.
+    logits: torch.Tensor
     sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
     # [T, hidden]: every new token's final hidden state, in the flat batch's order (the engine
     # core turns a prompt's rows into prompt logprobs, for the requests that ask).
@@ -157,15 +159,17 @@ class ModelRunner:
             self._copies = copies
 
     @torch.inference_mode()
-    def execute(self, scheduled: list) -> StepOutput:
+    def execute(self, scheduled: list, argmax_only: bool = False) -> StepOutput:
         """Run one step over `scheduled` (ScheduledRequest items): the logits of each request
-        that reached the end of its known tokens, those requests' batch indices, and the hidden
-        states of every token."""
+        that reached the end of its known tokens (argmax_only: just their argmax tokens, what
+        greedy sampling with nothing else to read takes), those requests' batch indices, and the
+        hidden states of every token."""
         step = self.prepare_inputs(scheduled)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
         if not step.sample_indices:
             return StepOutput(torch.empty(0, device=self.device), [], hidden)
-        logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+        rows = hidden.index_select(0, step.sample_rows)
+        logits = self.model.greedy_tokens(rows) if argmax_only else self.model.compute_logits(rows)
         return StepOutput(logits, step.sample_indices, hidden)
 
     @torch.inference_mode()

@@ -91,6 +91,15 @@ class SamplingRow:
     rules: TokenRules | None = None  # allowed_token_ids, bad_words, logit_bias
 
 
+def takes_argmax(row: SamplingRow) -> bool:
+    """Whether the row's token is its logits' argmax with nothing else read from them: greedy, no
+    token rules, penalties, early-stop ban or logprobs (the engine may ask the model for the argmax
+    alone). Sampler.__call__ gives the same token for it."""
+    p = row.params
+    return (p.greedy and row.rules is None and not _has_penalty(p) and p.logprobs is None
+            and not (row.stop_ids_before_min_tokens and row.history.num_output_tokens < p.min_tokens))
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]

@@ -149,7 +149,7 @@ def test_a_failed_step_aborts_its_requests_and_the_core_goes_on(engine):
     core.add_request(request("b", max_tokens=3))
     real_execute = core.runner.execute
 
-    def fail_once(scheduled):
+    def fail_once(scheduled, argmax_only=False):
         core.runner.execute = real_execute
         raise RuntimeError("injected")
 
@@ -236,3 +236,29 @@ def test_prompt_logprobs_under_chunked_prefill_match_transformers_and_skip_the_p
             assert entry.rank == int((row > row[PROMPT[position]]).sum()) + 1
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
     assert chunked.stats().kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_take_the_argmax_path_and_give_what_the_sampler_gives(engine, dtype):
+    """A step whose rows are all plain greedy asks the model for argmax tokens alone (in bf16 on
+    AMX: the packed LM head's argmax kernel); the tokens equal the full path's (logits, then the
+    sampler), taken when a row asks for logprobs."""
+    def run_with(logprobs):
+        core = LLMEngine(model=engine.model_path, dtype=dtype, block_size=4, num_kv_blocks=256).engine_core
+        calls = []
+        real = core.runner.execute
+        core.runner.execute = lambda scheduled, argmax_only=False: calls.append(argmax_only) or real(
+            scheduled, argmax_only)
+        for i in range(3):
+            core.add_request(request(f"r{i}", prompt=[5 + i, 6, 7, 8, 9], max_tokens=6, ignore_eos=True,
+                                     temperature=0, logprobs=logprobs if i == 2 else None))
+        tokens = {}
+        while core.has_unfinished_requests():
+            for o in core.step().outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return tokens, calls
+
+    fast, fast_calls = run_with(None)
+    full, full_calls = run_with(2)
+    assert all(fast_calls) and not any(full_calls)
+    assert fast == full and all(len(t) == 6 for t in fast.values())

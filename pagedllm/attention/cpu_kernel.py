@@ -379,6 +379,13 @@ def dense_amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     torch.ops.pagedllm_cpu.dense_amx_linear.default(x, packed, bias, out, gated)
 
 
+def dense_amx_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """(x @ weight^T (+ bias)) rounded to bf16, then max(-1).indices: int64 [M], the logits never
+    stored (the first of equal maxima; a NaN logit is never chosen)."""
+    return torch.ops.pagedllm_cpu.dense_amx_argmax.default(x, packed, bias, out_features)
+
+
 def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
     """A QuantizedWeight dequantized to dtype (float32 or bfloat16), [N, K]."""
     return torch.ops.pagedllm_cpu.quant_dequantize.default(*weight.kernel_args, dtype)

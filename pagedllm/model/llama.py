@@ -410,6 +410,16 @@ class LlamaForCausalLM(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).max(-1).indices, int64 [N] (None on a tensor-parallel worker):
+        without storing the logits where the packed LM head can (packed_linear.py)."""
+        head = getattr(self, "_packed_lm_head", None)
+        if (isinstance(head, PackedLinear) and self.vocab_gather is None
+                and self.config.final_logit_softcapping is None):  # capping can tie distinct logits
+            return head.argmax(hidden)
+        logits = self.compute_logits(hidden)
+        return None if logits is None else logits.max(dim=-1).indices
+
     def prepack_for_cpu(self, max_num_tokens: int) -> bool:
         """Pack the bf16 matmul weights (and a copy of a tied LM head) for the CPU's matmul kernels
         (packed_linear.py: the same results as F.linear but for an element now and then one bf16

@@ -55,6 +55,14 @@ class PackedLinear(nn.Module):
         cpu_kernel.dense_amx_linear(rows, self.packed_weight, self.bias_f32, out, self.gated_silu)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float().max(-1).indices for x [M, in_features]: on AMX without storing the
+        outputs (an LM head under greedy sampling: 64 rows x 49k logits not written, cast, read)."""
+        if not self.amx or self.gated_silu:
+            return self(x).float().max(dim=-1).indices
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        return cpu_kernel.dense_amx_argmax(rows, self.packed_weight, self.bias_f32, self.out_features)
+
 
 def can_pack(max_num_tokens: int) -> bool:
     """Whether this torch build (and the kernels) pack and run a bf16 linear correctly here."""

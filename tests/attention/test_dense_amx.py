@@ -77,3 +77,24 @@ def test_gated_silu_equals_linear_then_silu_and_mul(rows, intermediate):
         assert gated.gated_silu and gated.out_features == intermediate
         gate_up = PackedLinear(weight, b, 2048)(x)
         torch.testing.assert_close(gated(x), cpu_kernel.silu_and_mul(gate_up), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_equals_max_of_the_stored_logits(rows, threads):
+    """The greedy LM head: the index torch's max gives over the stored bf16 logits, ties to the
+    first (a vocabulary of repeated rows makes many)."""
+    weight = _random((500, 64), 10).repeat(3, 1)[:1400]  # rows i and i + 500 equal: exact ties
+    bias = _random((1400,), 11)
+    x = _random((rows, 64), 12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            head = PackedLinear(weight, b, 2048)
+            expected = head(x).float().max(dim=-1).indices
+            assert torch.equal(head.argmax(x), expected)
+            if b is None:
+                assert (expected < 500).all()  # the ties were there to break
+    finally:
+        torch.set_num_threads(before)

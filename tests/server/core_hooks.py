@@ -27,10 +27,10 @@ def _wrap(core, before) -> None:
     real_execute = core.runner.execute
     _state.update(failed=0, steps=0, real_execute=real_execute)
 
-    def execute(scheduled):
+    def execute(scheduled, argmax_only=False):
         _state["steps"] += 1
         before(scheduled)
-        return real_execute(scheduled)
+        return real_execute(scheduled, argmax_only)
 
     core.runner.execute = execute
 

@@ -15,6 +15,10 @@
 // Sums: each output is accumulated in fp32 over K in the same order whatever the number of rows,
 // so a row's result does not depend on the rows beside it; rounded to bf16 once, bias included.
 //
+// Argmax (an LM head under greedy sampling): the logits are never stored; each row keeps, lane by
+// lane, the largest bf16-rounded logit seen and its first index, so the result is
+// round(x @ W^T).float().max(-1).indices, the first of equal maxima (NaN logits are never chosen).
+//
 // Gated (a fused gate/up projection [gate | up] of I features each, SwiGLU): panel p's first tile
 // holds gate features [16 p, 16 p + 16), its second the matching up features, and the store writes
 // round(round(silu(gate)) * up) from the two rounded halves, as the separate silu_and_mul
@@ -30,10 +34,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "amx.h"
 #include "vec.h"
@@ -197,6 +204,71 @@ void multiply_panels(const BF16* wp, int64_t K, const BF16* xp, int64_t ldx, int
   });
 }
 
+// Per row, lane by lane: the largest rounded logit seen so far and its index (strictly larger
+// replaces, so of equal values the first seen stays: panels go by in ascending order).
+struct RowMaxima {
+  std::unique_ptr<float[]> value;    // [M][16]
+  std::unique_ptr<int32_t[]> index;  // [M][16]
+  explicit RowMaxima(int64_t M) : value(new float[M * 16]), index(new int32_t[M * 16]) {
+    std::fill(value.get(), value.get() + M * 16, -INFINITY);
+    std::fill(index.get(), index.get() + M * 16, 0);
+  }
+  void update(const float* tile, int64_t m0, int64_t rows, int64_t n0, int64_t N, const float* bias) {
+    const __mmask16 cols = tail_mask(N - n0);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
+    const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(n0)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int64_t m = 0; m < rows; ++m) {
+      float* best = value.get() + (m0 + m) * 16;
+      int32_t* at = index.get() + (m0 + m) * 16;
+      const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(tile + m * 16), b));
+      const __mmask16 larger = cols & _mm512_cmp_ps_mask(v, _mm512_loadu_ps(best), _CMP_GT_OQ);
+      _mm512_mask_storeu_ps(best, larger, v);
+      _mm512_mask_storeu_epi32(at, larger, ids);
+    }
+  }
+};
+
+// The index of a row's largest value over its 16 lanes (one at least larger than -inf): the
+// smallest index among the lanes holding it.
+inline int64_t row_argmax(const float* value, const int32_t* index) {
+  const float best = *std::max_element(value, value + 16);
+  int64_t at = INT64_MAX;
+  for (int l = 0; l < 16; ++l) {
+    if (value[l] == best) at = std::min<int64_t>(at, index[l]);
+  }
+  return at;
+}
+
+void argmax_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
+                  const float* bias, int64_t m0, RowMaxima& maxima) {
+  alignas(64) float tiles[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kRun) {
+    const BF16* run = panel + k / kRun * kRunElems;
+    _tile_loadd(6, run, 64);
+    _tile_loadd(7, run + 512, 64);
+    _tile_loadd(4, a + k, lda * sizeof(BF16));
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * lda + k, lda * sizeof(BF16));
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, tiles[0], 64);
+  _tile_stored(1, tiles[1], 64);
+  _tile_stored(2, tiles[2], 64);
+  _tile_stored(3, tiles[3], 64);
+  for (int r = 0; r < 2 && 16 * r < rows; ++r) {
+    const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
+    for (int f = 0; f < 2 && kPanel * p + 16 * f < N; ++f)
+      maxima.update(tiles[2 * r + f], m0 + 16 * r, tile_rows, kPanel * p + 16 * f, N, bias);
+  }
+}
+
 #endif  // PAGEDLLM_AMX
 
 // out = x @ W^T (+ bias) from dense_amx_pack(W, gated); gated: out [M, I] = SwiGLU of the gate and up halves.
@@ -238,15 +310,75 @@ void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 #endif
 }
 
+// round(x @ W^T (+ bias)).float().max(-1).indices for an ungated dense_amx_pack(W) of N rows.
+at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                            int64_t N) {
+  TORCH_CHECK(dense_amx_available(), "dense_amx_argmax: AMX-BF16 is not available here");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "dense_amx_argmax: x must be bfloat16 [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), panels = num_panels(N, false);
+  TORCH_CHECK(K % kRun == 0 && packed.numel() == panels * kPanel * K && packed.scalar_type() == at::kBFloat16,
+              "dense_amx_argmax: the packed weight does not match x [M, K] and N");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "dense_amx_argmax: bias must be contiguous float32 [N]");
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+#ifdef PAGEDLLM_AMX
+  if (M == 0) return out;
+  const int64_t rows = (M + 31) / 32 * 32;  // whole 32-row blocks, zero rows past M
+  std::unique_ptr<BF16[]> padded(new BF16[rows * K]);
+  const BF16* xp = x.const_data_ptr<BF16>();
+  for (int64_t m = 0; m < M; ++m) std::memcpy(padded.get() + m * K, xp + m * x.stride(0), K * sizeof(BF16));
+  std::memset(static_cast<void*>(padded.get() + M * K), 0, (rows - M) * K * sizeof(BF16));
+  const BF16* wp = packed.const_data_ptr<BF16>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t group = panels_per_group(M, K);
+  // Each thread's share: a contiguous run of panels, kept apart so shares combine in vocabulary order.
+  std::vector<std::pair<int64_t, std::unique_ptr<RowMaxima>>> shares(at::get_num_threads());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    pagedllm_amx::configure_tiles();
+    auto maxima = std::make_unique<RowMaxima>(rows);
+    for (int64_t g0 = p0; g0 < p1; g0 += group) {
+      const int64_t g1 = std::min(p1, g0 + group);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        for (int64_t p = g0; p < g1; ++p) {
+          argmax_block(wp + p * kPanel * K, K, padded.get() + m0 * K, K, std::min<int64_t>(32, M - m0), p, N, bp, m0,
+                       *maxima);
+        }
+      }
+    }
+    _tile_release();
+    shares[at::get_thread_num()] = {p0, std::move(maxima)};
+  });
+  std::sort(shares.begin(), shares.end(), [](const auto& a, const auto& b) {
+    return (a.second != nullptr) > (b.second != nullptr) || (a.second && b.second && a.first < b.first);
+  });
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    float best = -INFINITY;
+    int64_t at = 0;
+    for (const auto& [p0, maxima] : shares) {  // ascending panels: a later share wins only if larger
+      if (!maxima) break;
+      const float* value = maxima->value.get() + m * 16;
+      const float share_best = *std::max_element(value, value + 16);
+      if (share_best > best) best = share_best, at = row_argmax(value, maxima->index.get() + m * 16);
+    }
+    op[m] = at;
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("dense_amx_available", &dense_amx_available);
   m.def("dense_amx_pack(Tensor weight, bool gated) -> Tensor");
   m.def("dense_amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, bool gated) -> ()");
+  m.def("dense_amx_argmax(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("dense_amx_pack", &dense_amx_pack);
   m.impl("dense_amx_linear", &dense_amx_linear);
+  m.impl("dense_amx_argmax", &dense_amx_argmax);
 }
