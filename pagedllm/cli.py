@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=default["model"],
                         help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=default["dtype"], help="auto, float32 or bfloat16")
-    parser.add_argument("--block-size", type=int, default=default["block_size"])
+    parser.add_argument("--block-size", type=int, default=default["block_size"],
+                        help="tokens per KV block (default: 64 on the CPU, 16 on a GPU)")
     parser.add_argument("--kv-cache-memory", default=default["kv_cache_memory"],
                         help="bytes or e.g. 512MiB, 2GiB (default: a share of free RAM)")
     parser.add_argument("--max-model-len", type=int, default=default["max_model_len"],

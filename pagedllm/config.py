@@ -68,6 +68,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
+def default_block_size(device_type: str) -> int:
+    """Tokens per KV block where none is asked for. On the CPU 64: a decode reads each request's
+    blocks from DRAM, and longer runs of them read faster (the bench workload 4% faster than with
+    16, in lockstep; 128 gained no more and wastes twice the tail; vLLM's CPU default is 128). On a
+    GPU 16, as vLLM's."""
+    return 64 if device_type == "cpu" else 16
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` and `pagedllm serve` accept, named like vLLM's options. The one
@@ -75,7 +83,7 @@ class EngineConfig:
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: default_block_size(the device)
     kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
     num_kv_blocks: int | None = None  # the budget in blocks instead of bytes (overrides memory)
     # None: the model's own limit (max_position_embeddings), cut to the longest request the KV
@@ -108,7 +116,7 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size not in VALID_BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in VALID_BLOCK_SIZES:
             raise ValueError(f"block_size must be a power of two from 1 to 128; got {self.block_size}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")

@@ -35,7 +35,7 @@ import torch
 
 from pagedllm.attention import cpu_kernel, kv_cache_bytes_per_block
 from pagedllm.attention.kv_quant import stored_dtype_name
-from pagedllm.config import EngineConfig, SchedulerConfig
+from pagedllm.config import EngineConfig, SchedulerConfig, default_block_size
 from pagedllm.core_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -92,6 +92,8 @@ class EngineCore:
         if self.device.type == "cpu":
             cpu_kernel.available()  # build (or find) the kernels now, not in the first request
         self.dtype = dtype
+        if config.block_size is None:  # the device's default, now that the device is known
+            config.block_size = default_block_size(self.device.type)
         self.kv_layout = config.kv_layout
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         # The heads are this process's (model.config): under tensor parallelism its share, the

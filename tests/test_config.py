@@ -39,7 +39,16 @@ def test_the_cli_and_the_offline_api_take_the_config_defaults():
 
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_config_from_args(args) == EngineConfig()
-    assert engine_defaults()["block_size"] == EngineConfig().block_size == 16
+    assert engine_defaults()["block_size"] is EngineConfig().block_size is None  # the device's
+
+
+def test_the_block_size_left_unset_is_the_devices_default(tiny_model_dir):
+    from pagedllm.config import default_block_size
+    from pagedllm.engine import LLMEngine
+
+    assert default_block_size("cpu") == 64 and default_block_size("cuda") == 16
+    core = LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8).engine_core
+    assert core.kv_plan.block_size == core.runner.block_size == 64
 
 
 def test_kv_cache_dtype_is_checked_everywhere_with_the_valid_names():

@@ -65,7 +65,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default="bench-out/kv_dtype.png", help="PNG path ('' for none)")
     add_threads_arg(parser)
     parser.set_defaults(func=main, num_prompts=16, input_len="64-256", output_len="64",
-                        max_model_len=1024, kv_cache_memory="256MiB")
+                        max_model_len=1024, kv_cache_memory="256MiB", block_size=16)
 
 
 def kv_dtypes(text: str) -> list[str]:
