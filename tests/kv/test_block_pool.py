@@ -113,6 +113,18 @@ def test_reset_prefix_cache_only_when_nothing_is_owned():
     assert not a.is_cached and pool.cached_blocks(b"h") == [] and pool.num_cached_free == 0
 
 
+def test_blocks_a_reset_uncached_are_taken_before_blocks_never_used():
+    """Their memory is written already; a block never used would cost page faults first."""
+    pool = BlockPool(6)
+    used = pool.take(3)
+    for i, block in enumerate(used):
+        pool.cache(block, bytes([i]), (i,), None, None)
+    pool.release(used)
+    assert [b.block_id for b in pool.free_queue][:3] == [3, 4, 5]  # cached ones wait at the tail
+    assert pool.reset_prefix_cache()
+    assert sorted(b.block_id for b in pool.take(3)) == [0, 1, 2]
+
+
 def test_pending_copies_resolve_chains_so_they_can_run_at_once():
     copies = PendingCopies()
     copies.add(1, 2)
