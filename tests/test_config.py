@@ -61,3 +61,12 @@ def test_kv_cache_dtype_is_checked_everywhere_with_the_valid_names():
         build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "int4"])
     args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8_e5m2"])
     assert args.kv_cache_dtype == "fp8_e5m2"
+
+
+def test_steps_are_4096_tokens_offline_and_2048_in_the_server():
+    from pagedllm.cli import build_parser
+    from pagedllm.config import SERVE_MAX_NUM_BATCHED_TOKENS
+
+    assert EngineConfig().max_num_batched_tokens == 4096
+    assert build_parser().parse_args(["serve"]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS == 2048
+    assert build_parser().parse_args(["serve", "--max-num-batched-tokens", "512"]).max_num_batched_tokens == 512

@@ -12,6 +12,7 @@ import sys
 import time
 
 from pagedllm.cli import add_engine_args, engine_config_from_args
+from pagedllm.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from pagedllm.default_model import DEFAULT_MODEL_NAME
 from pagedllm.server.hosts import allowed_hosts_for
 from pagedllm.server.keys import API_KEY_ENV, VLLM_API_KEY_ENV, read_api_key
@@ -80,7 +81,7 @@ def register(sub) -> None:
     cors.add_argument("--allowed-methods", type=_string_list, default=["*"])
     cors.add_argument("--allowed-headers", type=_string_list, default=["*"])
     cors.add_argument("--allow-credentials", action="store_true")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
 
 
 def _string_list(value: str) -> list[str]:
