@@ -69,4 +69,5 @@ def test_steps_are_4096_tokens_offline_and_2048_in_the_server():
 
     assert EngineConfig().max_num_batched_tokens == 4096
     assert build_parser().parse_args(["serve"]).max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS == 2048
-    assert build_parser().parse_args(["serve", "--max-num-batched-tokens", "512"]).max_num_batched_tokens == 512
+    custom = build_parser().parse_args(["serve", "--max-num-batched-tokens", "512"])
+    assert custom.max_num_batched_tokens == 512

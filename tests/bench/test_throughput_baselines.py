@@ -115,8 +115,8 @@ def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
 def test_a_timed_rerun_finds_no_cached_prefix(tiny_gguf):
     """The lockstep and the baselines' scenarios rerun requests the engine served: with their
     prompts still cached, the engine would skip the prefill its rival or twin does."""
-    engine = LLMEngine(model=str(tiny_gguf), dtype="float32", kv_cache_memory="4MiB")
-    prompt = {"prompt_token_ids": list(range(1, 40))}
+    engine = LLMEngine(model=str(tiny_gguf), dtype="float32", kv_cache_memory="4MiB", block_size=16)
+    prompt = {"prompt_token_ids": list(range(1, 40))}  # two full blocks to cache
 
     def cached_tokens(request_id: str) -> int:
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))

@@ -121,8 +121,10 @@ def server(server_config):
 
 
 def tiny_config(model_dir: Path, **kwargs) -> EngineConfig:
-    """The tiny model: float32, max_model_len 64; kwargs override."""
-    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, **kwargs})
+    """The tiny model: float32, blocks of 16 (the budgets below are counted in them), max_model_len
+    64; kwargs override."""
+    return EngineConfig(**{"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, "block_size": 16,
+                           **kwargs})
 
 
 @pytest.fixture(scope="module")
