@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.core_messages import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -203,19 +204,32 @@ class Sampler:
             chosen = logits.max(dim=-1).indices
         if not random_rows:
             return chosen
-        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        device = logits.device
+        index = torch.tensor(random_rows, dtype=torch.long, device=device)
         params = [rows[i].params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
-                             device=logits.device).unsqueeze(1)
-        scaled = logits[index].div_(temps)  # indexing copied the rows: dividing in place is safe
-        uniforms = self._uniforms([rows[i].generator for i in random_rows], logits.device)
-        picks = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
-        for group, values, token_ids in _candidates(scaled, params):
-            weights = _weights(values, [params[j] for j in group])
-            picked = _inverse_cdf(weights, uniforms[group])
-            if token_ids is not None:  # a position among the candidates: its token id
-                picked = token_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
-            picks[group] = picked
+        uniforms = self._uniforms([rows[i].generator for i in random_rows], device)
+        picks = torch.empty(len(random_rows), dtype=torch.long, device=device)
+        # Rows with a temperature alone: the compiled kernel's one pass (csrc/sample.cpp) where it
+        # runs, the same inverse CDF as _inverse_cdf below; the others, and any row elsewhere:
+        # torch ops over their candidates.
+        compiled = _compiled_rows(logits, params)
+        if compiled:
+            at = torch.tensor(compiled, dtype=torch.long, device=device)
+            temps = torch.tensor([params[j].temperature for j in compiled], dtype=torch.float32)
+            picks[at] = cpu_kernel.sample_plain(logits, index[at], temps, uniforms[at].contiguous())
+        rest = [j for j in range(len(params)) if j not in set(compiled)]
+        if rest:
+            at = torch.tensor(rest, dtype=torch.long, device=device)
+            rest_params = [params[j] for j in rest]
+            temps = torch.tensor([p.temperature for p in rest_params], dtype=logits.dtype,
+                                 device=device).unsqueeze(1)
+            scaled = logits[index[at]].div_(temps)  # indexing copied the rows: in place is safe
+            for group, values, token_ids in _candidates(scaled, rest_params):
+                weights = _weights(values, [rest_params[j] for j in group])
+                picked = _inverse_cdf(weights, uniforms[at[group]])
+                if token_ids is not None:  # a position among the candidates: its token id
+                    picked = token_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+                picks[at[group]] = picked
         chosen[index] = picks
         return chosen
 
@@ -278,6 +292,15 @@ TOP_P_CANDIDATES = (256, 4096)
 # sums in float64 instead of one over the vocabulary (float32 over 49k tokens would round the
 # tail's bins by whole ulps of the running total, float64 over all of them is slow on CPU).
 CDF_BLOCK = 256
+
+
+def _compiled_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    """Positions of the rows the compiled sampling kernel takes: a temperature and nothing else
+    (no top-k, top-p or min-p), CPU float32 logits with contiguous rows."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1
+            or not cpu_kernel.available()):
+        return []
+    return [j for j, p in enumerate(params) if p.top_k == -1 and p.top_p >= 1.0 and not p.min_p]
 
 
 def _candidates(scaled: torch.Tensor, params: list[SamplingParams]):

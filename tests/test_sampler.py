@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.request import Request
 from pagedllm.sampler import Sampler, SamplingRow, TokenRules
 from pagedllm.sampling_params import SamplingParams
@@ -306,3 +307,30 @@ def test_seeded_rows_repeat_over_steps_whatever_the_batch(fields):
     assert walk([row(SamplingParams(top_k=5000)), row(SamplingParams(temperature=0))]) == alone
     others = [row(SamplingParams(top_p=0.5)), row(SamplingParams(), seed=3), row(SamplingParams())]
     assert walk(others) == alone
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="the compiled CPU kernels did not build here")
+def test_the_compiled_kernel_picks_what_the_torch_inverse_cdf_picks():
+    """Rows with a temperature alone go through csrc/sample.cpp: the same bins at their edges as
+    _inverse_cdf (weights with exact edges: logits 0 or -inf, so every weight is 1 or 0), and on
+    random logits the same token for all but a vanishing share of uniforms (its exp rounds apart
+    from torch's by an ulp: a pick can differ only when a uniform falls within that of an edge)."""
+    from pagedllm.sampler import _inverse_cdf, _weights
+
+    logits = torch.full((2, 700), float("-inf"))
+    logits[0, [0, 255, 256, 699]] = 0.0  # four equal bins across blocks
+    logits[1, 300] = 0.0  # one token: always it
+    rows = torch.tensor([0, 1])
+    for u, first in [(0.0, 0), (0.25 - 1e-9, 0), (0.25 + 1e-9, 255), (0.6, 256), (1 - 2**-52, 699)]:
+        uniforms = torch.full((2,), u, dtype=torch.float64)
+        picks = cpu_kernel.sample_plain(logits, rows, torch.tensor([1.0, 0.7]), uniforms)
+        assert picks.tolist() == [first, 300], u
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 5000, generator=gen) * 4
+    temps = torch.rand(64, generator=gen) * 1.5 + 0.1
+    uniforms = torch.rand(64, generator=gen, dtype=torch.float64)
+    picks = cpu_kernel.sample_plain(logits, torch.arange(64), temps, uniforms)
+    scaled = logits / temps.unsqueeze(1)
+    expected = _inverse_cdf(_weights(scaled, [SamplingParams()] * 64), uniforms)
+    assert (picks == expected).sum().item() >= 63

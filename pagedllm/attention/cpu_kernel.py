@@ -1,7 +1,8 @@
 """The compiled CPU kernels: paged attention (csrc/paged_attention.cpp), the elementwise fusions
 around it in a layer (csrc/fused_ops.cpp: RMSNorm with the residual add, rotary in place,
 SiLU-and-mul), matmuls over quantized weights (csrc/quant_matmul.cpp, quant_amx.cpp) and over bf16
-weights packed for AMX tiles (csrc/dense_amx.cpp). Built (or found) when an
+weights packed for AMX tiles (csrc/dense_amx.cpp); and random sampling of rows with a temperature
+alone (csrc/sample.cpp). Built (or found) when an
 engine starts on the CPU, with the local C++ compiler, cached per machine kind, and skipped (with one
 log line) where they cannot be: callers then take the portable torch path.
 
@@ -42,7 +43,8 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp",
+            "sample.cpp")
 _HEADERS = ("vec.h", "quant_packed.h", "amx.h")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
@@ -384,6 +386,13 @@ def dense_amx_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     """(x @ weight^T (+ bias)) rounded to bf16, then max(-1).indices: int64 [M], the logits never
     stored (the first of equal maxima; a NaN logit is never chosen)."""
     return torch.ops.pagedllm_cpu.dense_amx_argmax.default(x, packed, bias, out_features)
+
+
+def sample_plain(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor,
+                 uniforms: torch.Tensor) -> torch.Tensor:
+    """A token for each of `rows` of float32 logits [N, V], at its temperature (float32), drawn
+    by inverse CDF from its uniform number (float64): sampler._inverse_cdf over softmax(l / T)."""
+    return torch.ops.pagedllm_cpu.sample_plain.default(logits, rows, temperatures, uniforms)
 
 
 def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
