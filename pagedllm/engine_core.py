@@ -57,7 +57,7 @@ from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.structured.matcher import GrammarMatcher
-from pagedllm.utils import release_freed_memory
+from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class EngineCore:
         self._step_num_used_blocks = 0
         self.weight_bytes = model.weight_bytes()  # after the runner's prepacking
         release_freed_memory()  # what loading and prepacking the weights freed
+        keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
 
     @classmethod
     def load(cls, config: EngineConfig) -> tuple[EngineCore, LoadedModel]:
