@@ -364,21 +364,16 @@ def quant_linear_amx(x: torch.Tensor, weight, bias: torch.Tensor | None, out: to
 
 
 def dense_amx_available() -> bool:
-    """Whether dense_amx_linear runs here (AMX-BF16 compiled in, and the OS lets us use it)."""
+    """Whether the dense_amx ops run here (AMX-BF16 compiled in, and the OS lets us use it); the
+    model calls `torch.ops.pagedllm_cpu.dense_amx_mm` itself (packed_linear.py: one call per
+    matmul, x [M, K] -> [M, N], gated: [M, N / 2] = silu(gate) * up)."""
     return available() and torch.ops.pagedllm_cpu.dense_amx_available()
 
 
 def dense_amx_pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """A bf16 weight [N, K] (K a multiple of 32) in the panel layout dense_amx_linear reads; gated:
+    """A bf16 weight [N, K] (K a multiple of 32) in the panel layout the dense_amx ops read; gated:
     a fused [gate | up] projection, its halves side by side in each panel."""
     return torch.ops.pagedllm_cpu.dense_amx_pack.default(weight, gated)
-
-
-def dense_amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                     out: torch.Tensor, gated: bool = False) -> None:
-    """out [M, N] = x [M, K] @ weight^T (+ bias, float32 [N]), bf16, from dense_amx_pack(weight);
-    gated: out [M, N / 2] = silu(gate) * up, rounded as silu_and_mul rounds."""
-    torch.ops.pagedllm_cpu.dense_amx_linear.default(x, packed, bias, out, gated)
 
 
 def dense_amx_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

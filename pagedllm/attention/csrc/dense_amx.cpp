@@ -310,6 +310,14 @@ void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 #endif
 }
 
+// The same into a new tensor [M, N] (N the outputs: I when gated): one call from Python.
+at::Tensor dense_amx_mm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t N, bool gated) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  dense_amx_linear(x, packed, bias, out, gated);
+  return out;
+}
+
 // round(x @ W^T (+ bias)).float().max(-1).indices for an ungated dense_amx_pack(W) of N rows.
 at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                             int64_t N) {
@@ -373,12 +381,12 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("dense_amx_available", &dense_amx_available);
   m.def("dense_amx_pack(Tensor weight, bool gated) -> Tensor");
-  m.def("dense_amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, bool gated) -> ()");
+  m.def("dense_amx_mm(Tensor x, Tensor packed, Tensor? bias, int N, bool gated) -> Tensor");
   m.def("dense_amx_argmax(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("dense_amx_pack", &dense_amx_pack);
-  m.impl("dense_amx_linear", &dense_amx_linear);
+  m.impl("dense_amx_mm", &dense_amx_mm);
   m.impl("dense_amx_argmax", &dense_amx_argmax);
 }
