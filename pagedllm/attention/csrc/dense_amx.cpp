@@ -101,6 +101,24 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and back
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
+// x's rows [M, K] as the tile loads read them: whole tiles of `multiple` rows. Where M is not a
+// multiple of it, a copy followed by rows of zeros; otherwise x in place.
+struct PaddedRows {
+  std::unique_ptr<BF16[]> copy;
+  const BF16* data;
+  int64_t stride, rows;
+  PaddedRows(const at::Tensor& x, int64_t multiple)
+      : data(x.const_data_ptr<BF16>()), stride(x.stride(0)), rows((x.size(0) + multiple - 1) / multiple * multiple) {
+    const int64_t M = x.size(0), K = x.size(1);
+    if (rows == M) return;
+    copy.reset(new BF16[rows * K]);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(copy.get() + m * K, data + m * stride, K * sizeof(BF16));
+    std::memset(static_cast<void*>(copy.get() + M * K), 0, (rows - M) * K * sizeof(BF16));
+    data = copy.get();
+    stride = K;
+  }
+};
+
 // rows x 16 fp32 accumulators (+ bias) rounded into out[m][n0 ..], features past N dropped.
 inline void store_tile(const float* tile, int64_t rows, int64_t n0, int64_t N, const float* bias, BF16* out,
                        int64_t ldo) {
@@ -128,13 +146,11 @@ inline void store_gated(const float* gate, const float* up, int64_t rows, int64_
   }
 }
 
-// out rows [0, rows) (rows <= 16 kRowTiles) x panel p's outputs (32, or 16 gated), from x rows a
-// (stride lda, at least 16 kRowTiles rows readable). N: the weight's rows. Tiles 0-3: accumulators
-// (row tile r, feature tile f at 2 r + f), 4-5: x, 6-7: the weight.
-template <int kRowTiles, bool kGated>
-void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
-                    const float* bias, BF16* out, int64_t ldo) {
-  alignas(64) float tiles[4][256];
+// The fp32 products of x rows a (stride lda, 16 kRowTiles rows readable) with one panel over K,
+// into tiles[2 r + f] (row tile r, feature tile f). Tile registers 0-3: accumulators, 4-5: x,
+// 6-7: the weight.
+template <int kRowTiles>
+void multiply_panel(const BF16* panel, int64_t K, const BF16* a, int64_t lda, float (*tiles)[256]) {
   _tile_zero(0);
   _tile_zero(1);
   if (kRowTiles == 2) {
@@ -160,6 +176,15 @@ void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, in
     _tile_stored(2, tiles[2], 64);
     _tile_stored(3, tiles[3], 64);
   }
+}
+
+// out rows [0, rows) (rows <= 16 kRowTiles) x panel p's outputs (32, or 16 gated), from x rows a
+// (stride lda, at least 16 kRowTiles rows readable). N: the weight's rows.
+template <int kRowTiles, bool kGated>
+void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
+                    const float* bias, BF16* out, int64_t ldo) {
+  alignas(64) float tiles[4][256];
+  multiply_panel<kRowTiles>(panel, K, a, lda, tiles);
   for (int r = 0; r < kRowTiles; ++r) {
     const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
     BF16* dst = out + 16 * r * ldo;
@@ -243,25 +268,7 @@ inline int64_t row_argmax(const float* value, const int32_t* index) {
 void argmax_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
                   const float* bias, int64_t m0, RowMaxima& maxima) {
   alignas(64) float tiles[4][256];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < K; k += kRun) {
-    const BF16* run = panel + k / kRun * kRunElems;
-    _tile_loadd(6, run, 64);
-    _tile_loadd(7, run + 512, 64);
-    _tile_loadd(4, a + k, lda * sizeof(BF16));
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + 16 * lda + k, lda * sizeof(BF16));
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, tiles[0], 64);
-  _tile_stored(1, tiles[1], 64);
-  _tile_stored(2, tiles[2], 64);
-  _tile_stored(3, tiles[3], 64);
+  multiply_panel<2>(panel, K, a, lda, tiles);
   for (int r = 0; r < 2 && 16 * r < rows; ++r) {
     const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
     for (int f = 0; f < 2 && kPanel * p + 16 * f < N; ++f)
@@ -287,18 +294,9 @@ void dense_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "dense_amx_linear: bias must be contiguous float32 [N] (2 I gated)");
   if (M == 0) return;
-  // The tile loads read whole 16-row tiles of x: past a partial last tile, rows of zeros.
-  const int64_t rows = (M + 15) / 16 * 16;
-  const BF16* xp = x.const_data_ptr<BF16>();
-  int64_t ldx = x.stride(0);
-  std::unique_ptr<BF16[]> padded;
-  if (rows != M) {
-    padded.reset(new BF16[rows * K]);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.get() + m * K, xp + m * ldx, K * sizeof(BF16));
-    std::memset(static_cast<void*>(padded.get() + M * K), 0, (rows - M) * K * sizeof(BF16));
-    xp = padded.get();
-    ldx = K;
-  }
+  const PaddedRows xr(x, 16);
+  const BF16* xp = xr.data;
+  const int64_t ldx = xr.stride, rows = xr.rows;
   const BF16* wp = packed.const_data_ptr<BF16>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   BF16* op = out.mutable_data_ptr<BF16>();
@@ -332,11 +330,8 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
 #ifdef PAGEDLLM_AMX
   if (M == 0) return out;
-  const int64_t rows = (M + 31) / 32 * 32;  // whole 32-row blocks, zero rows past M
-  std::unique_ptr<BF16[]> padded(new BF16[rows * K]);
-  const BF16* xp = x.const_data_ptr<BF16>();
-  for (int64_t m = 0; m < M; ++m) std::memcpy(padded.get() + m * K, xp + m * x.stride(0), K * sizeof(BF16));
-  std::memset(static_cast<void*>(padded.get() + M * K), 0, (rows - M) * K * sizeof(BF16));
+  const PaddedRows xr(x, 32);  // argmax_block multiplies whole 32-row blocks
+  const int64_t rows = xr.rows;
   const BF16* wp = packed.const_data_ptr<BF16>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t group = panels_per_group(M, K);
@@ -349,8 +344,8 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
       const int64_t g1 = std::min(p1, g0 + group);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         for (int64_t p = g0; p < g1; ++p) {
-          argmax_block(wp + p * kPanel * K, K, padded.get() + m0 * K, K, std::min<int64_t>(32, M - m0), p, N, bp, m0,
-                       *maxima);
+          argmax_block(wp + p * kPanel * K, K, xr.data + m0 * xr.stride, xr.stride, std::min<int64_t>(32, M - m0), p,
+                       N, bp, m0, *maxima);
         }
       }
     }
