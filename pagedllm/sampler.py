@@ -217,7 +217,8 @@ class Sampler:
             at = torch.tensor(compiled, dtype=torch.long, device=device)
             temps = torch.tensor([params[j].temperature for j in compiled], dtype=torch.float32)
             picks[at] = cpu_kernel.sample_plain(logits, index[at], temps, uniforms[at].contiguous())
-        rest = [j for j in range(len(params)) if j not in set(compiled)]
+        taken = set(compiled)
+        rest = [j for j in range(len(params)) if j not in taken]
         if rest:
             at = torch.tensor(rest, dtype=torch.long, device=device)
             rest_params = [params[j] for j in rest]
