@@ -111,6 +111,27 @@ def test_long_prefill_and_many_decodes():
     compare([(0, 300)] + [(rng_len, 1) for rng_len in range(0, 640, 10)], dtype=torch.bfloat16)
 
 
+# Decodes in bf16 with blocks of 16 or more take the tile unit where the CPU has AMX (scores of
+# 16 keys x up to 16 query heads per tile, softmax a chunk at a time): tile edges, several column
+# tiles (32 heads), one kv head for all, head dims 32 and 128, windows and soft caps.
+DECODES = [(c, 1) for c in (0, 1, 14, 15, 16, 17, 63, 64, 65, 255, 300, 701)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (8, 1, 64), (4, 4, 32)])
+def test_decodes_on_the_tile_unit(block_size, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    compare(DECODES, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, dtype=torch.bfloat16, seed=block_size + num_heads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window, softcap", [(40, None), (None, 3.0), (100, 30.0)])
+def test_decodes_on_the_tile_unit_with_window_and_cap(window, softcap):
+    compare(DECODES, block_size=16, dtype=torch.bfloat16, sliding_window=window, softcap=softcap, seed=3)
+
+
 @needs_kernel
 def test_dispatch_uses_kernel():
     query, key_cache, value_cache, meta = make_case(
