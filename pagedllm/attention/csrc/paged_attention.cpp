@@ -127,7 +127,7 @@ constexpr int kMaxHeadDim = 256;
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
 constexpr int kAmxKeys = 64;   // keys per online-softmax update on the AMX path (4 tiles of 16)
-constexpr int kAmxRows = 96;   // rows (tokens x the query heads of a kv head) an AMX item aims for
+constexpr int kAmxRows = 192;   // rows (tokens x the query heads of a kv head) an AMX item aims for
 constexpr int kPrefetchTiles = 1;  // how far ahead (in tiles of 16 keys) a decode on the tile unit asks for K/V
 
 struct Scratch {
