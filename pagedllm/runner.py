@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedllm.attention import allocate_kv_cache, copy_blocks
+from pagedllm.attention import allocate_kv_cache, copy_blocks, cpu_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.block_table import BlockTable
 from pagedllm.kv.slots import slot_mapping
@@ -139,6 +139,13 @@ class ModelRunner:
         self._host = np.zeros(0, dtype=np.int64)
         self._arange = np.zeros(0, dtype=np.int64)
         self._reserve(4 * max_num_batched_tokens, max_num_batched_tokens)
+        # Which blocks' memory this process has faulted in (CPU, with the compiled kernels): the KV
+        # cache is allocated untouched (resident memory grows with use), and a step's first
+        # writes into a block fault its pages in one pass before the model runs
+        # (_touch_new_blocks), not one page at a time inside the model's kernels: there, each
+        # fault stalls both cores, and a first pass over the bench workload ran 9% slower.
+        self._touched = (np.zeros(num_blocks, dtype=bool)
+                         if self.device.type == "cpu" and cpu_kernel.available() else None)
         self._copies: list[tuple[int, int]] = []  # this step's, for the workers' packet
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
         if self.tp is not None:  # the workers build their runners as this one was built
@@ -188,6 +195,7 @@ class ModelRunner:
         in the collectives rank 0's execute makes; the hidden states are kept for logits_of."""
         copies = packet[layout.copies].view(2, -1).tolist()
         copy_blocks(self.kv_caches, copies[0], copies[1])
+        self._touch_new_blocks(packet[layout.slots].numpy())
         lengths = packet[layout.lengths].tolist()
         n = layout.num_seqs
         step = self._inputs_from_packet(layout, table_shape, packet.to(self.device), lengths[:n],
@@ -200,6 +208,17 @@ class ModelRunner:
     def logits_of(self, start: int, end: int) -> None:
         """A worker's share of rank 0's compute_logits over rows of the last step."""
         self.model.compute_logits(self._hidden[start:end])
+
+    def _touch_new_blocks(self, slots: np.ndarray) -> None:
+        """Fault in the blocks this step writes into for the first time (contents kept)."""
+        if self._touched is None:
+            return
+        blocks = slots // self.block_size
+        new = blocks[~self._touched[blocks]]
+        if new.size:
+            new = np.unique(new)
+            self._touched[new] = True
+            cpu_kernel.touch_blocks(self.kv_caches, torch.from_numpy(new))
 
     def prepare_inputs(self, scheduled: list) -> StepInputs:
         """The step's flat batch, built with numpy in buffers kept across steps: Python loops go
@@ -235,6 +254,7 @@ class ModelRunner:
         np.add(self._arange[:num_tokens], np.repeat(starts - query_start_loc[:-1], counts), out=positions)
         table = self.block_table.table
         slot_mapping(table, np.repeat(rows, counts), positions, self.block_size, out=host[layout.slots])
+        self._touch_new_blocks(host[layout.slots])
         np.subtract(query_start_loc[1:][sampled], 1, out=host[layout.sample_rows])
         if self._packs_table:
             host[layout.lengths] = np.concatenate([seq_lens, query_start_loc])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pagedllm.runner import ModelRunner
@@ -122,3 +123,18 @@ def test_a_step_that_skips_a_live_request_runs_in_row_order_and_maps_its_logits_
     assert meta.block_tables[:, 0].tolist() == [0, 2]
     assert sample_idx == [1, 0] and logits[:, 0].tolist() == [11.0, 13.0]
     assert runner.block_table.row_of("b") == 2
+
+
+def test_blocks_are_touched_once_when_a_step_first_writes_them(monkeypatch):
+    from pagedllm.attention import cpu_kernel
+
+    touched: list[list[int]] = []
+    monkeypatch.setattr(cpu_kernel, "touch_blocks", lambda caches, ids: touched.append(ids.tolist()))
+    runner, _ = make_runner()
+    if runner._touched is None:
+        pytest.skip("no compiled CPU kernels here: blocks are faulted in as they are written")
+    runner.prepare_inputs([scheduled("a", list(range(6)), 0, 6, [3, 9]),  # slots 12..15, 36..37
+                           scheduled("b", [1, 2], 0, 2, [5])])
+    runner.prepare_inputs([scheduled("a", list(range(7)), 6, 1, [3, 9]),  # block 9 again: not new
+                           scheduled("c", [4] * 5, 4, 1, [9, 1])])  # position 4: block 1
+    assert touched == [[3, 5, 9], [1]]

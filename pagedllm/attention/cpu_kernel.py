@@ -303,6 +303,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: CacheSide, value
     torch.ops.pagedllm_cpu.write_kv(key, value, key_data, value_data, key_scale, value_scale, slot_mapping)
 
 
+def touch_blocks(kv_caches: list[tuple[CacheSide, CacheSide]], block_ids: torch.Tensor) -> None:
+    """Fault every page of these blocks (int64 ids) into the process in one parallel pass, in
+    every layer's K/V (and scales), keeping their contents."""
+    caches = [part for layer in kv_caches for side in layer for part in _parts(side) if part is not None]
+    torch.ops.pagedllm_cpu.touch_blocks(caches, block_ids)
+
+
 def write_kv_supports(key: torch.Tensor, key_cache: CacheSide) -> bool:
     return (key.device.type == "cpu" and _takes_cache(key.dtype, key_cache)
             and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2] and available())

@@ -209,3 +209,28 @@ def test_blocks_before_the_window_are_never_read(block_size):
         torch.testing.assert_close(
             cpu_kernel.paged_attention(query, key_cache, value_cache, holed, 0.2, window), expected,
             **TOLERANCE[torch.float32])
+
+
+# -- touch_blocks: faulting a step's new blocks in before the model writes them ------------------
+
+@needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_touch_blocks_keeps_every_block_as_it_was(kv_cache_dtype):
+    # Blocks of 5 rows x 3 x 70 bf16 (2,100 bytes) straddle pages in every way; random contents.
+    caches = allocate_kv_cache(2, 40, 5, 3, 70, torch.bfloat16, "cpu", kv_cache_dtype)
+    parts = [part for layer in caches for side in layer
+             for part in ((side.data, side.scale) if kv_cache_dtype != "auto" else (side,))]
+    for part in parts:
+        part.view(torch.uint8).copy_(torch.randint(0, 256, part.view(torch.uint8).shape, dtype=torch.uint8))
+    before = [part.clone() for part in parts]
+    cpu_kernel.touch_blocks(caches, torch.tensor([0, 7, 39, 7, 12]))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(parts, before))
+
+
+@needs_kernel
+def test_touch_blocks_refuses_a_block_outside_the_cache():
+    caches = allocate_kv_cache(1, 4, 16, 1, 8, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernel.touch_blocks(caches, torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_kernel.touch_blocks(caches, torch.tensor([1], dtype=torch.int32))
