@@ -239,15 +239,18 @@ def overhead_pct(paged_s: float, contiguous_s: float) -> float:
 # -- the runner's per-step metadata ---------------------------------------------------------
 
 def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int):
-    """A ModelRunner whose prepare_inputs builds every step tensor; its model is never called (and
-    prepare_inputs touches no KV memory), so it gets a stub with one layer of one block."""
+    """A ModelRunner whose prepare_inputs builds every step tensor; its model is never called, so it
+    gets a stub with one layer of one block, and no faulting-in of the blocks a step writes (the
+    block ids it sees index no real cache)."""
     from pagedllm.runner import ModelRunner
 
     stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
                                                   head_dim=1))
-    return ModelRunner(stub, num_blocks=1, block_size=block_size,
-                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                       kv_dtype=torch.float32)
+    runner = ModelRunner(stub, num_blocks=1, block_size=block_size,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         kv_dtype=torch.float32)
+    runner._touched = None
+    return runner
 
 
 def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
