@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -125,3 +127,21 @@ def hf_default_model(default_model_path):
     from pagedllm.bench.hf_model import load_hf_model
 
     return load_hf_model(default_model_path, torch.float32)
+
+
+def wait_until_healthy(base_url: str, timeout_s: float, exited: Callable[[], str | None] | None = None,
+                       interval_s: float = 0.1) -> None:
+    """Poll {base_url}/health until it answers 200. exited(): None while the server process lives,
+    else what it left behind (its stderr): start-up fails at once with it rather than at the
+    deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if exited is not None and (why := exited()) is not None:
+            raise AssertionError(f"the server exited during start-up: {why}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise AssertionError(f"the server did not answer /health within {timeout_s:.0f} s")

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -17,6 +16,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from tests.conftest import wait_until_healthy
 from tests.model.tiny import make_hf_model, save_checkpoint
 from tests.server.conftest import MODEL_NAME, RunningServer, free_port
 
@@ -41,19 +41,6 @@ def complete(base_url: str) -> httpx.Response:
         "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
 
 
-def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server exited during start-up"
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server did not start")
-
-
 def workers_of(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True)
             if "pagedllm.distributed.worker" in " ".join(p.cmdline())]
@@ -70,7 +57,8 @@ def test_serve_with_tensor_parallel_size_two(model_dir):
         env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         base_url = f"http://127.0.0.1:{port}"
-        wait_healthy(base_url, server)
+        wait_until_healthy(base_url, 120,
+                           lambda: None if server.poll() is None else f"exit code {server.returncode}")
         (worker,) = workers_of(server.pid)
         response = complete(base_url)
         assert response.status_code == 200, response.text

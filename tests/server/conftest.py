@@ -25,7 +25,7 @@ from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.app import build_app
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.core_client import CoreProcess
-from tests.conftest import requires_default_model
+from tests.conftest import requires_default_model, wait_until_healthy
 
 MODEL_NAME = "smollm2-test"
 API_KEY = "test-key-123"
@@ -66,16 +66,12 @@ class RunningServer:
 
     def __enter__(self) -> RunningServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.__exit__()
-        raise RuntimeError("server did not start")
+        try:
+            wait_until_healthy(self.base_url, 30, interval_s=0.05)
+        except AssertionError:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True

@@ -22,6 +22,7 @@ from pagedllm.server.connections import (
     fit_to_open_files,
     uvicorn_settings,
 )
+from tests.conftest import wait_until_healthy
 from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -181,18 +182,17 @@ def serve_process(model_dir, port: int, *flags: str, nofile_soft: int | None = N
         [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(model_dir), "--dtype",
          "float32", "--kv-cache-memory", "4MiB", "--port", str(port), *flags],
         stdout=subprocess.DEVNULL, stderr=stderr, text=True, preexec_fn=lower_limit, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"serve exited: {process.stderr.read() if process.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError("serve did not start")
+    def exited() -> str | None:
+        if process.poll() is None:
+            return None
+        return process.stderr.read() if process.stderr else ""
+
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", 120, exited, interval_s=0.2)
+    except AssertionError:
+        process.kill()
+        raise
+    return process
 
 
 def test_idle_connections_leave_a_real_server_serving(tiny_model_dir, tmp_path):

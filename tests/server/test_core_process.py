@@ -24,6 +24,7 @@ from pagedllm.core_channel import Abort, SnapshotRequest
 from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.core_client import CoreProcess
+from tests.conftest import wait_until_healthy
 from tests.server.conftest import RunningServer, free_port, tiny_config
 
 BODY = {"prompt": "A normal request", "max_tokens": 8, "temperature": 0}
@@ -138,17 +139,10 @@ class Serve:
 
     def wait_healthy(self, timeout_s: float = 120) -> psutil.Process:
         """Wait for /health; the core process."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.stderr
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    (core,) = psutil.Process(self.process.pid).children()
-                    return core
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"serve did not start: {self.stderr}")
+        wait_until_healthy(f"http://127.0.0.1:{self.port}", timeout_s,
+                           lambda: None if self.process.poll() is None else self.stderr)
+        (core,) = psutil.Process(self.process.pid).children()
+        return core
 
     def finish(self, timeout_s: float = 60) -> int:
         code = self.process.wait(timeout_s)

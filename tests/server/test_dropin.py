@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.server.app import Cors
 from pagedllm.server.protocol import NOT_IMPLEMENTED_FIELDS
+from tests.conftest import wait_until_healthy
 from tests.model.tiny import CHAT_TEMPLATE
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, free_port, tiny_config
 
@@ -397,14 +397,9 @@ def test_pagedllm_serve_model_answers(model_dir):
                "--served-model-name", "tiny", "--chat-template", SERVER_TEMPLATE]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", 120,
+                           lambda: None if process.poll() is None else process.stderr.read().decode(),
+                           interval_s=0.2)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
