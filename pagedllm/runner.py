@@ -144,8 +144,8 @@ class ModelRunner:
         # writes into a block fault its pages in one pass before the model runs
         # (_touch_new_blocks), not one page at a time inside the model's kernels: there, each
         # fault stalls both cores, and a first pass over the bench workload ran 9% slower.
-        self._touched = (np.zeros(num_blocks, dtype=bool)
-                         if self.device.type == "cpu" and cpu_kernel.available() else None)
+        self.touched_blocks = (np.zeros(num_blocks, dtype=bool)
+                               if self.device.type == "cpu" and cpu_kernel.available() else None)
         self._copies: list[tuple[int, int]] = []  # this step's, for the workers' packet
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
         if self.tp is not None:  # the workers build their runners as this one was built
@@ -195,7 +195,7 @@ class ModelRunner:
         in the collectives rank 0's execute makes; the hidden states are kept for logits_of."""
         copies = packet[layout.copies].view(2, -1).tolist()
         copy_blocks(self.kv_caches, copies[0], copies[1])
-        self._touch_new_blocks(packet[layout.slots].numpy())
+        self._touch_new_blocks(packet[layout.slots])
         lengths = packet[layout.lengths].tolist()
         n = layout.num_seqs
         step = self._inputs_from_packet(layout, table_shape, packet.to(self.device), lengths[:n],
@@ -209,15 +209,15 @@ class ModelRunner:
         """A worker's share of rank 0's compute_logits over rows of the last step."""
         self.model.compute_logits(self._hidden[start:end])
 
-    def _touch_new_blocks(self, slots: np.ndarray) -> None:
+    def _touch_new_blocks(self, slots: np.ndarray | torch.Tensor) -> None:
         """Fault in the blocks this step writes into for the first time (contents kept)."""
-        if self._touched is None:
+        if self.touched_blocks is None:
             return
-        blocks = slots // self.block_size
-        new = blocks[~self._touched[blocks]]
+        blocks = np.asarray(slots) // self.block_size
+        new = blocks[~self.touched_blocks[blocks]]
         if new.size:
             new = np.unique(new)
-            self._touched[new] = True
+            self.touched_blocks[new] = True
             cpu_kernel.touch_blocks(self.kv_caches, torch.from_numpy(new))
 
     def prepare_inputs(self, scheduled: list) -> StepInputs:

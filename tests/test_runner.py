@@ -131,7 +131,7 @@ def test_blocks_are_touched_once_when_a_step_first_writes_them(monkeypatch):
     touched: list[list[int]] = []
     monkeypatch.setattr(cpu_kernel, "touch_blocks", lambda caches, ids: touched.append(ids.tolist()))
     runner, _ = make_runner()
-    if runner._touched is None:
+    if runner.touched_blocks is None:
         pytest.skip("no compiled CPU kernels here: blocks are faulted in as they are written")
     runner.prepare_inputs([scheduled("a", list(range(6)), 0, 6, [3, 9]),  # slots 12..15, 36..37
                            scheduled("b", [1, 2], 0, 2, [5])])

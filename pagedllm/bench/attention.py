@@ -249,7 +249,7 @@ def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int
     runner = ModelRunner(stub, num_blocks=1, block_size=block_size,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=torch.float32)
-    runner._touched = None
+    runner.touched_blocks = None
     return runner
 
 
