@@ -296,19 +296,35 @@ struct Kernel {
     }
   }
 
-  // o[r] = o[r] * corr[r] + sum_j probs[r][j] v[j] for R rows; v rows in fp32 or the cache dtype.
+  // Where a P.V pass also asks for a later tile's rows: key j's K and V at k + j * stride and
+  // v + j * stride (one kv head's D elements each), so memory works while this tile computes.
+  struct Ahead {
+    const char* k;
+    const char* v;
+    int64_t stride;
+  };
+
+  // o[r] = o[r] * corr[r] + sum_{j < n} probs[r * row_stride + j * key_stride] v[j] for R rows;
+  // v rows in fp32 or the cache dtype. ahead: see Ahead (null: nothing asked for).
   template <int R, typename S>
-  static void pv_block(float* o, const float* corr, const float* probs, const S* const* vrows) {
+  static void pv_block(float* o, const float* corr, const float* probs, int64_t row_stride, int64_t key_stride,
+                       const S* const* vrows, int n, const Ahead* ahead) {
     __m512 acc[R][NC];
     for (int i = 0; i < R; ++i) {
       const __m512 ci = _mm512_set1_ps(corr[i]);
       for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), ci);
     }
-    for (int j = 0; j < kKeyTile; ++j) {
+    for (int j = 0; j < n; ++j) {
+      if (ahead != nullptr) {
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
+          _mm_prefetch(ahead->k + j * ahead->stride + b, _MM_HINT_T0);
+          _mm_prefetch(ahead->v + j * ahead->stride + b, _MM_HINT_T0);
+        }
+      }
       __m512 vj[NC];
       for (int c = 0; c < NC; ++c) vj[c] = load_f32(vrows[j] + c * 16);
       for (int i = 0; i < R; ++i) {
-        const __m512 pij = _mm512_set1_ps(probs[i * kKeyTile + j]);
+        const __m512 pij = _mm512_set1_ps(probs[i * row_stride + j * key_stride]);
         for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
       }
     }
@@ -317,14 +333,19 @@ struct Kernel {
     }
   }
 
+  // pv_block over any number of rows, PV_ROWS at a time (ahead taken by the first block only).
   template <typename S>
-  static void accumulate_pv(float* o, int64_t rows, const float* corr, const float* probs, const S* const* vrows) {
+  static void accumulate_pv(float* o, int64_t rows, const float* corr, const float* probs, int64_t row_stride,
+                            int64_t key_stride, const S* const* vrows, int n, const Ahead* ahead = nullptr) {
     int64_t r = 0;
-    for (; r + PV_ROWS <= rows; r += PV_ROWS) pv_block<PV_ROWS>(o + r * D, corr + r, probs + r * kKeyTile, vrows);
+    for (; r + PV_ROWS <= rows; r += PV_ROWS, ahead = nullptr) {
+      pv_block<PV_ROWS>(o + r * D, corr + r, probs + r * row_stride, row_stride, key_stride, vrows, n, ahead);
+    }
+    const float* pr = probs + r * row_stride;
     switch (rows - r) {  // at most PV_ROWS - 1 <= 3 left
-      case 3: pv_block<3>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
-      case 2: pv_block<2>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
-      case 1: pv_block<1>(o + r * D, corr + r, probs + r * kKeyTile, vrows); break;
+      case 3: pv_block<3>(o + r * D, corr + r, pr, row_stride, key_stride, vrows, n, ahead); break;
+      case 2: pv_block<2>(o + r * D, corr + r, pr, row_stride, key_stride, vrows, n, ahead); break;
+      case 1: pv_block<1>(o + r * D, corr + r, pr, row_stride, key_stride, vrows, n, ahead); break;
       default: break;
     }
   }
@@ -493,51 +514,6 @@ struct Kernel {
     return item.num_tokens == 1 && p.block_size % kKeyTile == 0 && p.num_heads / p.num_kv_heads <= 16;
   }
 
-  // o[r] = o[r] * corr[r] + sum_j probs[j * 16 + r] v[j] for R rows (columns of probs) over n keys,
-  // V rows from the cache.
-  // Where ahead is given, one kv head's K and V of key j of a later tile (ahead[0], ahead[1] plus j
-  // rows of stride bytes) are asked for as key j goes by, so memory works while this tile computes.
-  template <int R>
-  static void pv_columns(float* o, const float* corr, const float* probs, const C* const* vrows, int n,
-                         const char* const* ahead = nullptr, int64_t stride = 0) {
-    __m512 acc[R][NC];
-    for (int i = 0; i < R; ++i) {
-      const __m512 ci = _mm512_set1_ps(corr[i]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), ci);
-    }
-    for (int j = 0; j < n; ++j) {
-      if (ahead != nullptr) {
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
-          _mm_prefetch(ahead[0] + j * stride + b, _MM_HINT_T0);
-          _mm_prefetch(ahead[1] + j * stride + b, _MM_HINT_T0);
-        }
-      }
-      __m512 vj[NC];
-      for (int c = 0; c < NC; ++c) vj[c] = load_f32(vrows[j] + c * 16);
-      for (int i = 0; i < R; ++i) {
-        const __m512 pij = _mm512_set1_ps(probs[j * 16 + i]);
-        for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pij, vj[c], acc[i][c]);
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
-    }
-  }
-
-  static void pv_columns_any(float* o, int64_t rows, const float* corr, const float* probs, const C* const* vrows,
-                             int n, const char* const* ahead, int64_t stride) {
-    int64_t r = 0;
-    for (; r + PV_ROWS <= rows; r += PV_ROWS, ahead = nullptr) {
-      pv_columns<PV_ROWS>(o + r * D, corr + r, probs + r, vrows, n, ahead, stride);
-    }
-    switch (rows - r) {
-      case 3: pv_columns<3>(o + r * D, corr + r, probs + r, vrows, n, ahead, stride); break;
-      case 2: pv_columns<2>(o + r * D, corr + r, probs + r, vrows, n, ahead, stride); break;
-      case 1: pv_columns<1>(o + r * D, corr + r, probs + r, vrows, n, ahead, stride); break;
-      default: break;
-    }
-  }
-
   // Asks for the nh heads (from row) of 16 consecutive cache rows, token_stride apart, in L1.
   static void prefetch_rows(const C* row, int64_t nh, int64_t token_stride) {
     const int64_t bytes = nh * D * static_cast<int64_t>(sizeof(C));
@@ -627,13 +603,18 @@ struct Kernel {
         l = _mm512_add_ps(_mm512_mul_ps(l, _mm512_load_ps(corr)), sum);
         m = top;
         const C* vrow = p.value_cache + slot * token_stride;
+        const bool ask = later_slot >= 0 && j0 == 0;  // a whole tile: its keys cover the later tile's
         for (int64_t hh = 0; hh < nh; ++hh) {
           for (int j = j0; j < j1; ++j) vrows[j] = vrow + j * token_stride + (h0 + hh) * D;
-          const char* ahead[2] = {
-              reinterpret_cast<const char*>(p.key_cache + later_slot * token_stride + (h0 + hh) * D),
-              reinterpret_cast<const char*>(p.value_cache + later_slot * token_stride + (h0 + hh) * D)};
-          pv_columns_any(o + hh * group * D, group, corr + hh * group, st + j0 * 16 + hh * group, vrows + j0, j1 - j0,
-                         later_slot >= 0 && j0 == 0 ? ahead : nullptr, token_stride * sizeof(C));
+          Ahead ahead{};
+          if (ask) {
+            ahead = {reinterpret_cast<const char*>(p.key_cache + later_slot * token_stride + (h0 + hh) * D),
+                     reinterpret_cast<const char*>(p.value_cache + later_slot * token_stride + (h0 + hh) * D),
+                     token_stride * static_cast<int64_t>(sizeof(C))};
+          }
+          // probs: a column per query head (row stride 1), a row of 16 per key
+          accumulate_pv(o + hh * group * D, group, corr + hh * group, st + j0 * 16 + hh * group, 1, 16, vrows + j0,
+                        j1 - j0, ask ? &ahead : nullptr);
         }
       }
       alignas(64) float lf[16];
@@ -757,10 +738,10 @@ struct Kernel {
         }
         float* o = sc.o.data() + hh * padded * D;
         if (dot) {  // few rows: V straight from the cache
-          accumulate_pv(o, rows, sc.corr.data(), probs, vrows);
+          accumulate_pv(o, rows, sc.corr.data(), probs, kKeyTile, 1, vrows, kKeyTile);
         } else {  // many rows: V in fp32 once
           rows_to_f32(vrows, sc.v.data(), vf_rows);
-          accumulate_pv(o, rows, sc.corr.data(), probs, vf_rows);
+          accumulate_pv(o, rows, sc.corr.data(), probs, kKeyTile, 1, vf_rows, kKeyTile);
         }
       }
     }
