@@ -25,6 +25,16 @@ def cpu_flags() -> frozenset[str]:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
+def _call_glibc(name: str, *args: int) -> None:
+    """libc's function `name`, where the process's libc has it (glibc); elsewhere nothing."""
+    import ctypes
+
+    try:
+        getattr(ctypes.CDLL(None), name)(*args)
+    except (OSError, AttributeError):
+        pass
+
+
 def keep_freed_memory_for_reuse(max_bytes: int = 512 * 2**20) -> None:
     """Let glibc's malloc keep what a step frees for the next step: the activations of a prefill
     step (tens of MiB at 4,096 tokens) otherwise come from fresh mmaps, or a heap trimmed back,
@@ -32,14 +42,8 @@ def keep_freed_memory_for_reuse(max_bytes: int = 512 * 2**20) -> None:
     VM with another large process resident a fault cost 7x what it does alone). Buffers up to
     max_bytes then come from the heap, and up to max_bytes of free heap stays mapped. A no-op
     where libc is not glibc."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, max_bytes)
-        libc.mallopt(_M_TRIM_THRESHOLD, max_bytes)
-    except (OSError, AttributeError):
-        pass
+    _call_glibc("mallopt", _M_MMAP_THRESHOLD, max_bytes)
+    _call_glibc("mallopt", _M_TRIM_THRESHOLD, max_bytes)
 
 
 def release_freed_memory() -> None:
@@ -47,9 +51,4 @@ def release_freed_memory() -> None:
     file's tensors as read, dequantized or reordered copies), and glibc's malloc holds freed heap
     memory for reuse: without this the process's RSS after start-up stays that much higher (the
     default model: 55 MiB quantized, 220 MiB dequantized). A no-op where libc is not glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    _call_glibc("malloc_trim", 0)
