@@ -29,7 +29,7 @@ def _assert_matches(out, expected):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100, 300, 529])
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (49, 64), (1000, 96)])
 def test_dense_amx_equals_linear(rows, out_features, in_features):
     weight, bias = _random((out_features, in_features), 1), _random((out_features,), 2)
@@ -65,7 +65,28 @@ def test_a_rows_result_does_not_depend_on_its_batch(rows, row, seed):
     assert torch.equal(layer(x)[row], layer(x[row:row + 1])[0])
 
 
-@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_splitting_rows_or_panels_give_the_same_rows(gated, threads):
+    """Few rows: threads split the weight's panels; many (8 blocks of 32 per thread or more): they
+    split the rows. Either way each row's sums run in one order: a row of a 700-row prefill equals
+    the same row multiplied alone, and alone among 40."""
+    weight, bias = _random((192, 96), 13), _random((192,), 14)
+    x = _random((700, 96), 15)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = PackedLinear(weight, bias, 2048, gated_silu=gated)
+        many = layer(x)
+        for row in (0, 31, 32, 350, 699):
+            assert torch.equal(many[row], layer(x[row:row + 1])[0])
+            start = min(row, 660)
+            assert torch.equal(many[row], layer(x[start:start + 40])[row - start])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 300, 529])
 @pytest.mark.parametrize("intermediate", [1536, 40])
 def test_gated_silu_equals_linear_then_silu_and_mul(rows, intermediate):
     """A [gate | up] projection with SiLU-and-mul in its store: the separate ops' result, rounding
