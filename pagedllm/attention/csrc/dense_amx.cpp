@@ -18,7 +18,7 @@
 // so a row's result does not depend on the rows beside it; rounded to bf16 once, bias included.
 //
 // Stores: a block's accumulators (32 rows x one panel) are rounded into out while the tile unit
-// multiplies the next block, a few rows between its tile products (PendingStore), so the vector
+// multiplies the next block, a few rows between its tile products (Pipelined), so the vector
 // work (rounding, bias, SiLU) overlaps the products instead of following them: a 4,096-row
 // prefill's gated gate/up 6.5 -> 5.4 ms, 64-row decode matmuls 14.0-14.5 -> 12.8-13.3 ms for 30
 // layers. Threads split a decode's panels (each streams its share of the weight once) and a
@@ -130,63 +130,79 @@ struct PaddedRows {
   }
 };
 
-// A finished block's accumulators, rounded into out a few rows at a time while the tile unit
-// multiplies the next block (multiply_panel calls `rows_until` between its tile products): the
-// vector unit's rounding, bias and SiLU then overlap the tile products instead of following them.
-// Tiles of two blocks in turn: the one being stored, and the one being multiplied.
-template <bool kGated>
-class PendingStore {
+// A finished block's accumulators, handed to `Rows` (rounded into out, or compared for an argmax)
+// a few rows at a time while the tile unit multiplies the next block (multiply_panel calls
+// rows_until between its tile products): the vector unit's rounding, bias and SiLU then overlap
+// the tile products instead of following them. Tiles of two blocks in turn: the pending one, and
+// the one being multiplied.
+template <class Rows>
+class Pipelined {
  public:
-  // The accumulators of the block to multiply next (the other buffer than the pending one's).
+  explicit Pipelined(Rows rows) : work_(std::move(rows)) {}
+
+  // Where the block to multiply next accumulates (the other buffer than the pending block's).
   float (*next_tiles())[256] { return tiles_[1 - pending_]; }
 
-  // The block just multiplied into next_tiles(): rows [0, rows) x panel p's outputs, into out
-  // (row stride ldo); the block before it is finished first.
-  void push(int64_t rows, int64_t p, int64_t N, const float* bias, BF16* out, int64_t ldo) {
+  // The block just multiplied into next_tiles() becomes the pending one (rows [0, rows);
+  // Rows::begin_block takes the rest), after the one before it is finished.
+  template <class... Block>
+  void push(int64_t rows, const Block&... block) {
     finish();
     pending_ = 1 - pending_;
-    rows_ = rows, done_ = 0, out_ = out, ldo_ = ldo;
-    for (int f = 0; f < 2; ++f) {  // gated: f = 0 the gate, 1 the up half, both for outputs 16 p ..
-      const int64_t n0 = kGated ? f * (N / 2) + 16 * p : kPanel * p + 16 * f;
-      const int64_t limit = kGated ? (f + 1) * (N / 2) : N;
-      cols_[f] = n0 < limit ? tail_mask(limit - n0) : 0;
-      bias_[f] = bias ? _mm512_maskz_loadu_ps(cols_[f], bias + n0) : _mm512_setzero_ps();
-      column_[f] = kGated ? 16 * p : n0;
-    }
+    rows_ = rows, done_ = 0;
+    work_.begin_block(block...);
   }
 
-  // Rounds the pending block's rows up to `end` (of rows_) into out.
   void rows_until(int64_t end) {
-    for (end = std::min(end, rows_); done_ < end; ++done_) store_row(done_);
+    for (end = std::min(end, rows_); done_ < end; ++done_) work_.row(tiles_[pending_], done_);
   }
   void finish() { rows_until(rows_); }
   int64_t rows() const { return rows_; }
 
  private:
-  void store_row(int64_t m) {
-    const float* row = tiles_[pending_][2 * (m / 16)] + (m % 16) * 16;  // feature tile 0; tile 1 is 256 on
-    BF16* dst = out_ + m * ldo_;
-    if (kGated) {  // round(round(silu(gate)) * up), gate and up each rounded first
-      const __m512 g = round_bf16(_mm512_add_ps(_mm512_loadu_ps(row), bias_[0]));
-      const __m512 u = round_bf16(_mm512_add_ps(_mm512_loadu_ps(row + 256), bias_[1]));
-      const __m512 e = exp_f32(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-      _mm256_mask_storeu_epi16(dst + column_[0], cols_[0], (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u)));
-      return;
-    }
-    for (int f = 0; f < 2; ++f) {
-      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(row + 256 * f), bias_[f]);
-      _mm256_mask_storeu_epi16(dst + column_[f], cols_[f], (__m256i)_mm512_cvtneps_pbh(v));
+  alignas(64) float tiles_[2][4][256];
+  Rows work_;
+  int pending_ = 0;
+  int64_t rows_ = 0, done_ = 0;
+};
+
+// A block's row m rounded into out: its 32 outputs (bias included), or gated its 16
+// round(round(silu(gate)) * up), gate and up each rounded first, as silu_and_mul would.
+template <bool kGated>
+struct StoreRows {
+  BF16* out = nullptr;
+  int64_t ldo = 0, column[2] = {};
+  __m512 bias[2];
+  __mmask16 cols[2] = {};
+
+  // Panel p of a weight of N rows into out (row stride ldo), from row 0 of the block.
+  void begin_block(int64_t p, int64_t N, const float* b, BF16* o, int64_t ld) {
+    out = o, ldo = ld;
+    for (int f = 0; f < 2; ++f) {  // gated: f = 0 the gate, 1 the up half, both for outputs 16 p ..
+      const int64_t n0 = kGated ? f * (N / 2) + 16 * p : kPanel * p + 16 * f;
+      const int64_t limit = kGated ? (f + 1) * (N / 2) : N;
+      cols[f] = n0 < limit ? tail_mask(limit - n0) : 0;
+      bias[f] = b ? _mm512_maskz_loadu_ps(cols[f], b + n0) : _mm512_setzero_ps();
+      column[f] = kGated ? 16 * p : n0;
     }
   }
 
-  alignas(64) float tiles_[2][4][256];
-  int pending_ = 0;
-  int64_t rows_ = 0, done_ = 0, ldo_ = 0;
-  BF16* out_ = nullptr;
-  __m512 bias_[2];
-  __mmask16 cols_[2];
-  int64_t column_[2];
+  void row(float (*tiles)[256], int64_t m) const {
+    const float* first = tiles[2 * (m / 16)] + (m % 16) * 16;  // feature tile 0's row; tile 1's is 256 on
+    BF16* dst = out + m * ldo;
+    if (kGated) {
+      const __m512 g = round_bf16(_mm512_add_ps(_mm512_loadu_ps(first), bias[0]));
+      const __m512 u = round_bf16(_mm512_add_ps(_mm512_loadu_ps(first + 256), bias[1]));
+      const __m512 e = exp_f32(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+      _mm256_mask_storeu_epi16(dst + column[0], cols[0], (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u)));
+      return;
+    }
+    for (int f = 0; f < 2; ++f) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(first + 256 * f), bias[f]);
+      _mm256_mask_storeu_epi16(dst + column[f], cols[f], (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
 };
 
 // The fp32 products of x rows a (stride lda, 16 kRowTiles rows readable) with one panel over K,
@@ -229,7 +245,7 @@ void multiply_panel(const BF16* panel, int64_t K, const BF16* a, int64_t lda, fl
 // at pending.finish()). N: the weight's rows.
 template <int kRowTiles, bool kGated>
 void multiply_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
-                    const float* bias, BF16* out, int64_t ldo, PendingStore<kGated>& pending) {
+                    const float* bias, BF16* out, int64_t ldo, Pipelined<StoreRows<kGated>>& pending) {
   multiply_panel<kRowTiles>(panel, K, a, lda, pending.next_tiles(), pending);
   pending.push(rows, p, N, bias, out, ldo);
 }
@@ -248,7 +264,7 @@ void multiply_panels(const BF16* wp, int64_t K, const BF16* xp, int64_t ldx, int
   const int64_t panels = num_panels(N, kGated), group = panels_per_group(M, K);
   // A thread's share: panels p0..p1 over rows m_begin..m_end (32-row blocks).
   auto run = [&](int64_t p0, int64_t p1, int64_t m_begin, int64_t m_end) {
-    PendingStore<kGated> pending;
+    Pipelined<StoreRows<kGated>> pending{StoreRows<kGated>()};
     for (int64_t g0 = p0; g0 < p1; g0 += group) {
       const int64_t g1 = std::min(p1, g0 + group);
       for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
@@ -284,11 +300,6 @@ void multiply_panels(const BF16* wp, int64_t K, const BF16* xp, int64_t ldx, int
   });
 }
 
-struct NothingPending {
-  int64_t rows() const { return 0; }
-  void rows_until(int64_t) {}
-};
-
 // Per row, lane by lane: the largest rounded logit seen so far and its index (strictly larger
 // replaces, so of equal values the first seen stays: panels go by in ascending order).
 struct RowMaxima {
@@ -298,19 +309,14 @@ struct RowMaxima {
     std::fill(value.get(), value.get() + M * 16, -INFINITY);
     std::fill(index.get(), index.get() + M * 16, 0);
   }
-  void update(const float* tile, int64_t m0, int64_t rows, int64_t n0, int64_t N, const float* bias) {
-    const __mmask16 cols = tail_mask(N - n0);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
-    const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(n0)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    for (int64_t m = 0; m < rows; ++m) {
-      float* best = value.get() + (m0 + m) * 16;
-      int32_t* at = index.get() + (m0 + m) * 16;
-      const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(tile + m * 16), b));
-      const __mmask16 larger = cols & _mm512_cmp_ps_mask(v, _mm512_loadu_ps(best), _CMP_GT_OQ);
-      _mm512_mask_storeu_ps(best, larger, v);
-      _mm512_mask_storeu_epi32(at, larger, ids);
-    }
+  // Row m's 16 rounded logits (bias b added) of features ids (cols of them real).
+  void update_row(const float* logits, int64_t m, __m512 b, __mmask16 cols, __m512i ids) {
+    float* best = value.get() + m * 16;
+    int32_t* at = index.get() + m * 16;
+    const __m512 v = round_bf16(_mm512_add_ps(_mm512_loadu_ps(logits), b));
+    const __mmask16 larger = cols & _mm512_cmp_ps_mask(v, _mm512_loadu_ps(best), _CMP_GT_OQ);
+    _mm512_mask_storeu_ps(best, larger, v);
+    _mm512_mask_storeu_epi32(at, larger, ids);
   }
 };
 
@@ -325,17 +331,30 @@ inline int64_t row_argmax(const float* value, const int32_t* index) {
   return at;
 }
 
-void argmax_block(const BF16* panel, int64_t K, const BF16* a, int64_t lda, int64_t rows, int64_t p, int64_t N,
-                  const float* bias, int64_t m0, RowMaxima& maxima) {
-  alignas(64) float tiles[4][256];
-  NothingPending nothing;
-  multiply_panel<2>(panel, K, a, lda, tiles, nothing);
-  for (int r = 0; r < 2 && 16 * r < rows; ++r) {
-    const int64_t tile_rows = std::min<int64_t>(16, rows - 16 * r);
-    for (int f = 0; f < 2 && kPanel * p + 16 * f < N; ++f)
-      maxima.update(tiles[2 * r + f], m0 + 16 * r, tile_rows, kPanel * p + 16 * f, N, bias);
+// A block's row m compared into a thread's maxima (the block's rows start at m0).
+struct ArgmaxRows {
+  RowMaxima* maxima;
+  int64_t m0 = 0;
+  __m512 bias[2];
+  __mmask16 cols[2] = {};
+  __m512i ids[2];
+
+  void begin_block(int64_t p, int64_t N, const float* b, int64_t first_row) {
+    m0 = first_row;
+    for (int f = 0; f < 2; ++f) {
+      const int64_t n0 = kPanel * p + 16 * f;
+      cols[f] = n0 < N ? tail_mask(N - n0) : 0;
+      bias[f] = b ? _mm512_maskz_loadu_ps(cols[f], b + n0) : _mm512_setzero_ps();
+      ids[f] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(n0)),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    }
   }
-}
+
+  void row(float (*tiles)[256], int64_t m) const {
+    for (int f = 0; f < 2 && cols[f]; ++f)
+      maxima->update_row(tiles[2 * (m / 16) + f] + (m % 16) * 16, m0 + m, bias[f], cols[f], ids[f]);
+  }
+};
 
 #endif  // PAGEDLLM_AMX
 
@@ -391,7 +410,7 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
 #ifdef PAGEDLLM_AMX
   if (M == 0) return out;
-  const PaddedRows xr(x, 32);  // argmax_block multiplies whole 32-row blocks
+  const PaddedRows xr(x, 32);  // the argmax multiplies whole 32-row blocks
   const int64_t rows = xr.rows;
   const BF16* wp = packed.const_data_ptr<BF16>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
@@ -401,15 +420,18 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     pagedllm_amx::configure_tiles();
     auto maxima = std::make_unique<RowMaxima>(rows);
+    Pipelined<ArgmaxRows> pending{ArgmaxRows{maxima.get()}};
     for (int64_t g0 = p0; g0 < p1; g0 += group) {
       const int64_t g1 = std::min(p1, g0 + group);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         for (int64_t p = g0; p < g1; ++p) {
-          argmax_block(wp + p * kPanel * K, K, xr.data + m0 * xr.stride, xr.stride, std::min<int64_t>(32, M - m0), p,
-                       N, bp, m0, *maxima);
+          multiply_panel<2>(wp + p * kPanel * K, K, xr.data + m0 * xr.stride, xr.stride, pending.next_tiles(),
+                            pending);
+          pending.push(std::min<int64_t>(32, M - m0), p, N, bp, m0);
         }
       }
     }
+    pending.finish();
     _tile_release();
     shares[at::get_thread_num()] = {p0, std::move(maxima)};
   });
