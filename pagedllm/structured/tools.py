@@ -103,7 +103,8 @@ def parse_tool_choice(tool_choice: Any, tools: Sequence[Tool]) -> ToolChoice:
                          f"got {json.dumps(tool_choice, default=str)[:120]}")
     if name not in {tool.name for tool in tools}:
         known = ", ".join(tool.name for tool in tools) or "no tools were given"
-        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools ({known})")
+        shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+        raise ValueError(f"tool_choice names the function {shown}, which is not in tools ({known})")
     return ToolChoice("named", name)
 
 

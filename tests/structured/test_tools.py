@@ -80,6 +80,9 @@ def test_tool_choice():
     unknown = r"names the function 'nope', which is not in tools \(get_weather, get_time\)"
     with pytest.raises(ValueError, match=unknown):
         parse_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+    with pytest.raises(ValueError) as huge:  # a megabyte of name is not echoed back whole
+        parse_tool_choice({"type": "function", "function": {"name": "x" * 2**20}}, tools)
+    assert "'" + "x" * 64 + "'... (1048576 characters)" in str(huge.value) and len(str(huge.value)) < 300
     with pytest.raises(ValueError, match="'required' needs at least one tool"):
         parse_tool_choice("required", [])
     for bad in ("any", {"type": "function"}, {"function": {"name": "get_time"}}, 3):
