@@ -146,8 +146,11 @@ def test_stream_cut_at_the_shutdown_grace_limit_gets_an_error_event(hygiene_conf
 
         def stream() -> None:
             body = {"prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=30) as r:
-                events.extend(line for line in r.iter_lines() if line.startswith("data:"))
+            try:
+                with httpx.stream("POST", f"{running.base_url}/v1/completions", json=body, timeout=30) as r:
+                    events.extend(line for line in r.iter_lines() if line.startswith("data:"))
+            except httpx.RemoteProtocolError:  # uvicorn may close at the grace limit mid-chunk
+                pass
 
         client = threading.Thread(target=stream)
         client.start()
