@@ -59,30 +59,33 @@ constexpr int kKeyTile = 16;    // keys per tile: one 512-bit register of fp32 s
 constexpr int kQueryTile = 16;  // new tokens per work item (prefill chunks are cut into these)
 constexpr float kNoScore = -1e30f;  // running max before any key: finite, so no inf - inf
 
-// Lane j of the result is the sum of the 16 lanes of v[j].
-inline __m512 sum_lanes_16(__m512 v[16]) {
+// Lane j of the result is op over the 16 lanes of v[j] (op: _mm512_add_ps or _mm512_max_ps):
+// 16 horizontal folds in one transpose-like tree.
+template <__m512 (*op)(__m512, __m512)>
+inline __m512 fold_lanes_16(const __m512 v[16]) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: partials of v[2i]; 8-15: of v[2i+1]
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   }
   for (int i = 0; i < 4; ++i) {  // 128-bit chunk k: 4 partials of v[4i + k]
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    b[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
   }
   for (int i = 0; i < 2; ++i) {  // chunk k: 2 partials of v[8i + k], then 2 of v[8i + 4 + k]
     __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    c[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  // chunk k: [v[k], v[k], v[4+k], v[4+k]] summed pairwise; then interleave with v[8+..].
-  __m512 lo = _mm512_add_ps(c[0], _mm512_permute_ps(c[0], 0xB1));
-  __m512 hi = _mm512_add_ps(c[1], _mm512_permute_ps(c[1], 0xB1));
+  // chunk k: [v[k], v[k], v[4+k], v[4+k]] folded pairwise; then interleave with v[8+..].
+  __m512 lo = op(c[0], _mm512_permute_ps(c[0], 0xB1));
+  __m512 hi = op(c[1], _mm512_permute_ps(c[1], 0xB1));
   // Lane 4k + l now holds: l=0 v[k], l=1 v[8+k], l=2 v[4+k], l=3 v[12+k].
   __m512 mixed = _mm512_mask_blend_ps(0xAAAA, lo, hi);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, mixed);
 }
+
+inline __m512 add_ps(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 max_ps(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+inline __m512 sum_lanes_16(const __m512 v[16]) { return fold_lanes_16<add_ps>(v); }
 
 // dst[k][j] = rows[j][k] for a 16 x cols tile of 32-bit elements (cols <= 16; dst rows 16 apart).
 // Rows j >= 16 are not read; dst rows k >= cols are not written.
@@ -442,40 +445,61 @@ struct Kernel {
       }
       const bool needs_mask = n < kAmxKeys || k0 + n - 1 > first_pos ||
                               (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = first_pos + r / group;
-        __m512 s[kAmxKeys / 16];
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int t = 0; t < key_tiles; ++t) {
-          s[t] = _mm512_mul_ps(_mm512_loadu_ps(scores + r * kAmxKeys + t * 16), scale);
-          if (p.softcap > 0) s[t] = _mm512_mul_ps(softcap, tanh_f32(_mm512_mul_ps(s[t], inv_softcap)));
-          if (needs_mask) {
-            const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * t)), lane);
-            __mmask16 visible = tail_mask(n - 16 * t) &
-                                _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
-            if (p.sliding_window > 0) {
-              visible &= _mm512_cmp_epi32_mask(
-                  key_pos, _mm512_set1_epi32(static_cast<int>(pos - p.sliding_window)), _MM_CMPINT_GT);
+      // The online softmax, 16 rows at a time: each row's scores scaled, capped and masked in
+      // place, then the 16 rows' maxima, corrections and sums folded together (one exp and two
+      // folds for 16 rows, where each row took a libm exp and two horizontal reductions).
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
+        __m512 tops[16], sums[16];
+        for (int i = 0; i < 16; ++i) tops[i] = sums[i] = _mm512_setzero_ps();
+        for (int i = 0; i < nr; ++i) {
+          const int64_t r = r0 + i, pos = first_pos + r / group;
+          float* row = scores + r * kAmxKeys;
+          __m512 top = _mm512_set1_ps(-INFINITY);
+          for (int t = 0; t < key_tiles; ++t) {
+            __m512 st = _mm512_mul_ps(_mm512_loadu_ps(row + t * 16), scale);
+            if (p.softcap > 0) st = _mm512_mul_ps(softcap, tanh_f32(_mm512_mul_ps(st, inv_softcap)));
+            if (needs_mask) {
+              const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * t)), lane);
+              __mmask16 visible = tail_mask(n - 16 * t) &
+                                  _mm512_cmp_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
+              if (p.sliding_window > 0) {
+                visible &= _mm512_cmp_epi32_mask(
+                    key_pos, _mm512_set1_epi32(static_cast<int>(pos - p.sliding_window)), _MM_CMPINT_GT);
+              }
+              st = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, st);
             }
-            s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, s[t]);
+            _mm512_storeu_ps(row + t * 16, st);
+            top = _mm512_max_ps(top, st);
           }
-          top = _mm512_max_ps(top, s[t]);
+          tops[i] = top;
         }
-        const float m_new = std::max(sc.m[r], _mm512_reduce_max_ps(top));
-        const __m512 shift = _mm512_set1_ps(m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < key_tiles; ++t) {
-          const __m512 e = exp_f32(_mm512_sub_ps(s[t], shift));
-          sum = _mm512_add_ps(sum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kAmxKeys + 16 * t), (__m256i)_mm512_cvtneps_pbh(e));
+        const __mmask16 live = tail_mask(nr);
+        const __m512 m_old = _mm512_maskz_loadu_ps(live, sc.m.data() + r0);
+        const __m512 m_new = _mm512_max_ps(m_old, fold_lanes_16<max_ps>(tops));  // kNoScore at least
+        const __m512 corr = exp_f32(_mm512_sub_ps(m_old, m_new));
+        alignas(64) float shift[16], corr_of[16];
+        _mm512_store_ps(shift, m_new);
+        _mm512_store_ps(corr_of, corr);
+        for (int i = 0; i < nr; ++i) {
+          const int64_t r = r0 + i;
+          const float* row = scores + r * kAmxKeys;
+          const __m512 m = _mm512_set1_ps(shift[i]);
+          __m512 sum = _mm512_setzero_ps();
+          for (int t = 0; t < key_tiles; ++t) {
+            const __m512 e = exp_f32(_mm512_sub_ps(_mm512_loadu_ps(row + t * 16), m));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kAmxKeys + 16 * t), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          sums[i] = sum;
+          if (corr_of[i] != 1.0f) {
+            const __m512 c = _mm512_set1_ps(corr_of[i]);
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), c));
+          }
         }
-        const float corr = std::exp(sc.m[r] - m_new);
-        sc.l[r] = sc.l[r] * corr + _mm512_reduce_add_ps(sum);
-        sc.m[r] = m_new;
-        if (corr != 1.0f) {
-          const __m512 c = _mm512_set1_ps(corr);
-          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), c));
-        }
+        const __m512 l_old = _mm512_maskz_loadu_ps(live, sc.l.data() + r0);
+        _mm512_mask_storeu_ps(sc.l.data() + r0, live, _mm512_fmadd_ps(l_old, corr, sum_lanes_16(sums)));
+        _mm512_mask_storeu_ps(sc.m.data() + r0, live, m_new);
       }
       for (int u = 0; u < key_runs; ++u) {  // V: keys 2i, 2i+1 of run u, columns 16c.. at vt[((u * D/16 + c) * 16 + i) * 16]
         for (int i = 0; i < 16; ++i) {
