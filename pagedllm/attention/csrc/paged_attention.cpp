@@ -130,6 +130,7 @@ constexpr int kMaxHeadDim = 256;
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
 constexpr int kAmxKeys = 64;   // keys per online-softmax update on the AMX path (4 tiles of 16)
+static_assert(kAmxKeys == 64, "run_item_amx multiplies exactly 4 key tiles per update");
 constexpr int kAmxRows = 192;   // rows (tokens x the query heads of a kv head) an AMX item aims for
 constexpr int kPrefetchTiles = 1;  // how far ahead (in tiles of 16 keys) a decode on the tile unit asks for K/V
 
@@ -160,6 +161,21 @@ struct Scratch {
     vp.resize(kAmxKeys * head_dim / 2);
   }
 };
+
+#ifdef PAGEDLLM_AMX
+// Accumulator tile j (0-3) += tile 4 (A) x the B tile at b (rows 64 bytes apart), loaded into
+// tile 5 or 6 by j's parity so that a load does not wait for the product before it to read its
+// tile (tiles are not renamed). The intrinsics take tile numbers as literals (they are spelled
+// into the instruction), hence the switch; every call passes a constant, so it folds away.
+inline void multiply_into(int j, const void* b) {
+  switch (j) {
+    case 0: _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_loadd(6, b, 64); _tile_dpbf16ps(1, 4, 6); break;
+    case 2: _tile_loadd(5, b, 64); _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_loadd(6, b, 64); _tile_dpbf16ps(3, 4, 6); break;
+  }
+}
+#endif
 
 template <typename T, typename C>  // T: query/out dtype; C: what the cache holds (T, or codes)
 struct Problem {
@@ -432,16 +448,24 @@ struct Kernel {
           transpose_16x16(reinterpret_cast<const float* const*>(krows + 16 * t), c, 16, reinterpret_cast<float*>(kt + (t * P2 + c) * 16));
         }
       }
-      for (int64_t b = 0; b < blocks; ++b) {  // scores of rows 16b.. against 16 keys per tile
-        for (int t = 0; t < key_tiles; ++t) {
-          _tile_zero(0);
-          for (int c = 0; c < D; c += 32) {
-            _tile_loadd(1, q + b * 16 * D + c, D * sizeof(T));
-            _tile_loadd(2, kt + (t * P2 + c / 2) * 16, 64);
-            _tile_dpbf16ps(0, 1, 2);
-          }
-          _tile_stored(0, scores + b * 16 * kAmxKeys + t * 16, kAmxKeys * sizeof(float));
+      for (int64_t b = 0; b < blocks; ++b) {  // scores of rows 16b.. against the 4 tiles of 16 keys
+        _tile_zero(0);  // one accumulator per key tile: four products in flight, one Q load for all
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < D; c += 32) {
+          _tile_loadd(4, q + b * 16 * D + c, D * sizeof(T));
+          const uint32_t* k = kt + (c / 2) * 16;  // key tile t: k + t * P2 * 16 (past key_tiles: unread)
+          multiply_into(0, k);
+          multiply_into(1, k + P2 * 16);
+          multiply_into(2, k + 2 * P2 * 16);
+          multiply_into(3, k + 3 * P2 * 16);
         }
+        float* dst = scores + b * 16 * kAmxKeys;
+        _tile_stored(0, dst, kAmxKeys * sizeof(float));
+        _tile_stored(1, dst + 16, kAmxKeys * sizeof(float));
+        _tile_stored(2, dst + 32, kAmxKeys * sizeof(float));
+        _tile_stored(3, dst + 48, kAmxKeys * sizeof(float));
       }
       const bool needs_mask = n < kAmxKeys || k0 + n - 1 > first_pos ||
                               (p.sliding_window > 0 && k0 <= last_pos - p.sliding_window);
@@ -512,15 +536,32 @@ struct Kernel {
           }
         }
       }
+      constexpr int kGroup = D / 16 < 4 ? D / 16 : 4;  // column tiles of o accumulated together
       for (int64_t b = 0; b < blocks; ++b) {  // o[rows 16b.., columns 16c..] += P . V
-        for (int c = 0; c < D / 16; ++c) {
-          _tile_loadd(0, o + b * 16 * D + 16 * c, D * sizeof(float));
-          for (int u = 0; u < key_runs; ++u) {
-            _tile_loadd(1, probs + b * 16 * kAmxKeys + 32 * u, kAmxKeys * sizeof(uint16_t));
-            _tile_loadd(2, vt + (u * (D / 16) + c) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
+        for (int c0 = 0; c0 < D / 16; c0 += kGroup) {
+          float* ob = o + b * 16 * D + 16 * c0;
+          _tile_loadd(0, ob, D * sizeof(float));
+          if (kGroup > 1) _tile_loadd(1, ob + 16, D * sizeof(float));
+          if (kGroup > 2) {
+            _tile_loadd(2, ob + 32, D * sizeof(float));
+            _tile_loadd(3, ob + 48, D * sizeof(float));
           }
-          _tile_stored(0, o + b * 16 * D + 16 * c, D * sizeof(float));
+          for (int u = 0; u < key_runs; ++u) {
+            _tile_loadd(4, probs + b * 16 * kAmxKeys + 32 * u, kAmxKeys * sizeof(uint16_t));  // once per group
+            const uint32_t* v = vt + (u * (D / 16) + c0) * 256;
+            multiply_into(0, v);
+            if (kGroup > 1) multiply_into(1, v + 256);
+            if (kGroup > 2) {
+              multiply_into(2, v + 512);
+              multiply_into(3, v + 768);
+            }
+          }
+          _tile_stored(0, ob, D * sizeof(float));
+          if (kGroup > 1) _tile_stored(1, ob + 16, D * sizeof(float));
+          if (kGroup > 2) {
+            _tile_stored(2, ob + 32, D * sizeof(float));
+            _tile_stored(3, ob + 48, D * sizeof(float));
+          }
         }
       }
     }
