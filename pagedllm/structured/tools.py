@@ -37,7 +37,8 @@ from pagedllm.structured.compiler import check_grammar
 from pagedllm.structured.spec import GrammarSpec
 
 MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_NAME_LENGTH = 64  # OpenAI's bound on a function name
+_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAME_LENGTH}}}")
 
 TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -103,7 +104,8 @@ def parse_tool_choice(tool_choice: Any, tools: Sequence[Tool]) -> ToolChoice:
                          f"got {json.dumps(tool_choice, default=str)[:120]}")
     if name not in {tool.name for tool in tools}:
         known = ", ".join(tool.name for tool in tools) or "no tools were given"
-        shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+        shown = (repr(name) if len(name) <= MAX_NAME_LENGTH
+                 else f"{name[:MAX_NAME_LENGTH]!r}... ({len(name)} characters)")
         raise ValueError(f"tool_choice names the function {shown}, which is not in tools ({known})")
     return ToolChoice("named", name)
 
@@ -196,8 +198,8 @@ def _parse_tool(index: int, tool: Any) -> Tool:
     function = tool["function"]
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"tools[{index}].function.name must be 1-64 letters, digits, '_' or '-'; "
-                         f"got {name!r}"[:200])
+        raise ValueError(f"tools[{index}].function.name must be 1-{MAX_NAME_LENGTH} letters, digits, "
+                         f"'_' or '-'; got {name!r}"[:200])
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise ValueError(f"tool {name!r}: description must be a string")
