@@ -9,11 +9,11 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # Lazy, so that the pure-Python parts (kv manager, scheduler) import without torch.
     if name == "LLM":
-        from pagedllm.llm import LLM
+        from pagedllm.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from pagedllm.engine import LLMEngine
+        from pagedllm.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

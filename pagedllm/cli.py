@@ -7,81 +7,7 @@ import logging
 import os
 import sys
 
-from pagedllm.config import (
-    DISTRIBUTED_EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
-    KV_LAYOUTS,
-    QUANTIZATION_CHOICES,
-    EngineConfig,
-    engine_defaults,
-)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's; their defaults are EngineConfig's."""
-    default = engine_defaults()
-    parser.add_argument("--model", default=default["model"],
-                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=default["dtype"], help="auto, float32 or bfloat16")
-    parser.add_argument("--block-size", type=int, default=default["block_size"],
-                        help="tokens per KV block (default: 64 on the CPU, 16 on a GPU)")
-    parser.add_argument("--kv-cache-memory", default=default["kv_cache_memory"],
-                        help="bytes or e.g. 512MiB, 2GiB (default: a share of free RAM)")
-    parser.add_argument("--max-model-len", type=int, default=default["max_model_len"],
-                        help="default: the model's limit, or the longest request the KV cache "
-                             "memory holds where that is less")
-    parser.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"])
-    parser.add_argument("--kv-layout", choices=list(KV_LAYOUTS), default=default["kv_layout"])
-    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default["kv_cache_dtype"],
-                        help="what the KV cache stores: auto (the model's dtype), int8, fp8 "
-                             "(= fp8_e4m3) or fp8_e5m2")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=default["enable_prefix_caching"])
-    parser.add_argument("--seed", type=int, default=default["seed"])
-    parser.add_argument("--device", default=default["device"],
-                        help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=default["quantization"],
-                        help="auto: a GGUF's quantized weights stay quantized (default); none: "
-                             "dequantize at load; int8/int4: quantize a HF folder's weights at load")
-    parser.add_argument("--quantization-group-size", type=int, default=default["quantization_group_size"],
-                        help="inputs per scale for --quantization int8/int4")
-    parser.add_argument("--generation-config", default=default["generation_config"],
-                        help="sampling defaults for fields a request leaves unset: auto (the model's "
-                             "generation_config.json), vllm or none (the library's), or a folder")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=default["tensor_parallel_size"],
-                        help="split the model over this many processes (docs/distributed.md)")
-    parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                        default=default["distributed_executor_backend"],
-                        help="mp: the engine starts its tensor-parallel workers on this machine; "
-                             "external_launcher: they are started by torchrun or by hand")
-    parser.add_argument("--distributed-timeout", type=float, dest="distributed_timeout_s",
-                        default=default["distributed_timeout_s"],
-                        help="seconds a rank waits for the others in one collective before the "
-                             "engine fails")
-    parser.add_argument("--batch-invariant", action="store_true", default=default["batch_invariant"],
-                        help="greedy outputs that do not depend on the batch, chunking or "
-                             "preemption (bf16 too; CPU only; slower prefill)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    memory = args.kv_cache_memory
-    if memory is not None and str(memory).isdigit():
-        memory = int(memory)
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                        kv_cache_memory=memory, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
-                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
-                        quantization=args.quantization,
-                        quantization_group_size=args.quantization_group_size,
-                        generation_config=args.generation_config,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        distributed_executor_backend=args.distributed_executor_backend,
-                        distributed_timeout_s=args.distributed_timeout_s,
-
-                        batch_invariant=args.batch_invariant)
+from pagedllm.config import add_engine_args, engine_config_from_args
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +26,7 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     llm = LLM(**vars(engine_config_from_args(args)))
     output = llm.generate(args.prompt, _sampling_params(args), use_tqdm=False)[0]
@@ -109,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from pagedllm.chat_repl import run_chat
+    from pagedllm.entrypoints.chat_repl import run_chat
 
     return run_chat(engine_config_from_args(args), _sampling_params(args), args.system)
 

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 
 @dataclass
 class Logprob:
     logprob: float
     rank: int
     decoded_token: str
+
+
+# Per-step logprobs are many small objects: array_like encodes them as arrays (no field names on the
+# wire) and gc=False keeps them out of the garbage collector (they hold no cycles).
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probability of the chosen token and the top-N alternatives (from the raw logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely token
+    top: list[tuple[int, float]]
 
 
 # One dict per generated token: token id -> Logprob (the chosen token and the top-N).

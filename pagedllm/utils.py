@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+import os
+import signal
+import threading
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of b hold a items."""
     return -(-a // b)
+
+
+def pythonpath_with_this_package() -> str:
+    """$PYTHONPATH with the folder holding this pagedllm first: a child process started with it
+    (the engine core, a tensor-parallel worker, a kernel build) runs the same code as its parent,
+    wherever that was imported from."""
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
 
 
 @functools.cache
@@ -52,3 +67,28 @@ def release_freed_memory() -> None:
     memory for reuse: without this the process's RSS after start-up stays that much higher (the
     default model: 55 MiB quantized, 220 MiB dequantized). A no-op where libc is not glibc."""
     _call_glibc("malloc_trim", 0)
+
+
+# -- a child process that exits with its parent ------------------------------------------------
+# The engine core process (started by `pagedllm serve`) and the tensor-parallel workers (started
+# by the engine) exit with the process that started them, however that one ends. Two guards: the
+# kernel's SIGKILL on the parent's death (PR_SET_PDEATHSIG, Linux), and a thread that sees end of
+# file on stdin, a pipe whose other end only the parent holds.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Exit when process parent_pid (this one's parent) does."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog below still works
+        logger.debug("PR_SET_PDEATHSIG is not available; relying on the stdin watchdog")
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+    def watch_stdin() -> None:
+        while os.read(0, 4096):  # the parent never writes: only end of file comes
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch_stdin, name="pagedllm-parent-watchdog", daemon=True).start()

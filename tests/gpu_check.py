@@ -1,7 +1,7 @@
 """`make gpu-check`: the GPU path on a machine with CUDA, in one run of a few minutes.
 
 1. The tests that need a GPU, natively: the Triton kernel against the torch path
-   (tests/attention/test_triton_attention.py), the model and engine against transformers with
+   (tests/kernels/test_triton_attention.py), the model and engine against transformers with
    TF32 off (tests/model/test_cuda.py), the fake-device placement checks (tests/test_device.py).
 2. `pagedllm bench throughput --device cuda --baseline hf` on the default model, and on
    GPU_CHECK_MODEL (a larger Llama-family folder or .gguf) when one is given.
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-TESTS = ["tests/attention/test_triton_attention.py", "tests/model/test_cuda.py", "tests/test_device.py"]
+TESTS = ["tests/kernels/test_triton_attention.py", "tests/model/test_cuda.py", "tests/test_device.py"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention import cpu_kernel
 from pagedllm.config import EngineConfig
+from pagedllm.kernels import compiled
 from pagedllm.model.batch_invariant import INVARIANT_ROWS, InvariantLinear
 from tests.conftest import requires_default_model
 from tests.model.tiny import make_hf_model, save_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
+pytestmark = pytest.mark.skipif(not compiled.available(),
                                 reason="batch-invariant mode needs the compiled CPU kernels")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -106,13 +106,14 @@ def test_uncovered_combinations_are_refused(tiny_folder, monkeypatch):
         EngineConfig(tensor_parallel_size=2, batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
         EngineConfig(batch_invariant="yes")
-    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(compiled, "available", lambda: False)
     with pytest.raises(ValueError, match="compiled CPU kernels"):
         LLM(str(tiny_folder), dtype="bfloat16", kv_cache_memory="16MiB", batch_invariant=True)
 
 
 def test_the_engine_flag_sets_it():
-    from pagedllm.cli import build_parser, engine_config_from_args
+    from pagedllm.cli import build_parser
+    from pagedllm.config import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "hi", "--batch-invariant"])
     assert engine_config_from_args(args).batch_invariant is True

@@ -35,7 +35,8 @@ def test_engine_config_checks_every_part():
 
 
 def test_the_cli_and_the_offline_api_take_the_config_defaults():
-    from pagedllm.cli import build_parser, engine_config_from_args
+    from pagedllm.cli import build_parser
+    from pagedllm.config import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_config_from_args(args) == EngineConfig()
@@ -44,7 +45,7 @@ def test_the_cli_and_the_offline_api_take_the_config_defaults():
 
 def test_the_block_size_left_unset_is_the_devices_default(tiny_model_dir):
     from pagedllm.config import default_block_size
-    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
 
     assert default_block_size("cpu") == 64 and default_block_size("cuda") == 16
     core = LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8).engine_core

@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pagedllm.attention import torch_ref
 from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.device import resolve_device
+from pagedllm.kernels.attention import torch_ref
 from pagedllm.model import llama
 from pagedllm.model.loader import load_model
-from pagedllm.runner import ModelRunner
-from pagedllm.sampler import Sampler, _candidates, _inverse_cdf, _weights
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import ScheduledRequest
+from pagedllm.worker.runner import ModelRunner
+from pagedllm.worker.sampler import Sampler, _candidates, _inverse_cdf, _weights
 
 # -- choosing the device ---------------------------------------------------------------------
 
@@ -51,7 +51,7 @@ def test_cli_device_cuda_without_cuda(monkeypatch, capsys):
     from pagedllm import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("pagedllm.engine_core.load_engine_model",
+    monkeypatch.setattr("pagedllm.engine.core.load_engine_model",
                         lambda *a, **k: pytest.fail("loaded a model"))
     assert cli.main(["generate", "hello", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -69,7 +69,7 @@ def test_cli_device_cuda_without_cuda(monkeypatch, capsys):
 
 pytest.importorskip("transformers")
 from tests.model.tiny import make_hf_model, save_checkpoint  # noqa: E402
-from tests.test_sampler import row  # noqa: E402
+from tests.worker.test_sampler import row  # noqa: E402
 
 DEVICE = torch.device("meta")
 BLOCK_SIZE = 4
@@ -117,7 +117,7 @@ def attention_on_device(request, monkeypatch):
         monkeypatch.setattr(llama, "paged_attention", torch_ref.paged_attention)
         return
     pytest.importorskip("triton", reason="triton is not installed: pip install triton")
-    from pagedllm.attention import triton_attention
+    from pagedllm.kernels.attention import triton_attention
 
     monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.config import ModelConfig
 from pagedllm.utils import cdiv
 from tests.conftest import requires_default_model
@@ -92,7 +92,7 @@ def test_two_window_requests_reuse_each_others_freed_blocks(mistral_window_32):
 
 @requires_default_model
 def test_an_unset_max_model_len_fits_a_20mib_budget_and_says_so(caplog):
-    with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
         llm = LLM(kv_cache_memory="20MiB")
     plan = llm.engine.kv_plan
     assert plan.fitted and plan.max_model_len == plan.num_blocks * plan.block_size

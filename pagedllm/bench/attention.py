@@ -14,7 +14,7 @@ timed in interleaved rounds, so load from other processes falls on all of them a
 Decode (one new token per request, every request at the same context length) and prefill (the
 whole context is new, causal) are measured separately. Each paged implementation that can run a
 case is measured (the compiled CPU kernel where it is built, and the portable torch reference),
-and each case records which of them the public `pagedllm.attention.paged_attention`, the
+and each case records which of them the public `pagedllm.kernels.attention.paged_attention`, the
 function the model calls, dispatched to ("active"). With --kv-cache-dtype int8 / fp8_e4m3 /
 fp8_e5m2 the paged layouts hold compressed KV (SDPA keeps the model's dtype, so its "max |diff|"
 then includes the quantization error).
@@ -36,11 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import pagedllm.attention as attention
-from pagedllm.attention import QuantizedKV, torch_ref
-from pagedllm.attention.metadata import AttentionMetadata
+import pagedllm.kernels.attention as attention
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, timed_functions, write_json
-from pagedllm.kv.slots import slot_mapping
+from pagedllm.core.kv.slots import slot_mapping
+from pagedllm.kernels.attention import QuantizedKV, cpu_attention, torch_ref
+from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.utils import cdiv
 
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
@@ -176,14 +176,8 @@ def contiguous_as_flat(out: torch.Tensor) -> torch.Tensor:
 
 def known_implementations() -> dict[str, object]:
     """The paged attention implementations the attention module has, by name: the compiled CPU
-    kernel (pagedllm.attention.cpu_kernel) where that module exists, and the torch reference."""
-    impls = {}
-    try:
-        from pagedllm.attention import cpu_kernel
-    except ImportError:
-        cpu_kernel = None
-    if cpu_kernel is not None:
-        impls["cpu_kernel"] = cpu_kernel.paged_attention
+    kernel (pagedllm.kernels.attention.cpu_attention) and the torch reference."""
+    impls = {"cpu_kernel": cpu_attention.paged_attention}
     impls["torch_ref"] = torch_ref.paged_attention
     return impls
 
@@ -193,15 +187,13 @@ def implementations(case: Case) -> dict[str, object]:
     inputs (PAGEDLLM_ATTENTION=torch turns it off), and always the torch reference."""
     impls = known_implementations()
     if "cpu_kernel" in impls:
-        from pagedllm.attention import cpu_kernel
-
-        if not cpu_kernel.supports(case.query, case.paged["paged"][0]):
+        if not cpu_attention.supports(case.query, case.paged["paged"][0]):
             del impls["cpu_kernel"]
     return impls
 
 
 def active_implementation(case: Case, impls: dict[str, object]) -> str:
-    """Which of impls the public pagedllm.attention.paged_attention runs for this case, found by
+    """Which of impls the public pagedllm.kernels.attention.paged_attention runs for this case, found by
     calling it once with each implementation timed (the model calls the public function)."""
     with timed_functions(*impls.values()) as timers:
         run_paged(case, attention.paged_attention)
@@ -242,7 +234,7 @@ def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int
     """A ModelRunner whose prepare_inputs builds every step tensor; its model is never called, so it
     gets a stub with one layer of one block, and no faulting-in of the blocks a step writes (the
     block ids it sees index no real cache)."""
-    from pagedllm.runner import ModelRunner
+    from pagedllm.worker.runner import ModelRunner
 
     stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
                                                   head_dim=1))
@@ -256,7 +248,7 @@ def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int
 def make_prepare_runner(batch: int, context_len: int, block_size: int, query_len: int):
     """A stub runner (stub_runner) for batch requests at context_len, plus the scheduled items for
     one step."""
-    from pagedllm.scheduler import ScheduledRequest
+    from pagedllm.core.scheduler import ScheduledRequest
 
     runner = stub_runner(block_size, batch * query_len, context_len)
     tables = shuffled_block_tables(batch, cdiv(context_len, block_size), seed=1).tolist()

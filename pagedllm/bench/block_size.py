@@ -5,7 +5,7 @@ blocks, time-averaged as in `bench memory`; it grows with the block, since a req
 is half empty on average), concurrency and preemptions under the fixed budget, throughput, and the
 share of the run's wall time spent inside the attention calls.
 
-Attention time share: every call of `pagedllm.attention.paged_attention` (and, separately,
+Attention time share: every call of `pagedllm.kernels.attention.paged_attention` (and, separately,
 `write_kv`) is wrapped with a wall-clock timer for the run, wherever the model imported it from
 (bench.common.timed_functions); share = seconds inside those calls / the run's elapsed seconds.
 On the CPU a call returns when its work is done, so no synchronisation is needed. The
@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from pagedllm.attention import paged_attention, write_kv
 from pagedllm.bench.attention import known_implementations, parse_int_list
 from pagedllm.bench.common import (
     RunResult,
@@ -35,7 +34,8 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.memory import layout_figures
 from pagedllm.bench.workload import load_workload, summarize
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.kernels.attention import paged_attention, write_kv
 
 DEFAULT_BLOCK_SIZES = "8,16,32,64,128"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from pagedllm.cli import add_engine_args
+from pagedllm.config import add_engine_args
 
 # name -> (module, help); each module has add_args(parser) that sets `func`.
 BENCHES = {

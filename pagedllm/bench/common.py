@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured.spec import GrammarSpec
 
@@ -121,7 +121,7 @@ def apply_threads(args) -> None:
 
 
 def engine_config(args, **overrides) -> EngineConfig:
-    from pagedllm.cli import engine_config_from_args
+    from pagedllm.config import engine_config_from_args
 
     config = engine_config_from_args(args)
     for key, value in overrides.items():
@@ -154,7 +154,7 @@ def shared_model_loads():
     one engine per setting (layout, block size) reuses the weights. The model holds no per-engine
     state; the KV cache belongs to each engine's runner. Tensor-parallel engines load their own
     (their workers belong to one engine)."""
-    import pagedllm.engine_core as engine_core_module
+    import pagedllm.engine.core as engine_core_module
 
     original = engine_core_module.load_engine_model
     loaded: dict = {}
@@ -202,7 +202,7 @@ class CallTimer:
 @contextlib.contextmanager
 def timed_functions(*functions):
     """Time every call of the given functions, wherever they are called from: each module that
-    imported one by name (`from pagedllm.attention import paged_attention`) gets a timing wrapper
+    imported one by name (`from pagedllm.kernels.attention import paged_attention`) gets a timing wrapper
     under that name until the block ends. Yields one CallTimer per function, in order."""
     timers = [CallTimer() for _ in functions]
     patched = []

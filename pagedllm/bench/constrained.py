@@ -29,7 +29,7 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.structured import SCHEMA
 from pagedllm.bench.workload import load_workload, random_workload, summarize
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.structured.spec import GrammarSpec
 
 # An answer that cannot be complete within any max_tokens here: every request runs to the end.

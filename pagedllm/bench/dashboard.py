@@ -24,7 +24,7 @@ from pagedllm.bench.common import (
     write_json,
 )
 from pagedllm.bench.workload import load_workload, summarize
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.dashboard import core_snapshot
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.attention import allocate_kv_cache, kv_cache_bytes_per_block, paged_attention
 from pagedllm.bench.attention import make_case, parse_int_list, time_interleaved
 from pagedllm.bench.common import (
     add_threads_arg,
@@ -38,7 +37,8 @@ from pagedllm.bench.memory import simulate_workload, simulated_scheduler
 from pagedllm.bench.perplexity import heldout_text, perplexity
 from pagedllm.bench.workload import load_workload, summarize
 from pagedllm.config import canonical_kv_cache_dtype, parse_size
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.kernels.attention import allocate_kv_cache, kv_cache_bytes_per_block, paged_attention
 from pagedllm.utils import cdiv
 
 REFERENCE = "float32"  # capacity-only row: the KV cache of a float32 model

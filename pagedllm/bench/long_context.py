@@ -15,7 +15,7 @@ Three measurements, for each context length and block size:
   token) and to the dense [max_num_seqs, max_model_len / block_size] table the runner used to
   reserve at start-up.
 - Attention: one decode over a synthetic paged cache of the whole context (blocks in shuffled
-  order; SmolLM2-135M's heads by default) through `pagedllm.attention.paged_attention`, whichever
+  order; SmolLM2-135M's heads by default) through `pagedllm.kernels.attention.paged_attention`, whichever
   backend it picks, for contexts whose cache fits --max-kv-memory; and, with --window, over a
   sliding window of that many tokens (the blocks before it may be freed: attention reads the
   window only).
@@ -34,16 +34,16 @@ import time
 import numpy as np
 import torch
 
-from pagedllm import attention
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.bench import scheduler_overhead
 from pagedllm.bench.attention import parse_int_list, stub_runner, time_call
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, write_json
 from pagedllm.config import parse_size
-from pagedllm.kv.manager import NULL_BLOCK
-from pagedllm.runner import ModelRunner
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.kv.manager import NULL_BLOCK
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.kernels import attention
+from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.utils import cdiv
+from pagedllm.worker.runner import ModelRunner
 
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64, 30 layers.
 SHAPE = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "num_layers": 30}

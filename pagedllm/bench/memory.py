@@ -28,13 +28,13 @@ from pagedllm.bench.common import (
 from pagedllm.bench.memory_report import FrameRecorder, write_report
 from pagedllm.bench.workload import BenchRequest, load_workload, summarize
 from pagedllm.config import SchedulerConfig
-from pagedllm.engine import LLMEngine
-from pagedllm.kv.contiguous import ContiguousKVManager
-from pagedllm.kv.manager import KVCacheManager
+from pagedllm.core.kv.contiguous import ContiguousKVManager
+from pagedllm.core.kv.manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.tokenizer_files import load_tokenizer
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
 from pagedllm.utils import cdiv
 
 SEED_CLAIMS = {"paged_waste_pct": "under 4%", "contiguous_waste_pct": "60-80% (vLLM paper)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from pagedllm.kv.snapshot import BlockMap
+from pagedllm.core.kv.snapshot import BlockMap
 from pagedllm.server.dashboard_page import render_page
 
 DEFAULT_MAX_FRAMES = 120

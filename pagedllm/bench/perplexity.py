@@ -21,7 +21,7 @@ from importlib import resources
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.kernels.attention import AttentionMetadata
 from pagedllm.utils import cdiv
 
 
@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     """`pagedllm bench perplexity`: the engine's model and KV cache, as configured by the engine
     flags (dtype, --quantization, the KV cache), on the held-out text."""
     from pagedllm.bench.common import apply_threads, engine_config, write_json
-    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
 
     apply_threads(args)
     engine = LLMEngine(engine_config(args, max_model_len=args.context_len))

@@ -13,7 +13,7 @@ import time
 
 from pagedllm.bench.common import engine_config, print_table, write_json
 from pagedllm.bench.workload import corpus_text
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -102,7 +102,7 @@ def _peak_blocks(engine: LLMEngine, run) -> int:
 
 
 def sharing_peaks(engine: LLMEngine) -> dict:
-    from pagedllm.beam_search import BeamSearch
+    from pagedllm.entrypoints.beam_search import BeamSearch
 
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode(_text_chunks(tokenizer, 300, 1)[0], add_special_tokens=False)

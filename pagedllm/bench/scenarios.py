@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pagedllm.bench.common import run_workload
 from pagedllm.bench.workload import BenchRequest, random_workload
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 SCENARIOS = ("batched", "sequential", "single_stream")

@@ -24,10 +24,10 @@ import sys
 import time
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.kv.manager import KVCacheManager
-from pagedllm.request import Request
+from pagedllm.core.kv.manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
 from pagedllm.utils import cdiv
 
 

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedllm.bench.common import add_threads_arg, apply_threads, print_table, write_json
-from pagedllm.structured.bitmask import BitmaskFiller, allocate_token_bitmask, apply_token_bitmask_
+from pagedllm.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from pagedllm.structured.compiler import GrammarCompiler
-from pagedllm.structured.matcher import GrammarMatcher
+from pagedllm.structured.matcher import BitmaskFiller, GrammarMatcher
 from pagedllm.structured.spec import GrammarSpec
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

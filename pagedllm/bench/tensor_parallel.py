@@ -25,7 +25,7 @@ from pagedllm.bench.common import (
     write_json,
 )
 from pagedllm.bench.workload import load_workload, summarize
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 
 # (name, hidden size, layers, vocabulary) of the models in the communication table.
 LARGE_MODELS = [("Llama-2-7B", 4096, 32, 32000), ("Llama-2-70B", 8192, 80, 32000)]

@@ -35,7 +35,7 @@ from pagedllm.bench.scenarios import (
     summarize_streams,
 )
 from pagedllm.bench.workload import BenchRequest, load_workload, summarize
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 

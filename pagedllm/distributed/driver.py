@@ -30,19 +30,18 @@ import subprocess
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import protocol
 from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
-from pagedllm.runner import PacketLayout
+from pagedllm.utils import pythonpath_with_this_package
+from pagedllm.worker.runner import PacketLayout
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +158,9 @@ def _meet_store(size: int) -> dist.Store:
 
 def _spawn_worker(rank: int, size: int, store: dist.PrefixStore) -> subprocess.Popen:
     """`python -m pagedllm.distributed.worker`, meeting at the store; it imports this pagedllm."""
-    package_root = str(Path(pagedllm.__file__).resolve().parents[1])
-    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.underlying_store.port),
            "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-           "LOCAL_WORLD_SIZE": str(size), "PYTHONPATH": python_path}
+           "LOCAL_WORLD_SIZE": str(size), "PYTHONPATH": pythonpath_with_this_package()}
     return subprocess.Popen([sys.executable, "-m", "pagedllm.distributed.worker",
                              "--parent-pid", str(os.getpid())], env=env, stdin=subprocess.PIPE)
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from pagedllm.runner import PacketLayout
+from pagedllm.worker.runner import PacketLayout
 
 HEADER_LEN = 8
 STEP, LOGITS, STOP = 1, 2, 3  # header[0]

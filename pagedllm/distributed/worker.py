@@ -34,8 +34,8 @@ from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.config import parse_dtype_name
 from pagedllm.model.loader import load_model, read_model_config
-from pagedllm.parent_watch import die_with_parent
-from pagedllm.runner import ModelRunner
+from pagedllm.utils import die_with_parent
+from pagedllm.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import cpu_kernel
+from pagedllm.kernels import compiled
+from pagedllm.kernels.attention import cpu_attention
 from pagedllm.model.quant_linear import QuantLinear
 
 # Rows per GEMM call on float weights. A decode step of up to 64 requests is one call, about as
@@ -86,10 +87,10 @@ def check_batch_invariant(model: nn.Module) -> None:
     if weight.dtype not in _DTYPES:
         raise ValueError(f"batch_invariant supports bfloat16 and float32, not {weight.dtype}")
     probe = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=weight.dtype)
-    if not cpu_kernel.available():
+    if not compiled.available():
         raise ValueError("batch_invariant needs pagedllm's compiled CPU kernels, unavailable here: "
-                         f"{cpu_kernel.unavailable_reason()}")
-    if not cpu_kernel.supports(probe, torch.empty(1, 1, config.num_key_value_heads, config.head_dim,
+                         f"{compiled.unavailable_reason()}")
+    if not cpu_attention.supports(probe, torch.empty(1, 1, config.num_key_value_heads, config.head_dim,
                                                   dtype=weight.dtype)):
         raise ValueError(f"batch_invariant: the compiled attention kernel does not take head_dim "
                          f"{config.head_dim} with {config.num_attention_heads} heads over "

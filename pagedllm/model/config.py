@@ -16,7 +16,7 @@ from pagedllm.model.architectures import (
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-# The rope types model/llama.py's ROPE_TYPES implements.
+# The rope types model/rope.py's ROPE_TYPES implements.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 _DTYPE_NAMES = {

@@ -6,7 +6,7 @@ One flat batch of T tokens from many requests goes through each layer together; 
 looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
 q/k/v projection, one gate/up projection): fewer, larger matmuls are faster on CPU.
 
-On CPUs where pagedllm's compiled kernels are built (pagedllm.attention.cpu_kernel), the
+On CPUs where pagedllm's compiled kernels are built (pagedllm.kernels), the
 elementwise work between the matmuls runs fused: the residual add inside RMSNorm, rotary in place
 on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() packs bf16 matmul weights once for the
 CPU's matmul kernels (packed_linear.py). Elsewhere the plain torch code below runs.
@@ -15,22 +15,23 @@ CPU's matmul kernels (packed_linear.py). Elsewhere the plain torch code below ru
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, KVCache, cpu_kernel, paged_attention, write_kv
+from pagedllm.kernels import elementwise
+from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
 from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight
+from pagedllm.model.rope import RotaryEmbedding, apply_rotary
+from pagedllm.model.weight_names import fused_state_dict, hf_tensor_names
 
 if TYPE_CHECKING:
     from pagedllm.distributed.shard import RankShard
@@ -44,12 +45,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
-        fused = (cpu_kernel.fused_ops_support(x) and x.dim() == 2 and x.is_contiguous()
+        fused = (elementwise.fused_ops_support(x) and x.dim() == 2 and x.is_contiguous()
                  and self.weight.dtype == x.dtype)
         if residual is None:
-            return cpu_kernel.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
+            return elementwise.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
         if fused and residual.is_contiguous() and residual.dtype == x.dtype:
-            cpu_kernel.add_rms_norm_(x, residual, self.weight, self.eps)  # both in place
+            elementwise.add_rms_norm_(x, residual, self.weight, self.eps)  # both in place
             return x, residual
         residual = x + residual
         return self._norm(residual), residual
@@ -59,188 +60,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def default_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
-    """1 / base^(2i/dim): written exactly as transformers does, so the floats agree bit for bit."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    if isinstance(base, torch.Tensor):
-        return 1.0 / (base[:, None] ** exponents[None, :])
-    return 1.0 / (base**exponents)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1: slow the low frequencies by `factor`, keep the high ones, blend in between."""
-    factor = scaling["factor"]
-    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Tensor:
-    """Phi-3's LongRoPE: each frequency divided by its own factor (as transformers writes it)."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * base**exponents)
-
-
-def longrope_attention_factor(config: ModelConfig, scaling: dict) -> float:
-    """How much LongRoPE scales cos and sin: from the context it was stretched by, unless given."""
-    if scaling.get("attention_factor") is not None:
-        return scaling["attention_factor"]
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or config.max_position_embeddings / original
-    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-
-
-def yarn_inv_freq(base: float, dim: int, scaling: dict) -> torch.Tensor:
-    """YaRN: the frequencies that turn fewer than beta_slow times over the original context are
-    interpolated (divided by `factor`), those that turn more than beta_fast times kept, and a
-    linear ramp over the dimensions between blends the two (as transformers writes it)."""
-    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def dimension_turning(num_rotations: float) -> float:
-        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    kept = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
-
-
-def yarn_attention_factor(config: ModelConfig, scaling: dict) -> float:
-    """How much YaRN scales cos and sin: 0.1 ln(factor) + 1 unless given (DeepSeek's mscale and
-    mscale_all_dim give it as a ratio of two such terms)."""
-    if scaling.get("attention_factor") is not None:
-        return scaling["attention_factor"]
-
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
-    factor = scaling["factor"]
-    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-    return mscale(factor)
-
-
-def dynamic_ntk_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Dynamic NTK: past the trained length, stretch the base by the request's length."""
-    limit, dim, factor = rope.length_limit, rope.dim, rope.scaling["factor"]
-    seq_lens = torch.maximum(seq_lens, torch.tensor(limit))
-    base = rope.theta * ((factor * seq_lens / limit) - (factor - 1)) ** (dim / (dim - 2))
-    return default_inv_freq(base, dim).to(rope.inv_freq.device)
-
-
-def longrope_long_inv_freq(rope: RotaryEmbedding, seq_lens: torch.Tensor) -> torch.Tensor:
-    """LongRoPE: the long factors for the requests past the original length."""
-    device = rope.inv_freq.device
-    long = longrope_inv_freq(rope.theta, rope.dim, rope.scaling["long_factor"]).to(device)
-    return torch.where((seq_lens > rope.length_limit)[:, None].to(device), long, rope.inv_freq)
-
-
-@dataclass(frozen=True)
-class RopeType:
-    """What a rope scaling type does: its frequencies at load (from base, rotary dim, scaling), the
-    factor on cos and sin, and, for types that change past a length, that length and the
-    frequencies of each token of the requests past it (given each token's request length)."""
-
-    inv_freq: Callable[[float, int, dict | None], torch.Tensor]
-    attention_factor: Callable[[ModelConfig, dict], float] = lambda config, scaling: 1.0
-    length_limit: Callable[[ModelConfig, dict], int] | None = None
-    inv_freq_past_limit: Callable[[RotaryEmbedding, torch.Tensor], torch.Tensor] | None = None
-
-
-# The one table of rope types (config.SUPPORTED_ROPE_TYPES names the same ones).
-ROPE_TYPES = {
-    "default": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim)),
-    "linear": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim) / scaling["factor"]),
-    "llama3": RopeType(lambda base, dim, scaling: llama3_inv_freq(default_inv_freq(base, dim),
-                                                                  scaling)),
-    "dynamic": RopeType(lambda base, dim, scaling: default_inv_freq(base, dim),
-                        length_limit=lambda config, scaling: config.max_position_embeddings,
-                        inv_freq_past_limit=dynamic_ntk_inv_freq),
-    "yarn": RopeType(yarn_inv_freq, attention_factor=yarn_attention_factor),
-    "longrope": RopeType(
-        lambda base, dim, scaling: longrope_inv_freq(base, dim, scaling["short_factor"]),
-        attention_factor=longrope_attention_factor,
-        length_limit=lambda config, scaling: scaling["original_max_position_embeddings"],
-        inv_freq_past_limit=longrope_long_inv_freq),
-}
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the tokens of one step, computed on the fly (cheap next to the matmuls,
-    and no table sized by the longest context the model allows).
-
-    local=True: the sliding-window layers' own rope (Gemma 3), its own base and no scaling."""
-
-    def __init__(self, config: ModelConfig, local: bool = False):
-        super().__init__()
-        self.scaling = None if local else config.rope_scaling
-        self.theta = config.local_rope_theta if local else config.rope_theta
-        self.dim = config.rotary_dim
-        self.rope = ROPE_TYPES["default" if local else config.rope_type]
-        self.attention_factor = self.rope.attention_factor(config, self.scaling)
-        self.length_limit = (self.rope.length_limit(config, self.scaling)
-                             if self.rope.length_limit else None)
-        self.register_buffer("inv_freq", self.rope.inv_freq(self.theta, self.dim, self.scaling),
-                             persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, attn_metadata: AttentionMetadata, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self._inv_freq(attn_metadata)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
-
-    def _inv_freq(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """The frequencies of this step: [dim / 2], or [T, dim / 2] once a request is past the
-        length where its rope type changes them. transformers uses the length of the sequence
-        being computed; here each request gets its own, so a request's output does not depend on
-        what else is in the batch."""
-        if self.length_limit is None or attn_metadata.max_seq_len <= self.length_limit:
-            return self.inv_freq
-        return self.rope.inv_freq_past_limit(self, _seq_len_of_each_token(attn_metadata))
-
-
-def _seq_len_of_each_token(attn_metadata: AttentionMetadata) -> torch.Tensor:
-    """[T] int64: the context length of each token's request after this step."""
-    starts = attn_metadata.query_start_loc_cpu
-    new_tokens = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
-    seq_lens = torch.tensor(attn_metadata.seq_lens_cpu, dtype=torch.int64)
-    return seq_lens.repeat_interleave(new_tokens)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, R] for the first R <= D dimensions of each head (partial
-    rotary: the others pass through unchanged)."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
-        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return (x * cos) + (rotate_half(x) * sin)
 
 
 class Attention(nn.Module):
@@ -274,10 +93,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if (self.rotary_in_place and cpu_kernel.fused_ops_support(qkv) and qkv.stride(-1) == 1
+        if (self.rotary_in_place and elementwise.fused_ops_support(qkv) and qkv.stride(-1) == 1
                 and cos.is_contiguous()):
             # Rotate q and k where they are, then take views: no copies.
-            cpu_kernel.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            elementwise.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -314,8 +133,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if getattr(self.gate_up_proj, "gated_silu", False):  # SiLU-and-mul done (packed_linear.py)
             return self.down_proj(gate_up)
-        if self.fused_silu and cpu_kernel.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
-            return self.down_proj(cpu_kernel.silu_and_mul(gate_up))
+        if self.fused_silu and elementwise.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
+            return self.down_proj(elementwise.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -519,76 +338,3 @@ class LlamaForCausalLM(nn.Module):
                 if attr == "lm_head":
                     self._packed_lm_head = module
             setattr(parent, attr, module)
-
-
-def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
-    """Our parameter name -> the Hugging Face tensors it is made of, for layer i."""
-    layer, arch = f"model.layers.{i}", config.arch
-    attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
-    ours = f"layers.{i}"
-    fused = arch.fused_checkpoint
-    names = {
-        f"{ours}.self_attn.qkv_proj.weight":
-            [f"{attn}.qkv_proj.weight"] if fused else [f"{attn}.{p}_proj.weight" for p in "qkv"],
-        f"{ours}.self_attn.o_proj.weight": [f"{attn}.o_proj.weight"],
-        f"{ours}.mlp.gate_up_proj.weight":
-            [f"{mlp}.gate_up_proj.weight"] if fused
-            else [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
-        f"{ours}.mlp.down_proj.weight": [f"{mlp}.down_proj.weight"],
-        f"{ours}.input_layernorm.weight": [f"{layer}.input_layernorm.weight"],
-        f"{ours}.post_attention_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
-    }
-    if arch.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
-        names[f"{ours}.post_attention_layernorm.weight"] = [
-            f"{layer}.pre_feedforward_layernorm.weight"]
-        names[f"{ours}.attn_output_norm.weight"] = [f"{layer}.post_attention_layernorm.weight"]
-        names[f"{ours}.mlp_output_norm.weight"] = [f"{layer}.post_feedforward_layernorm.weight"]
-    if arch.qk_norm:
-        names[f"{ours}.self_attn.q_norm.weight"] = [f"{attn}.q_norm.weight"]
-        names[f"{ours}.self_attn.k_norm.weight"] = [f"{attn}.k_norm.weight"]
-    if config.attention_bias:
-        names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
-    if config.output_bias:
-        names[f"{ours}.self_attn.o_proj.bias"] = [f"{attn}.o_proj.bias"]
-    if config.mlp_bias:
-        names[f"{ours}.mlp.gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
-        names[f"{ours}.mlp.down_proj.bias"] = [f"{mlp}.down_proj.bias"]
-    return names
-
-
-def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
-    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"],
-               "norm.weight": ["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        sources["lm_head.weight"] = ["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        sources.update(_layer_names(config, i))
-    return sources
-
-
-def hf_tensor_names(config: ModelConfig) -> list[str]:
-    """Every Hugging Face tensor name the model needs."""
-    return [name for parts in _parameter_sources(config).values() for name in parts]
-
-
-def fused_state_dict(
-    config: ModelConfig, load: Callable[[str], torch.Tensor | QuantizedWeight],
-    shard_parameter: Callable[[str, torch.Tensor | list[QuantizedWeight]], torch.Tensor | list] | None = None,
-) -> dict[str, torch.Tensor | list[QuantizedWeight]]:
-    """Our parameters from the loaded tensors; a weight kept quantized comes as the list of its
-    quantized parts (fused later by QuantLinear), unless some part of it is float: then all are
-    dequantized to the float parts' dtype and concatenated. shard_parameter: cuts each one to a
-    tensor-parallel rank's share as soon as it is made (a whole weight at a time in memory)."""
-    state = {}
-    for ours, parts in _parameter_sources(config).items():
-        tensors = [load(name) for name in parts]
-        quantized = [t for t in tensors if isinstance(t, QuantizedWeight)]
-        if len(quantized) == len(tensors):
-            state[ours] = quantized
-        else:
-            dtype = next(t.dtype for t in tensors if not isinstance(t, QuantizedWeight))
-            tensors = [t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t for t in tensors]
-            state[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-        if shard_parameter is not None:
-            state[ours] = shard_parameter(ours, state[ours])
-    return state

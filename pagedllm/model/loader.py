@@ -35,7 +35,7 @@ from pagedllm.model.errors import (
 from pagedllm.model.gguf_file import GGUFCheckpoint
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 from pagedllm.utils import cpu_flags
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class _WeightPolicy:
 def _model_path(path: str | Path | None) -> Path:
     """The path asked for, or the default model's."""
     if path is None:
-        from pagedllm.default_model import default_model_path
+        from pagedllm.model.default_model import default_model_path
 
         path = default_model_path()
     return Path(path).expanduser()

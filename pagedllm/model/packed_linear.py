@@ -1,7 +1,7 @@
 """bf16 linear weights packed once for the CPU's matmul kernels, so no call reorders its weight.
 
 Two packings, one copy of the weight each way:
-- AMX (pagedllm/attention/csrc/dense_amx.cpp), where the CPU has AMX-BF16 and the input size is a
+- AMX (pagedllm/kernels/csrc/dense_amx.cpp), where the CPU has AMX-BF16 and the input size is a
   multiple of 32: panels of 32 output features in the order the tile loads read them. A decode
   step streams every weight from memory once, and this kernel streams them faster than oneDNN's;
   a prefill chunk of hundreds of rows multiplies 10-30% faster, and one of thousands 0-15% slower
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import cpu_kernel
+from pagedllm.kernels import matmul
 
 
 class PackedLinear(nn.Module):
@@ -36,12 +36,12 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.amx = (self.in_features % 32 == 0 and os.environ.get("PAGEDLLM_DENSE_AMX", "1") != "0"
-                    and cpu_kernel.dense_amx_available())
+                    and matmul.dense_amx_available())
         self.gated_silu = gated_silu and self.amx
         if self.gated_silu:
             self.out_features //= 2
         if self.amx:
-            self.packed_weight = cpu_kernel.dense_amx_pack(weight.detach(), self.gated_silu)
+            self.packed_weight = matmul.dense_amx_pack(weight.detach(), self.gated_silu)
             self._mm = torch.ops.pagedllm_cpu.dense_amx_mm.default  # looked up once, not per call
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
         else:
@@ -62,7 +62,7 @@ class PackedLinear(nn.Module):
         if not self.amx or self.gated_silu:
             return self(x).float().max(dim=-1).indices
         rows = x if x.stride(-1) == 1 else x.contiguous()
-        return cpu_kernel.dense_amx_argmax(rows, self.packed_weight, self.bias_f32, self.out_features)
+        return matmul.dense_amx_argmax(rows, self.packed_weight, self.bias_f32, self.out_features)
 
 
 def can_pack(max_num_tokens: int) -> bool:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import cpu_kernel
+from pagedllm.kernels import matmul
 from pagedllm.model.quant_weight import QuantizedWeight, stack_rows
 
 # Up to this many rows the few-rows kernel runs; above it AMX where it can, else dequantized tiles
@@ -55,14 +55,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if not cpu_kernel.quant_support(rows) or rows.stride(-1) != 1:
+        if not matmul.quant_support(rows) or rows.stride(-1) != 1:
             out = F.linear(rows, self.dequantize(rows.dtype), self.bias)
         elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant:
-            out = self._kernel(rows, cpu_kernel.quant_linear)
-        elif rows.dtype == torch.bfloat16 and self.in_features % 32 == 0 and cpu_kernel.quant_amx_available():
-            out = self._kernel(rows, cpu_kernel.quant_linear_amx)
+            out = self._kernel(rows, matmul.quant_linear)
+        elif rows.dtype == torch.bfloat16 and self.in_features % 32 == 0 and matmul.quant_amx_available():
+            out = self._kernel(rows, matmul.quant_linear_amx)
         elif rows.shape[0] <= MAX_KERNEL_ROWS:
-            out = self._kernel(rows, cpu_kernel.quant_linear)
+            out = self._kernel(rows, matmul.quant_linear)
         else:
             out = self._dequantized_tiles(rows)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         for part in self.parts:
             for lo in range(0, part.shape[0], tile_rows):
                 hi = min(lo + tile_rows, part.shape[0])
-                weight = cpu_kernel.quant_dequantize(part.rows(lo, hi), rows.dtype)
+                weight = matmul.quant_dequantize(part.rows(lo, hi), rows.dtype)
                 bias = None if self.bias is None else self.bias[start + lo:start + hi].to(rows.dtype)
                 out[:, start + lo:start + hi] = F.linear(rows, weight, bias)
             start += part.shape[0]
@@ -118,8 +118,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         picked = self.weight_q.select_rows(input_ids.reshape(-1))
-        if cpu_kernel.quant_dtype_support(self.dtype, picked.codes.device):
-            rows = cpu_kernel.quant_dequantize(picked, self.dtype)
+        if matmul.quant_dtype_support(self.dtype, picked.codes.device):
+            rows = matmul.quant_dequantize(picked, self.dtype)
         else:
             rows = picked.dequantize(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)

@@ -1,6 +1,6 @@
 """A weight matrix kept quantized: integer codes in groups along the input features, each group
 with a scale (and optionally a min), in the two layouts the CPU kernels read
-(pagedllm/attention/csrc/quant_matmul.cpp). GGUF's block types are repacked into them
+(pagedllm/kernels/csrc/quant_matmul.cpp). GGUF's block types are repacked into them
 (gguf_repack.py); float weights are quantized into them here (`quantize`, for `--quantization
 int8 / int4` on Hugging Face folders).
 

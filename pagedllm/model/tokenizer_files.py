@@ -9,13 +9,13 @@ from pathlib import Path
 import gguf
 
 from pagedllm.model.errors import CorruptCheckpointError, ModelFileNotFoundError
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Only the tokenizer of the model at path (None: the default model); no weights read."""
     if path is None:
-        from pagedllm.default_model import default_model_path
+        from pagedllm.model.default_model import default_model_path
 
         path = default_model_path()
     path = Path(path).expanduser()

@@ -23,9 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
-from pagedllm.chat_template import TemplateTimeout
-from pagedllm.core_messages import EngineCoreRequest
-from pagedllm.input_processor import InvalidInput, PromptInput, prompt_list
+from pagedllm.engine.input_processor import InvalidInput, PromptInput, prompt_list
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed
@@ -50,6 +49,7 @@ from pagedllm.server.protocol import (
 from pagedllm.server.structured import OutputConstraint, ToolCallReader, read_constraint_async
 from pagedllm.structured.spec import GrammarSpec
 from pagedllm.structured.tools import Tool
+from pagedllm.text.chat_template import TemplateTimeout
 
 logger = logging.getLogger(__name__)
 

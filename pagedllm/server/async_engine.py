@@ -1,6 +1,6 @@
 """The engine under asyncio, in the API process: the input and output processors run in the event
-loop; the engine core runs in a process of its own (pagedllm/core_process.py), reached through a
-CoreProcess (pagedllm/server/core_client.py).
+loop; the engine core runs in a process of its own (pagedllm/engine/core_process.py), reached through a
+CoreProcess (pagedllm/engine/core_client.py).
 
 The event loop checks and tokenizes requests (input processor), sends the core each request and
 each abort, and turns the core's StepReports into RequestOutputs (output processor: text, stop
@@ -29,7 +29,8 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.core_channel import (
+from pagedllm.core.kv.snapshot import BlockMap
+from pagedllm.engine.core_channel import (
     Abort,
     AbortSequences,
     AddRequest,
@@ -42,15 +43,14 @@ from pagedllm.core_channel import (
     SnapshotRequest,
     StepReport,
 )
-from pagedllm.core_messages import EngineCoreRequest, EngineCoreStats
-from pagedllm.generation_defaults import read_generation_defaults
-from pagedllm.input_processor import InputProcessor
-from pagedllm.kv.snapshot import BlockMap
-from pagedllm.output_processor import OutputProcessor
+from pagedllm.engine.core_client import CoreProcess, describe_exit
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.messages import EngineCoreRequest, EngineCoreStats
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
-from pagedllm.server.core_client import CoreProcess, describe_exit
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.generation_defaults import read_generation_defaults
+from pagedllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

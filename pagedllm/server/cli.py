@@ -1,6 +1,6 @@
 """`pagedllm serve`: start the engine core process, then serve the OpenAI-compatible API with
 uvicorn in this process (the API process: HTTP, tokenizing, detokenizing; see
-pagedllm/server/core_client.py for why two processes)."""
+pagedllm/engine/core_client.py for why two processes)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import os
 import sys
 import time
 
-from pagedllm.cli import add_engine_args, engine_config_from_args
-from pagedllm.config import SERVE_MAX_NUM_BATCHED_TOKENS
-from pagedllm.default_model import DEFAULT_MODEL_NAME
+from pagedllm.config import SERVE_MAX_NUM_BATCHED_TOKENS, add_engine_args, engine_config_from_args
+from pagedllm.model.default_model import DEFAULT_MODEL_NAME
 from pagedllm.server.hosts import allowed_hosts_for
 from pagedllm.server.keys import API_KEY_ENV, VLLM_API_KEY_ENV, read_api_key
 from pagedllm.server.protocol import (
@@ -113,7 +112,7 @@ def choose_num_threads(requested: int | None) -> tuple[int, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.chat_template import load_chat_template
+    from pagedllm.engine.core_client import CoreProcess
     from pagedllm.server.async_engine import AsyncEngine
     from pagedllm.server.connections import (
         ConnectionLimits,
@@ -121,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limit_repeated_log_lines,
         uvicorn_settings,
     )
-    from pagedllm.server.core_client import CoreProcess
+    from pagedllm.text.chat_template import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

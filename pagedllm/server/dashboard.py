@@ -2,7 +2,7 @@
 server-sent events that feed it.
 
 Each event is one JSON snapshot: {"time_s", "stats": the engine's figures, "blocks": the block
-map (pagedllm/kv/snapshot.py)}, a few times a second. The router takes its snapshots from an
+map (pagedllm/core/kv/snapshot.py)}, a few times a second. The router takes its snapshots from an
 async `snapshot_fn`, so it does not care where the engine runs; `engine_snapshot_fn` below is
 the one place that knows.
 
@@ -32,10 +32,10 @@ from pagedllm.server.async_engine import EngineDeadError
 from pagedllm.server.dashboard_page import render_page
 
 if TYPE_CHECKING:
-    from pagedllm.core_messages import EngineCoreStats
-    from pagedllm.engine import LLMEngine
-    from pagedllm.engine_core import EngineCore
-    from pagedllm.kv.snapshot import BlockMap
+    from pagedllm.core.kv.snapshot import BlockMap
+    from pagedllm.engine.core import EngineCore
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.messages import EngineCoreStats
     from pagedllm.server.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)

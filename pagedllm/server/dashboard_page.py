@@ -15,7 +15,7 @@ import re
 from functools import cache
 from importlib.resources import files
 
-from pagedllm.kv.snapshot import STATE_DESCRIPTIONS, STATE_NAMES
+from pagedllm.core.kv.snapshot import STATE_DESCRIPTIONS, STATE_NAMES
 
 _STATIC = files("pagedllm.server") / "static"
 _SLOT = re.compile(r"\{(csp|title|css|data|js)\}")

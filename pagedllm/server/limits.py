@@ -11,7 +11,7 @@ it took seconds of the event loop every stream shares, only to refuse it as too 
   to parse and validate again.
 - InputWorkers runs templates, tokenizing and token-id checks in a few threads. Jinja is Python
   and gives up the GIL every few milliseconds; the tokenizer is asked through encode_batch, which
-  releases it (pagedllm.tokenizer.Tokenizer.encode). The event loop keeps streaming meanwhile.
+  releases it (pagedllm.text.tokenizer.Tokenizer.encode). The event loop keeps streaming meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pagedllm.input_processor import InputProcessor, InvalidInput
+from pagedllm.engine.input_processor import InputProcessor, InvalidInput
 from pagedllm.server.protocol import MAX_PROMPTS_PER_REQUEST, APIError
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedllm.core_messages import EngineCoreStats
+from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

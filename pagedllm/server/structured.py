@@ -21,7 +21,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedllm.input_processor import InputProcessor
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.server.protocol import APIError
 from pagedllm.structured.spec import GrammarSpec, spec_from_request
 from pagedllm.structured.tool_parsers import (

@@ -15,7 +15,7 @@ One concept per module:
 
 How the engine uses it: SamplingParams.structured_outputs holds the GrammarSpec (the server makes
 it from the request's fields or its tools, pagedllm/server/structured.py); the input processor
-compiles it (GrammarError -> 400); the engine core (engine_core.py, manager.py) gives each
+compiles it (GrammarError -> 400); the engine core (engine/core.py, manager.py) gives each
 sequence a matcher (forked for n > 1 and beams), masks every sampling row's logits before the
 sampler, advances the matcher with the kept token and finishes a sequence whose grammar is done:
     compiler = GrammarCompiler(tokenizer)                    # per engine; tokenizer view on first use

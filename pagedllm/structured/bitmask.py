@@ -14,21 +14,16 @@ torch.where costs as much on a nearly empty mask but up to 20x more on a half-al
 but one is 2-12 ms here, memory-bound and noisy; the exception is llguidance's own helper, a
 torch.compile'd fused kernel, steady at 1.8 ms, which is not used because it compiles with
 inductor on first use (seconds, again per dtype) and needs a C++ compiler at run time. A fused C++
-kernel beside the others in attention/csrc would get its speed without that (a follow-up).
+kernel beside the others in kernels/csrc would get its speed without that (a follow-up).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from pagedllm.structured.matcher import GrammarMatcher
 
 # The numpy unpacking reads the int32 words as bytes, lowest first.
 assert sys.byteorder == "little", "the token bitmask unpacking assumes a little-endian CPU"
@@ -43,34 +38,6 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask of `rows` rows with every token allowed (a row no matcher fills is a no-op).
     Made by numpy: a torch.full this size is a parallel region (see _add_mask_bias)."""
     return torch.from_numpy(np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32))
-
-
-class BitmaskFiller:
-    """Fills the rows of a step's bitmask from its matchers: a loop, or with num_threads > 1 and
-    a batch of at least MIN_PARALLEL, one call into llguidance's thread pool (no GIL while it
-    works). On the 2-core machine the loop won (at 16 matchers 0.6 ms against 4-8 ms through the
-    pool, at 64 equal within noise: the pool's threads wait behind the model's), so it is the
-    default; a machine with idle cores should pass num_threads."""
-
-    MIN_PARALLEL = 8
-
-    def __init__(self, num_threads: int = 1):
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1; got {num_threads}")
-        self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
-
-    def fill(self, bitmask: torch.Tensor, matchers: Sequence[tuple[GrammarMatcher, int]]) -> None:
-        """Write each matcher's allowed tokens into its row: (matcher, row) pairs."""
-        if self._executor is None or len(matchers) < self.MIN_PARALLEL:
-            for matcher, row in matchers:
-                matcher.fill_bitmask(bitmask, row)
-            return
-        # As llguidance.torch.fill_next_token_bitmask_par, without importing that module (see
-        # GrammarMatcher.fill_bitmask).
-        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
-        rows, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr([(m.handle, row) for m, row in matchers],
-                                               bitmask.data_ptr(), words * 4, rows)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,

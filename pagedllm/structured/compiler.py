@@ -36,7 +36,7 @@ import llguidance.numpy
 
 from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from pagedllm.structured.matcher import GrammarMatcher

@@ -22,9 +22,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
-from pagedllm.structured.bitmask import BitmaskFiller, allocate_token_bitmask, apply_token_bitmask_
+from pagedllm.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from pagedllm.structured.compiler import CompiledGrammar, GrammarCompiler
-from pagedllm.structured.matcher import GrammarMatcher
+from pagedllm.structured.matcher import BitmaskFiller, GrammarMatcher
 from pagedllm.structured.spec import GrammarSpec
 
 

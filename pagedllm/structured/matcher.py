@@ -101,3 +101,31 @@ class GrammarMatcher:
     def handle(self) -> llguidance.LLMatcher:
         """The library's matcher, for the batched mask fill (bitmask.py)."""
         return self._matcher
+
+
+class BitmaskFiller:
+    """Fills the rows of a step's bitmask from its matchers: a loop, or with num_threads > 1 and
+    a batch of at least MIN_PARALLEL, one call into llguidance's thread pool (no GIL while it
+    works). On the 2-core machine the loop won (at 16 matchers 0.6 ms against 4-8 ms through the
+    pool, at 64 equal within noise: the pool's threads wait behind the model's), so it is the
+    default; a machine with idle cores should pass num_threads."""
+
+    MIN_PARALLEL = 8
+
+    def __init__(self, num_threads: int = 1):
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1; got {num_threads}")
+        self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
+
+    def fill(self, bitmask: torch.Tensor, matchers: Sequence[tuple[GrammarMatcher, int]]) -> None:
+        """Write each matcher's allowed tokens into its row: (matcher, row) pairs."""
+        if self._executor is None or len(matchers) < self.MIN_PARALLEL:
+            for matcher, row in matchers:
+                matcher.fill_bitmask(bitmask, row)
+            return
+        # As llguidance.torch.fill_next_token_bitmask_par, without importing that module (see
+        # GrammarMatcher.fill_bitmask).
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(m.handle, row) for m, row in matchers],
+                                               bitmask.data_ptr(), words * 4, rows)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from pagedllm.attention import torch_ref
 from pagedllm.bench import attention as bench
+from pagedllm.kernels.attention import torch_ref
 from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata
 

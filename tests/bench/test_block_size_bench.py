@@ -3,9 +3,9 @@
 import sys
 import types
 
-from pagedllm.attention import paged_attention
 from pagedllm.bench import block_size as bench
 from pagedllm.bench.common import CallTimer, RunResult, StepRecord, timed_functions
+from pagedllm.kernels.attention import paged_attention
 
 
 def test_the_token_budget_is_the_same_for_every_block_size():

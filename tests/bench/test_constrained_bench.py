@@ -9,7 +9,7 @@ import torch
 from pagedllm.bench import constrained as bench
 from pagedllm.bench.workload import random_workload
 from pagedllm.cli import main
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedllm.attention import QuantizedKV, torch_ref
 from pagedllm.bench import attention as attention_bench
 from pagedllm.bench import kv_dtype as bench
 from pagedllm.bench.workload import BenchRequest
+from pagedllm.kernels.attention import QuantizedKV, torch_ref
 
 # SmolLM2-135M's KV shape
 MODEL = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)

@@ -8,7 +8,7 @@ import sys
 
 from pagedllm.bench import long_context as bench
 from pagedllm.cli import main as cli_main
-from pagedllm.kv.manager import peak_blocks
+from pagedllm.core.kv.manager import peak_blocks
 
 
 def test_upkeep_runs_decode_steps_and_measures_the_block_table_state():

@@ -10,7 +10,7 @@ import pytest
 from pagedllm.bench.memory import scheduler_figures, simulate_workload, simulated_scheduler
 from pagedllm.bench.memory_report import FrameRecorder
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.kv.snapshot import BlockMap
+from pagedllm.core.kv.snapshot import BlockMap
 
 
 def test_frames_are_thinned_evenly_and_end_with_the_final_state():

@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from pagedllm.attention import allocate_kv_cache
 from pagedllm.bench.perplexity import heldout_text, perplexity
+from pagedllm.kernels.attention import allocate_kv_cache
 from pagedllm.model.loader import load_model
 from tests.model.tiny import make_hf_model, save_checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 from pagedllm.bench import baselines
 from pagedllm.bench.common import forget_cached_prefixes
 from pagedllm.cli import main
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from tests.model.tiny import make_hf_model, save_checkpoint, write_gguf
 

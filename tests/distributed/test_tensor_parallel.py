@@ -21,8 +21,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.group import TensorParallelError
-from pagedllm.engine import LLMEngine
-from pagedllm.engine_core import StepError
+from pagedllm.engine.core import StepError
+from pagedllm.engine.llm_engine import LLMEngine
 from tests.conftest import requires_default_model
 from tests.model.test_quantized_model import quantized_gguf
 from tests.model.tiny import make_hf_model, save_checkpoint

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from pagedllm.attention import allocate_kv_cache
+from pagedllm.kernels.attention import allocate_kv_cache
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.utils import cdiv
 from tests.conftest import build_attn_metadata

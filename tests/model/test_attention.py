@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.attention import (
+from pagedllm.kernels.attention import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
     paged_attention,

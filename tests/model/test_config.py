@@ -188,6 +188,6 @@ def test_gemma_gguf_metadata_takes_llama_cpp_defaults():
 
 def test_every_supported_rope_type_is_implemented():
     from pagedllm.model.config import SUPPORTED_ROPE_TYPES
-    from pagedllm.model.llama import ROPE_TYPES
+    from pagedllm.model.rope import ROPE_TYPES
 
     assert set(ROPE_TYPES) == set(SUPPORTED_ROPE_TYPES)

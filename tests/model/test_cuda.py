@@ -2,7 +2,7 @@
 random models' logits through the paged cache (prefill, then a chunk after cached context), the
 default model's fp32 greedy tokens, and the engine's device state. `make gpu-check` runs these; a
 machine without CUDA skips them (the CPU-side checks of the same path are tests/test_device.py and
-the Triton kernel under the interpreter, tests/attention/test_triton_attention.py)."""
+the Triton kernel under the interpreter, tests/kernels/test_triton_attention.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from pagedllm import attention
+from pagedllm.kernels import attention
 from pagedllm.model.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import requires_default_model
@@ -79,7 +79,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def cuda_llm(default_model_path):
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     return LLM(model=str(default_model_path), dtype="float32", device="cuda", kv_cache_memory="1GiB",
                max_model_len=1024)
@@ -126,7 +126,7 @@ def test_seeded_sampling_n_and_prefix_sharing_on_the_gpu(cuda_llm):
 def test_half_precision_engines_agree_with_fp32_on_an_easy_prompt(dtype, cuda_llm, default_model_path):
     """The same first token (" Paris") as fp32: the 16-bit paths (Triton's tensor-core matmuls
     included) run and stay sane; later tokens may part where fp32's top two are close."""
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = cuda_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids

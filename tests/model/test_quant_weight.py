@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernel
+from pagedllm.kernels import compiled, matmul
 from pagedllm.model import quant_linear
 from pagedllm.model.gguf_repack import REPACKERS, repack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight, check_quantizable, quantize
 from tests.model.quant_blocks import random_blocks, write_tensors
 
-needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
-                                  reason=f"CPU kernels unavailable: {cpu_kernel._state.get('why')}")
+needs_kernel = pytest.mark.skipif(not compiled.available(),
+                                  reason=f"CPU kernels unavailable: {compiled._state.get('why')}")
 TYPES = sorted(REPACKERS, key=lambda t: t.name)
 ROWS, COLS = 24, 512  # COLS: two K-quant super-blocks, sixteen 32-blocks
 
@@ -45,9 +45,9 @@ def test_repack_round_trips_exactly(gguf_tensors, qtype):
     assert weight.shape == (ROWS, COLS) and weight.source == qtype.name
     assert torch.equal(weight.dequantize(), reference)
     assert torch.equal(weight.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
-    if cpu_kernel.available():
-        assert torch.equal(cpu_kernel.quant_dequantize(weight, torch.float32), reference)
-        assert torch.equal(cpu_kernel.quant_dequantize(weight, torch.bfloat16), reference.to(torch.bfloat16))
+    if compiled.available():
+        assert torch.equal(matmul.quant_dequantize(weight, torch.float32), reference)
+        assert torch.equal(matmul.quant_dequantize(weight, torch.bfloat16), reference.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -93,10 +93,10 @@ def bf16_bound(x: torch.Tensor, weight: torch.Tensor, exact: torch.Tensor) -> to
 
 def kernel_paths(layer: QuantLinear) -> dict:
     """Every way QuantLinear can multiply here, by name (forward picks one by the row count)."""
-    paths = {"few rows": lambda x: layer._kernel(x, cpu_kernel.quant_linear),
+    paths = {"few rows": lambda x: layer._kernel(x, matmul.quant_linear),
              "tiles and GEMM": layer._dequantized_tiles}
-    if cpu_kernel.quant_amx_available():
-        paths["AMX"] = lambda x: layer._kernel(x, cpu_kernel.quant_linear_amx)
+    if matmul.quant_amx_available():
+        paths["AMX"] = lambda x: layer._kernel(x, matmul.quant_linear_amx)
     return paths
 
 
@@ -155,7 +155,7 @@ def test_fused_parts_of_different_layouts(gguf_tensors):
 def test_portable_path_without_kernels(gguf_tensors, monkeypatch):
     """Where the kernels cannot run, the layer dequantizes and calls F.linear: the reference."""
     weight, reference = repacked(gguf_tensors, gguf.GGMLQuantizationType.Q5_K)
-    monkeypatch.setattr(cpu_kernel, "quant_support", lambda x: False)
+    monkeypatch.setattr(matmul, "quant_support", lambda x: False)
     x = torch.randn(3, COLS)
     assert torch.equal(QuantLinear([weight])(x), F.linear(x, reference))
     embedding = QuantEmbedding(weight, torch.float32)

@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 
-from pagedllm.attention import cpu_kernel
+from pagedllm.kernels import matmul
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.gguf_file import SUPPORTED_TYPES
 from pagedllm.model.gguf_repack import REPACKERS
@@ -81,7 +81,7 @@ def test_gguf_greedy_equals_dequantized(tmp_path, sizes):
 
 
 def _cache(model, num_tokens):
-    from pagedllm.attention import allocate_kv_cache
+    from pagedllm.kernels.attention import allocate_kv_cache
     from tests.conftest import build_attn_metadata
 
     config = model.config
@@ -103,7 +103,7 @@ def test_hf_folder_quantized_at_load(tiny_checkpoint, monkeypatch, quantization,
     assert {p.source for m in layers for p in m.parts} == {quantization, "int8"}  # head: int8
     assert f"-> {quantization} g{group_size}" in loaded.weights_note
     with_kernels = greedy_generate(loaded.model, PROMPTS, max_new_tokens=10)
-    monkeypatch.setattr(cpu_kernel, "quant_support", lambda x: False)
+    monkeypatch.setattr(matmul, "quant_support", lambda x: False)
     assert with_kernels == greedy_generate(loaded.model, PROMPTS, max_new_tokens=10)
 
 
@@ -135,10 +135,10 @@ def test_unsupported_type_refused_by_name(tmp_path, tiny_checkpoint, quantizatio
 
 
 def test_engine_reports_weight_bytes(tmp_path, caplog):
-    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.llm_engine import LLMEngine
 
     path, _ = quantized_gguf(tmp_path, [Q.Q4_0, Q.Q8_0])
-    with caplog.at_level(logging.INFO, logger="pagedllm.engine"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
         engine = LLMEngine(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=64)
     stats = engine.memory_stats()
     assert stats["weight_bytes"] == engine.engine_core.runner.model.weight_bytes() > 0

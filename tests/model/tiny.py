@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from pagedllm.tokenizer import _bytes_to_unicode
+from pagedllm.text.tokenizer import _bytes_to_unicode
 
 VOCAB_SIZE = 300  # 256 byte tokens, 2 special tokens, and spare rows the tokenizer never emits
 BOS, EOS = "<|bos|>", "<|eos|>"

@@ -19,12 +19,12 @@ import torch
 import uvicorn
 
 from pagedllm.config import EngineConfig
-from pagedllm.core_channel import TEST_HOOKS_ENV
-from pagedllm.core_messages import EngineCoreStats
+from pagedllm.engine.core_channel import TEST_HOOKS_ENV
+from pagedllm.engine.core_client import CoreProcess
+from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.app import build_app
 from pagedllm.server.async_engine import AsyncEngine
-from pagedllm.server.core_client import CoreProcess
 from tests.conftest import requires_default_model, wait_until_healthy
 
 MODEL_NAME = "smollm2-test"

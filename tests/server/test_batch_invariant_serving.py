@@ -10,13 +10,13 @@ import random
 import httpx
 import pytest
 
-from pagedllm.attention import cpu_kernel
 from pagedllm.config import EngineConfig
+from pagedllm.kernels import compiled
 from tests.model.tiny import make_hf_model, save_checkpoint
 from tests.server.conftest import RunningServer, metric_value
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(not cpu_kernel.available(),
+              pytest.mark.skipif(not compiled.available(),
                                  reason="batch-invariant mode needs the compiled CPU kernels")]
 
 NUM_PROMPTS = 40

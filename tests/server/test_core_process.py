@@ -20,10 +20,10 @@ import psutil
 import pytest
 
 import pagedllm
-from pagedllm.core_channel import Abort, SnapshotRequest
+from pagedllm.engine.core_channel import Abort, SnapshotRequest
+from pagedllm.engine.core_client import CoreProcess
 from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.async_engine import AsyncEngine
-from pagedllm.server.core_client import CoreProcess
 from tests.conftest import wait_until_healthy
 from tests.server.conftest import RunningServer, free_port, tiny_config
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pagedllm.kv.snapshot import STATE_NAMES, BlockMap
+from pagedllm.core.kv.snapshot import STATE_NAMES, BlockMap
 from pagedllm.server.async_engine import EngineDeadError
 from pagedllm.server.dashboard import EVENTS_PATH, _SharedSnapshot, dashboard_router
 from tests.server.conftest import API_KEY, RunningServer, metric_value, tiny_config

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from pagedllm.core_process import MAX_CONSECUTIVE_STEP_FAILURES
+from pagedllm.engine.core_process import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.server.conftest import RunningServer, free_port, tiny_config
 from tests.server.core_hooks import POISON
 

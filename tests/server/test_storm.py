@@ -19,7 +19,7 @@ import re
 import httpx
 import pytest
 
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 from tests.server.conftest import RunningServer, tiny_config

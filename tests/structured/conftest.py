@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.structured.compiler import GrammarCompiler
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 from tests.model.tiny import BOS, EOS, tokenizer_backend
 
 

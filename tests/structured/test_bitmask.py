@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from pagedllm.structured.bitmask import (
-    BitmaskFiller,
     allocate_token_bitmask,
     allowed_ids,
     apply_token_bitmask_,
     unpack_bitmask,
     unpack_bitmask_torch,
 )
+from pagedllm.structured.matcher import BitmaskFiller
 from pagedllm.structured.spec import GrammarSpec
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from pagedllm.input_processor import InputProcessor
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.structured.tools import TOOLS_PROMPT, parse_tools
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 from tests.model.tiny import BOS, CHAT_TEMPLATE, EOS, tokenizer_backend
 
 # Qwen2.5's way, cut down: tools as JSON lines, calls in <tool_call> tags, tool results as such.

@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm.structured.compiler import GrammarCompiler, GrammarError, check_grammar, llguidance_tokenizer
 from pagedllm.structured.spec import GrammarSpec
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.text.tokenizer import Tokenizer
 from tests.model.tiny import write_tokenizer
 
 

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import torch
 
-from pagedllm.core_messages import EngineCoreRequest
-from pagedllm.engine import LLMEngine
-from pagedllm.input_processor import InvalidInput
-from pagedllm.llm import LLM
+from pagedllm.engine.input_processor import InvalidInput
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured.compiler import GrammarError
 from pagedllm.structured.spec import GrammarSpec

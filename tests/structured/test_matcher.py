@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.structured.bitmask import BitmaskFiller, allocate_token_bitmask, apply_token_bitmask_
+from pagedllm.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_
+from pagedllm.structured.matcher import BitmaskFiller
 from pagedllm.structured.spec import GrammarSpec
 
 SCHEMA = {

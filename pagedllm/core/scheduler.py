@@ -1,0 +1,310 @@
+"""Continuous batching: which requests run this step, and for how many tokens.
+
+Every step spends a token budget (max_num_batched_tokens) over at most max_num_seqs
+requests: running requests first, in admission order (a decode token or the next chunk of
+a prompt), then waiting requests, first come first served, while blocks and budget last.
+A request is only "tokens known" and "tokens computed", so chunked prefill, prefix-cache
+hits and recompute after preemption need no code paths of their own.
+
+When a running request cannot get blocks, the most recently admitted running request is
+preempted (recompute: its blocks are freed and it goes back to the front of the waiting
+queue with every token it has, to be prefilled again). The oldest running request thus
+always makes progress, and add_request refuses anything that could not run alone in an
+empty cache, so every request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv.manager import NO_HIT, PrefixHit
+from pagedllm.core.kv.stats import KVStats
+from pagedllm.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class KVManager(Protocol):
+    """What the scheduler needs from KVCacheManager or ContiguousKVManager."""
+
+    block_size: int
+
+    # The longest request that runs alone in the empty cache, in steps of at most max_chunk_tokens.
+    def max_tokens_per_request(self, max_chunk_tokens: int) -> int: ...
+    def find_cached_prefix(self, request: Request) -> PrefixHit: ...
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix_hit: PrefixHit | None = None) -> bool: ...  # sets no request state
+    def free(self, request: Request) -> None: ...
+    def fork(self, parent: Request, child: Request) -> bool: ...  # False: no room to copy into
+    def block_ids(self, request: Request) -> list[int]: ...
+    def take_block_copies(self) -> list[tuple[int, int]]: ...
+    def stats(self) -> KVStats: ...
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step: the position of the first new token
+    # The request's whole block table: the manager's live list, valid for this step.
+    block_ids: list[int]
+    block_size: int
+    # Fixed when scheduled, because update_from_output appends the sampled token.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # True when this step reaches the end of the known tokens, so a token gets sampled.
+        self.samples = self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens in context after this step (the attention seq_len)."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # in running order
+    block_copies: list[tuple[int, int]]  # (src, dst) copies to do, in order, before the model
+    preempted: list[Request]
+    finished: list[Request]  # finished or aborted since the previous schedule()
+    num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the newest is last
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._finished_since_schedule: list[Request] = []
+        self._num_preemptions = 0
+
+    # -- queues ------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_admissible(self, request: Request) -> None:
+        """What only the scheduler knows: its request ids and the cache's capacity. Prompts
+        reach it checked (pagedllm.engine.input_processor); one outside [1, max_model_len] tokens is a
+        caller's bug, refused before it can break a step."""
+        max_model_len = self.config.max_model_len
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens <= max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_prompt_tokens} prompt "
+                             f"tokens; the scheduler takes 1 to max_model_len={max_model_len}")
+        # Anything that could not run alone in an empty cache would wait (or preempt) forever.
+        max_tokens = request.sampling_params.max_tokens or max_model_len
+        needed = min(request.num_prompt_tokens + max_tokens, max_model_len)
+        capacity = self.kv_manager.max_tokens_per_request(self.config.max_num_batched_tokens)
+        if needed > capacity:
+            raise ValueError(f"the request needs up to {needed} tokens of KV cache (prompt "
+                             f"{request.num_prompt_tokens} + max_tokens {max_tokens}, capped at "
+                             f"{max_model_len}), but the whole cache holds {capacity}")
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:  # a step short of blocks has none to give new requests
+            budget = self._schedule_waiting(budget, scheduled)
+        finished, self._finished_since_schedule = self._finished_since_schedule, []
+        return SchedulerOutput(
+            scheduled=scheduled, block_copies=self.kv_manager.take_block_copies(),
+            preempted=preempted, finished=finished,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget)
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen after a normal update)
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # it preempted itself: it was the last running request
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             preempted: list[Request]) -> bool:
+        """Blocks for request, preempting the newest running requests until they fit.
+        False if request itself had to go."""
+        while not self.kv_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        # Victims come newest first, so the oldest ends up at the very front.
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens to recompute)", request.request_id,
+                     request.num_tokens)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        max_num_seqs = self.config.max_num_seqs
+        while (self.waiting and budget > 0 and len(self.running) < max_num_seqs
+               and len(scheduled) < max_num_seqs):
+            request = self.waiting[0]
+            # Prompt logprobs need every prompt position run: no cache read (its blocks are
+            # still written, and hashed, for others to hit).
+            hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
+                   else self.kv_manager.find_cached_prefix(request))
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv_manager.allocate_slots(request, num_new, hit):
+                break  # first come first served: no one overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:  # its first admission, not a resume
+                request.num_cached_tokens = hit.num_tokens
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, request.num_computed_tokens,
+                                self.kv_manager.block_ids(request), self.kv_manager.block_size)
+
+    # -- after the model ran --------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        finished: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue  # aborted (or preempted) since it was scheduled
+            request.num_computed_tokens = item.num_context_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk short of the end: nothing sampled yet
+            token = sampled_token_ids.get(request.request_id)
+            if token is None:
+                raise ValueError(f"no sampled token for {request.request_id}, whose step "
+                                 "reached the end of its tokens")
+            request.append_token(token)
+            status = self.stop_status(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """The finished status a request reaches by having just appended `token`, if any
+        (a stop token id also becomes request.stop_reason)."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and give its blocks back; the caller takes it out of its queue."""
+        request.status = status
+        self.kv_manager.free(request)
+        del self._requests[request.request_id]
+        self._finished_since_schedule.append(request)
+
+    # -- from outside ------------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus) -> list[Request]:
+        """Finish requests in any state (stop strings, aborts); unknown ids are skipped."""
+        if not status.finished:
+            raise ValueError(f"status must be a finished status; got {status}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = [self._requests[rid] for rid in dict.fromkeys(request_ids)
+                    if rid in self._requests]
+        for request in finished:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+        return finished
+
+    def abort_request(self, request_id: str) -> Request | None:
+        finished = self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        return finished[0] if finished else None
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """The child (same tokens as the parent up to its computed ones) shares the parent's
+        blocks and runs right after it. Call between update_from_output and schedule."""
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"can only fork a running request; {parent.request_id} is "
+                             f"{parent.status.value}")
+        self.check_admissible(child)
+        computed = parent.num_computed_tokens
+        shares_prefix = child.token_ids[:computed] == parent.token_ids[:computed]
+        if child.num_tokens <= computed or not shares_prefix:
+            raise ValueError("a forked child must start with the parent's computed tokens "
+                             "and have at least one more")
+        self._requests[child.request_id] = child
+        if not child.block_hashes:  # the shared computed blocks hash alike
+            child.block_hashes = parent.block_hashes[:computed // self.kv_manager.block_size]
+        child.num_cached_tokens = parent.num_cached_tokens
+        if self.kv_manager.fork(parent, child):
+            child.num_computed_tokens = computed
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:  # no room to copy into (contiguous layout): recompute it when room frees up
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)

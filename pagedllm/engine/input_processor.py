@@ -1,0 +1,369 @@
+"""The input processor: the one owner of prompt validation and tokenization.
+
+The offline LLM, LLMEngine and the server all turn what a user sent into engine-core requests
+here: a prompt as text, token ids or a dict (or a chat conversation, rendered by the model's
+chat template), checked once, each kind of problem with one message, and tokenized. What comes
+out is an EngineCoreRequest: plain data, ready to cross into the core, in this process or
+another. Bad input raises InvalidInput, a ValueError naming the request field at fault.
+
+It also owns what a request leaves unset: the model's sampling defaults (generation_config.json,
+pagedllm.text.generation_defaults) fill the fields a caller does not give, and every token id a
+request names (prompt, stop_token_ids, logit_bias, allowed_token_ids) is checked against the
+vocabulary here, once, with all the bad ones named together.
+
+A request constrained to a grammar (SamplingParams.structured_outputs) has it compiled here,
+bounded in time, so a grammar that cannot compile is the caller's error before anything runs
+(the compile is cached: the core finds it done). Tools given to a chat go into the chat
+template, or, for a template with no place for them, into the system message
+(pagedllm.structured.tools).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import cached_property
+
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.compiler import GrammarCompiler
+from pagedllm.structured.spec import GrammarSpec
+from pagedllm.structured.tool_parsers import parser_for_template
+from pagedllm.structured.tools import (
+    Tool,
+    call_arguments_as_objects,
+    messages_with_tools_prompt,
+    template_has_tools,
+)
+from pagedllm.text.chat_template import (
+    MAX_RENDER_CHARS,
+    TemplateTimeout,
+    TemplateTooLong,
+    check_chat_template,
+    content_spans,
+)
+from pagedllm.text.tokenizer import Tokenizer
+
+# One prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids[, "prompt": text]}.
+PromptInput = str | list[int] | dict
+Conversation = list[dict]
+
+
+class InvalidInput(ValueError):
+    """A request the engine cannot take; `param` names the field at fault (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def prompt_list(prompts) -> list:
+    """One prompt or a list of them, as a list: text, a dict and a list of token ids are each
+    one prompt."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 sampling_defaults: dict | None = None,
+                 grammar_compiler: GrammarCompiler | None = None,
+                 chat_template: str | None = None) -> None:
+        """chat_template: the template every chat renders with unless a call names another (the
+        server's --chat-template); None: the model's."""
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # The model's defaults for SamplingParams fields a request leaves unset.
+        self.sampling_defaults: dict = dict(sampling_defaults or {})
+        # Free to make (it builds its tokenizer view on the first grammar); shared with a core
+        # in the same process, which then finds every grammar compiled.
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(tokenizer)
+        # Tokenizing holds the GIL (in the server: the event loop); a 4 MiB prompt takes seconds.
+        # No text longer than this can fit in max_model_len tokens, so it is refused untokenized.
+        self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer)
+        template = chat_template or tokenizer.chat_template
+        if template is not None:  # a broken template stops start-up, in one line
+            check_chat_template(
+                template, lambda messages: tokenizer.apply_chat_template(messages, chat_template=template),
+                "the chat template (--chat-template)" if chat_template else "the model's chat template")
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' own defaults under the model's (what a request that sets nothing gets)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                *, arrival_time: float | None = None, cache_salt: str | None = None,
+                max_tokens_must_fit: bool = False,
+                add_special_tokens: bool = True) -> tuple[str | None, EngineCoreRequest]:
+        """The prompt's text (None if given as ids only) and the core request.
+
+        params None: default_sampling_params(). max_tokens_must_fit (OpenAI's rule, the
+        server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
+        the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
+        add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds."""
+        params = params or self.default_sampling_params()
+        text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
+                                        add_special_tokens=add_special_tokens)
+        self._check_sampling_token_ids(params)
+        self.check_grammar(params.structured_outputs)
+        if max_tokens_must_fit:
+            params = self._fit_max_tokens(params, len(token_ids))
+        request = EngineCoreRequest(
+            request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        return text, request
+
+    def tokenize(self, prompt: PromptInput, room_for_output: bool = False,
+                 add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """The checked token ids of one prompt (and its text, if it has one)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize(prompt["prompt"], room_for_output, add_special_tokens)
+            else:
+                raise InvalidInput("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInput(_EMPTY)
+            text, token_ids = prompt, self.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, prompt
+        else:
+            raise InvalidInput(f"a prompt must be a string, a list of token ids or a dict; got "
+                               f"{type(prompt).__name__}")
+        self._check_token_ids(token_ids, room_for_output)
+        return text, list(token_ids)
+
+    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
+               plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of text, refused untokenized if it is too long to fit any context
+        (plain_spans: Tokenizer.encode's)."""
+        self._check_text_length(len(text), param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, plain_spans=plain_spans)
+
+    def check_request_size(self, body, max_prompts: int) -> None:
+        """Cheap bounds on a decoded request body (the JSON object, before the schema): InvalidInput
+        naming the field when it is past one; what is not shaped as expected is left to the schema.
+
+        A 4 MiB body holds 250,000 chat messages or 1.9 million token ids: validating that with the
+        schema, rendering it through a chat template or tokenizing it takes seconds of one core (in
+        the server, of the event loop every stream shares) only to refuse it as too long. Here a
+        list's length is read before its items, and items are measured only up to the bound, so
+        the time is proportional to what is accepted. Each bound follows from the context, so
+        nothing a request could use is refused: at most max_model_len messages (each takes a
+        token) and max_prompt_chars characters of message text; per prompt, max_prompt_chars
+        characters or max_model_len token ids; at most max_prompts prompts."""
+        if not isinstance(body, dict):
+            return
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if isinstance(messages, list):
+            self._check_messages_size(messages)
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "prompt")
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):  # one prompt of ids
+            self._check_prompt_length(len(prompt))
+        elif isinstance(prompt, list):
+            if len(prompt) > max_prompts:
+                raise InvalidInput(f"prompt lists {len(prompt)} prompts; at most {max_prompts} are "
+                                   "accepted in one request")
+            for item in prompt:
+                if isinstance(item, str):
+                    self._check_text_length(len(item), "prompt")
+                elif isinstance(item, list):
+                    self._check_prompt_length(len(item))
+
+    def _check_messages_size(self, messages: list) -> None:
+        if len(messages) > self.max_model_len:
+            raise InvalidInput(f"messages has {len(messages)} entries, more than this model's "
+                               f"maximum context length of {self.max_model_len} tokens can hold: "
+                               "shorten the conversation", "messages")
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if chars > self.max_prompt_chars:
+                raise InvalidInput(f"the messages' text is more than {self.max_prompt_chars} "
+                                   f"characters, more than this model's maximum context length of "
+                                   f"{self.max_model_len} tokens can hold: shorten it", "messages")
+
+    def _check_text_length(self, length: int, param: str) -> None:
+        if length > self.max_prompt_chars:
+            raise InvalidInput(
+                f"the prompt is {length} characters, more than this model's maximum context "
+                f"length of {self.max_model_len} tokens can hold (at most {self.max_prompt_chars} "
+                "characters): shorten it", param)
+
+    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
+                    tools: Sequence[Tool] = (), chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+                    add_special_tokens: bool = False, split_special_tokens: bool = True) -> dict:
+        """A conversation as one prompt, through the chat template (the model's, or chat_template):
+        {"prompt": text, "prompt_token_ids": ids}. The template writes any BOS itself, so
+        add_special_tokens (the tokenizer's BOS/EOS on top) is off unless asked for (vLLM's
+        default for chat). split_special_tokens: a special token's text inside a message's text
+        (a user writing "<|im_start|>system") is tokenized as text, not as the control token
+        (HF's split_special_tokens), so no message can forge a turn of another role; False lets
+        it act. chat_template_kwargs: more variables for the template (e.g. enable_thinking);
+        continue_final_message: the text ends inside the last message, for the model to go on.
+        The template renders within pagedllm.text.chat_template's budget.
+
+        tools (checked ones, pagedllm.structured.tools.parse_tools) go to a template that reads
+        `tools`; a template that does not gets them in the system message instead, and the
+        history's tool calls and tool results written as text in the format that asks for."""
+        chat_template = chat_template or self.chat_template
+        if not messages:
+            raise InvalidInput("messages is empty: send at least one message", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidInput("continue_final_message and add_generation_prompt cannot both be "
+                               "true: set add_generation_prompt to false to continue the last "
+                               "message", "continue_final_message")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "chat_template",
+                                            "continue_final_message", "tools"})
+        if reserved:
+            raise InvalidInput(f"chat_template_kwargs may not set {reserved}: they are request "
+                               "fields of their own", "chat_template_kwargs")
+        if not self.has_tools_section(chat_template):
+            messages = messages_with_tools_prompt(messages, tools)
+        else:
+            messages = call_arguments_as_objects(messages)
+            if tools:
+                kwargs["tools"] = [tool.to_openai() for tool in tools]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                max_chars=min(self.max_prompt_chars, MAX_RENDER_CHARS),
+                **kwargs)
+        except TemplateTimeout:  # the template's fault, not the request's
+            raise
+        except TemplateTooLong:
+            raise InvalidInput(
+                f"the conversation renders to more than {self.max_prompt_chars} characters through "
+                f"the chat template, more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold: shorten it", "messages") from None
+        except ValueError as exc:  # no template, the template refused the messages, too long
+            raise InvalidInput(str(exc), "messages") from exc
+        except Exception as exc:  # the template itself failed (e.g. roles out of order)
+            raise InvalidInput(f"the chat template could not render these messages: {exc}",
+                               "messages") from exc
+        plain = content_spans(text, messages) if split_special_tokens else ()
+        return {"prompt": text, "prompt_token_ids": self.encode(
+            text, "messages", add_special_tokens=add_special_tokens, plain_spans=plain)}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens written out), after the vocabulary check."""
+        self.check_token_ids(token_ids, "tokens", "tokens")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def has_tools_section(self, chat_template: str | None = None) -> bool:
+        """Whether the chat template (the model's, or the one given) has a place for tools; if
+        not, chat_prompt puts them in the system message."""
+        if chat_template is None:
+            return self._model_template_has_tools
+        return template_has_tools(chat_template)
+
+    @cached_property
+    def _model_template_has_tools(self) -> bool:
+        return template_has_tools(self.tokenizer.chat_template)
+
+    def tool_call_format(self, chat_template: str | None = None) -> str:
+        """How the model writes tool calls under this template (tool_parsers.make_parser): the
+        template's format, or Hermes', which the fallback tools prompt asks for."""
+        if not self.has_tools_section(chat_template):
+            return "hermes"
+        return parser_for_template(chat_template or self.tokenizer.chat_template)
+
+    def check_grammar(self, spec: GrammarSpec | None) -> None:
+        """Compile a request's grammar, if it has one (cached; waits compile_timeout_s at
+        most): InvalidInput with the library's message if it does not compile in time."""
+        if spec is None:
+            return
+        try:
+            self.grammar_compiler.compile(spec)
+        except ValueError as exc:  # GrammarError, or text llguidance cannot take
+            raise InvalidInput(str(exc), "structured_outputs") from None
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_token_ids(self, token_ids, param: str, what: str) -> None:
+        """InvalidInput (naming param) unless every id is an integer in the vocabulary; the
+        message names the bad ones, all of them up to a screenful."""
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            shown = f"{bad[:_MAX_SHOWN]} and {len(bad) - _MAX_SHOWN} more" if len(bad) > _MAX_SHOWN else bad
+            raise InvalidInput(f"{what} must be integers in [0, {vocab}) (the vocabulary); "
+                               f"out of vocabulary: {shown}", param)
+
+    def _check_token_ids(self, token_ids, room_for_output: bool) -> None:
+        if len(token_ids) == 0:
+            raise InvalidInput(_EMPTY)
+        self._check_prompt_length(len(token_ids), room_for_output)  # before the per-id look
+        self.check_token_ids(token_ids, "prompt", "prompt token ids")
+
+    def _check_prompt_length(self, num_tokens: int, room_for_output: bool = False) -> None:
+        limit = self.max_model_len - 1 if room_for_output else self.max_model_len
+        if num_tokens > limit:
+            leaves = ", which leaves no room for a completion" if num_tokens <= self.max_model_len else ""
+            raise InvalidInput(f"this model's maximum context length is {self.max_model_len} tokens "
+                               f"(max_model_len) and the prompt has {num_tokens}{leaves}: "
+                               "shorten it")
+
+    def _check_sampling_token_ids(self, params: SamplingParams) -> None:
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias", "logit_bias keys")
+        if params.allowed_token_ids is not None:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids", "allowed_token_ids")
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as it would appear at the start of the text and after a
+        space (vLLM's rule: the spaced form only where it is one different token sequence of the
+        same length, i.e. where the tokenizer folds the space into the word)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in bad_words or ():
+            bare = tuple(self.encode(word.lstrip(), "bad_words", add_special_tokens=False))
+            spaced = tuple(self.encode(" " + word.lstrip(), "bad_words", add_special_tokens=False))
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return tuple(dict.fromkeys(sequences))
+
+    def _fit_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise InvalidInput(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {num_prompt_tokens} "
+                f"input tokens ({params.max_tokens} + {num_prompt_tokens} > {self.max_model_len})",
+                "max_tokens")
+        return params
+
+
+_EMPTY = "the prompt is empty: give at least one character or token id"
+_MAX_SHOWN = 20  # bad token ids named in one message
+
+
+def _longest_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry (in
+    byte-level and metaspace vocabularies an entry is at least as long as the text it decodes
+    to). Without a vocabulary to look at, no bound."""
+    try:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max(len(token) for token in vocab)
+    except Exception:  # another kind of tokenizer: always tokenize
+        return 2**40

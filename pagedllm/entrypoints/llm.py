@@ -1,0 +1,127 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.input_processor import Conversation, PromptInput, prompt_list
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        """model: a Hugging Face folder or a .gguf file (None: the embedded SmolLM2-135M-Instruct);
+        kwargs: any EngineConfig option (dtype, block_size, kv_cache_memory, max_model_len,
+        max_num_seqs, max_num_batched_tokens, kv_layout, enable_prefix_caching, seed, ...)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no SamplingParams: the library's defaults under
+        the model's generation_config.json (unless generation_config="vllm" or "none")."""
+        return self.engine.input_processor.default_sampling_params()
+
+    def generate(self, prompts: PromptInput | list[PromptInput],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _params_per_prompt(sampling_params, len(prompts))
+        request_ids = self._add_all(prompts, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False,
+             split_special_tokens: bool = True) -> list[RequestOutput]:
+        """Each conversation through the chat template (the model's, or chat_template; see
+        InputProcessor.chat_prompt for the options: split_special_tokens=False lets special-token
+        text in messages act as control tokens), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processor = self.engine.input_processor
+        prompts = [processor.chat_prompt(c, add_generation_prompt, chat_template=chat_template,
+                                         chat_template_kwargs=chat_template_kwargs,
+                                         continue_final_message=continue_final_message,
+                                         split_special_tokens=split_special_tokens)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | list[PromptInput], beam_width: int,
+                    max_tokens: int, length_penalty: float = 1.0) -> list:
+        """Beam search; returns one BeamSearchOutput (sequences best first) per prompt."""
+        from pagedllm.entrypoints.beam_search import BeamSearch
+
+        token_lists = [self.engine.input_processor.tokenize(p)[1] for p in prompt_list(prompts)]
+        search = BeamSearch(self.engine.engine_core, self.engine.tokenizer, beam_width, max_tokens,
+                            length_penalty)
+        return search.run(token_lists)
+
+    def memory_stats(self) -> dict:
+        return self.engine.memory_stats()
+
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+        """Add every prompt, or none: a bad prompt aborts the ones already queued."""
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return added
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        started = time.monotonic()
+        tokens_before = self.engine.stats().num_generation_tokens
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+                if use_tqdm:
+                    elapsed = max(time.monotonic() - started, 1e-9)
+                    generated = self.engine.stats().num_generation_tokens - tokens_before
+                    bar.set_postfix_str(f"~{generated / elapsed:.0f} tok/s")
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _params_per_prompt(params: SamplingParams | list[SamplingParams], count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each asking for its final output only (all generate
+    returns); the caller's objects are left as they are."""
+    if isinstance(params, SamplingParams):
+        params = [params] * count
+    elif len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    final: dict[int, SamplingParams] = {}  # one copy per distinct object
+    for p in params:
+        if id(p) not in final:
+            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [final[id(p)] for p in params]

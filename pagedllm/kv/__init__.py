@@ -1,9 +1,0 @@
-"""KV cache memory management: the paged manager, the contiguous baseline, their stats."""
-
-from __future__ import annotations
-
-from pagedllm.kv.contiguous import ContiguousKVManager
-from pagedllm.kv.manager import NO_HIT, KVCacheManager, PrefixHit
-from pagedllm.kv.stats import KVStats
-
-__all__ = ["NO_HIT", "ContiguousKVManager", "KVCacheManager", "KVStats", "PrefixHit"]

@@ -1,0 +1,193 @@
+"""Test helpers: a simulated runner that stores "K/V" per physical slot, and invariant checks
+for the KV managers and the scheduler.
+
+The simulated K/V of a token is what real K/V depends on: the whole prefix up to and
+including it (plus the cache salt, so a cross-salt hit shows up as wrong content). After
+every write the runner reads each scheduled request's whole context back through its block
+table, so a wrong prefix hit, a missed copy-on-write or a block handed to two writers shows
+up as a content mismatch. With a sliding window it reads what attention reads: the window of
+the step's first new token on; the entries before it must be holes (given back), those in it
+real blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagedllm.core.kv.contiguous import ContiguousKVManager
+from pagedllm.core.kv.manager import NULL_BLOCK, KVCacheManager, peak_blocks
+from pagedllm.core.kv.slots import request_slots
+from pagedllm.core.kv.snapshot import CACHED, COPYING, FREE, SHARED, USED, BlockMap, runs
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+
+def kv_content(request: Request, position: int) -> tuple:
+    return (request.cache_salt, tuple(request.token_ids[:position + 1]))
+
+
+def new_token_slots(item: ScheduledRequest) -> list[int]:
+    """The physical slots a scheduled request writes this step."""
+    return request_slots(item.block_ids, item.num_computed_tokens, item.num_context_tokens,
+                         item.block_size)
+
+
+class SimRunner:
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, output: SchedulerOutput) -> None:
+        bs = self.block_size
+        # All at once, like the runner's batched copy: gather every source, then scatter.
+        sources = [self.slots[src * bs:(src + 1) * bs] for src, _ in output.block_copies]
+        for (_, dst), content in zip(output.block_copies, sources):
+            self.slots[dst * bs:(dst + 1) * bs] = content
+        # Like a model layer: write every new token's K/V, then attend over the contexts.
+        for item in output.scheduled:
+            for pos, slot in zip(range(item.num_computed_tokens, item.num_context_tokens),
+                                 new_token_slots(item), strict=True):
+                self.slots[slot] = kv_content(item.request, pos)
+        for item in output.scheduled:
+            first = self.first_read(item)
+            first_block = first // bs
+            ids = item.block_ids
+            assert all(i == NULL_BLOCK for i in ids[:first_block]), "a block before the window is held"
+            assert NULL_BLOCK not in ids[first_block:], "a hole in the window"
+            context = request_slots(ids, first, item.num_context_tokens, bs)
+            for pos, slot in enumerate(context, start=first):
+                got = self.slots[slot]
+                want = kv_content(item.request, pos)
+                assert got == want, (f"{item.request.request_id} position {pos}: "
+                                     f"read {got}, expected {want}")
+
+    def first_read(self, item: ScheduledRequest) -> int:
+        """The first position attention reads this step, rounded down to its block."""
+        if self.sliding_window is None:
+            return 0
+        first = max(0, item.num_computed_tokens - self.sliding_window + 1)
+        return first - first % self.block_size
+
+
+def check_paged_manager(manager: KVCacheManager) -> None:
+    pool = manager.pool
+    owners = Counter(b.block_id for t in manager._tables.values() for b in t.held)
+    num_free = 0
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], block
+        in_queue = block.prev_free is not None
+        assert in_queue == (block.ref_cnt == 0), block
+        num_free += block.ref_cnt == 0
+    assert num_free == pool.num_free_blocks == len(list(pool.free_queue))
+    assert num_free + len(owners) == manager.num_blocks
+    assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.is_cached)
+    assert pool.num_used_slots == sum(b.num_filled for b in pool.blocks if b.ref_cnt)
+    for block in pool.blocks:
+        if block.is_cached:
+            assert any(b is block for b in pool.cached_blocks(block.block_hash))
+            assert len(block.cache_tokens) == manager.block_size
+    assert sum(len(pool.cached_blocks(h)) for h in list(pool._cached)) == \
+        sum(1 for b in pool.blocks if b.is_cached)
+    for table in manager._tables.values():
+        assert table.ids == [NULL_BLOCK] * table.num_freed + [b.block_id for b in table.held]
+        assert None not in table.held and not any(table.blocks[:table.num_freed])
+        assert len(set(table.ids[table.num_freed:])) == len(table.held)
+        assert manager.sliding_window is not None or not table.num_freed
+    if not manager.enable_prefix_caching:
+        assert not any(b.is_cached for b in pool.blocks)
+
+
+def check_contiguous_manager(manager: ContiguousKVManager) -> None:
+    spans = sorted([(r.start, r.num_blocks) for r in manager._reservations.values()]
+                   + manager.free_runs)
+    position = 0
+    for start, length in spans:  # reservations and free runs tile [0, num_blocks) exactly
+        assert start == position and length > 0, spans
+        position += length
+    assert position == manager.num_blocks
+    runs = manager.free_runs
+    assert all(a[0] + a[1] < b[0] for a, b in zip(runs, runs[1:])), runs  # merged
+    assert manager.stats().num_free_blocks == sum(length for _, length in runs)
+
+
+def check_manager(manager) -> None:
+    if isinstance(manager, KVCacheManager):
+        check_paged_manager(manager)
+    else:
+        check_contiguous_manager(manager)
+    check_block_map(manager)
+
+
+def check_block_map(manager) -> None:
+    """The dashboard's picture agrees with the manager's own figures and block tables, and
+    survives its JSON encoding."""
+    picture = manager.block_map()
+    assert BlockMap.from_dict(picture.to_dict()) == picture
+    stats, counts = manager.stats(), picture.counts()
+    assert picture.num_blocks == stats.num_blocks and picture.block_size == stats.block_size
+    assert counts["free"] + counts["cached"] == stats.num_free_blocks
+    assert counts["cached"] == stats.num_cached_free_blocks
+    in_use = [i for i, state in enumerate(picture.states) if state not in (FREE, CACHED)]
+    assert len(in_use) == stats.num_used_blocks
+    assert sum(picture.filled[i] for i in in_use) == stats.used_slots
+    tables = ({rid: t.ids[t.num_freed:] for rid, t in manager._tables.items()}
+              if isinstance(manager, KVCacheManager)
+              else {rid: r.ids for rid, r in manager._reservations.items()})
+    if isinstance(manager, KVCacheManager):
+        assert picture.freed == {rid: t.num_freed for rid, t in manager._tables.items() if t.num_freed}
+    assert set(picture.owners) == set(tables)
+    owners = Counter()
+    for request_id, request_runs in picture.owners.items():
+        ids = [start + k for start, length in request_runs for k in range(length)]
+        assert ids == tables[request_id] and request_runs == runs(ids)  # runs are maximal
+        owners.update(ids)
+    for i, state in enumerate(picture.states):
+        ref = picture.ref_counts[i]
+        assert ref == owners[i]
+        assert (state == FREE or state == CACHED) == (ref == 0), (i, state, ref)
+        assert state != SHARED or ref > 1
+        assert state != USED or ref == 1
+        assert state != FREE or picture.filled[i] == 0
+        assert state != COPYING or ref >= 1
+
+
+def check_scheduler(scheduler: Scheduler) -> None:
+    manager = scheduler.kv_manager
+    check_manager(manager)
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    assert len({id(r) for r in running + waiting}) == len(running) + len(waiting)
+    assert {r.request_id for r in running + waiting} == set(scheduler._requests)
+    for request in running:
+        assert request.status is RequestStatus.RUNNING
+        assert manager.block_ids(request)
+        assert request.num_computed_tokens <= request.num_tokens
+    for request in waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.num_computed_tokens == 0 and not manager.block_ids(request)
+
+
+def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    config, manager = scheduler.config, scheduler.kv_manager
+    assert len(output.scheduled) <= config.max_num_seqs
+    assert output.num_batched_tokens == sum(s.num_new_tokens for s in output.scheduled)
+    assert output.num_batched_tokens <= config.max_num_batched_tokens
+    assert len({id(s.request) for s in output.scheduled}) == len(output.scheduled)
+    written: set[int] = set()
+    for item in output.scheduled:
+        assert item.num_new_tokens >= 1
+        assert item.num_context_tokens <= item.request.num_tokens
+        assert item.block_ids is manager.block_ids(item.request)  # the live list
+        slots = new_token_slots(item)
+        assert written.isdisjoint(slots), "two requests write the same slot"
+        written.update(slots)
+        if isinstance(manager, KVCacheManager):
+            for block_id in {slot // manager.block_size for slot in slots}:
+                assert manager.pool.blocks[block_id].ref_cnt == 1, "write to a shared block"
+            # A window bounds what a request holds, however long it is.
+            held = len(item.block_ids) - item.block_ids.count(NULL_BLOCK)
+            assert held <= peak_blocks(item.num_context_tokens, manager.block_size,
+                                       manager.sliding_window, config.max_num_batched_tokens)
+    srcs = [src for src, _ in output.block_copies]
+    dsts = [dst for _, dst in output.block_copies]
+    assert len(set(dsts)) == len(dsts) and not set(srcs) & set(dsts), output.block_copies
