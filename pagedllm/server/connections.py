@@ -14,7 +14,7 @@ files" traceback for every accept it retried: 316k of them, 140 MB of log in 45 
   margin for the model's files, the engine and the log;
 - repeated log lines are collapsed (RepeatLimiter), so an attack cannot fill the disk.
 
-The body's own time limit is the app's (pagedllm.server.app._Guard: 408 past body_timeout_s).
+The body's own time limit is the app's (pagedllm.server.guard.Guard: 408 past body_timeout_s).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def test_api_key_is_compared_in_constant_time(secured_server, monkeypatch):
         compared.append((a, b))
         return real_compare(a, b)
 
-    monkeypatch.setattr("pagedllm.server.app.hmac.compare_digest", spy)
+    monkeypatch.setattr("pagedllm.server.guard.hmac.compare_digest", spy)
     for given in ["Bearer nope", f"Bearer {API_KEY[:-1]}", f"Bearer {API_KEY}x", "", "Bearer ünï"]:
         headers = {"Authorization": given.encode()} if given else {}
         response = httpx.get(f"{secured_server.base_url}/v1/models", headers=headers)

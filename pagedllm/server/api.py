@@ -1,0 +1,244 @@
+"""The handlers behind the routes: a request checked, turned into engine requests (prompts,
+sampling parameters, grammar), started, and answered whole or streamed, aborting what a
+client leaves."""
+
+from __future__ import annotations
+
+import logging
+import reprlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.input_processor import InvalidInput, PromptInput, prompt_list
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from pagedllm.server.errors import short_repr
+from pagedllm.server.formats import ChatFormat, CompletionFormat
+from pagedllm.server.limits import InputWorkers
+from pagedllm.server.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ExtraFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from pagedllm.server.streams import close_all, collect_or_abort
+from pagedllm.server.structured import read_constraint_async
+from pagedllm.structured.spec import GrammarSpec
+from pagedllm.structured.tools import Tool
+from pagedllm.text.chat_template import TemplateTimeout
+
+logger = logging.getLogger(__name__)
+
+class Api:
+    """The endpoint logic: turn OpenAI bodies into engine requests and outputs into responses.
+    Prompts are checked and tokenized by the engine's input processor, as everywhere else, in the
+    input workers (templates and tokenizing never run on the event loop)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
+                 workers: InputWorkers) -> None:
+        self.engine = engine
+        self.workers = workers
+        self.model_name = model_name
+        self.chat_template = chat_template  # None: the model's
+        self.processor = engine.input_processor
+        self.max_model_len = self.processor.max_model_len
+        self.extra_fields = ExtraFields()
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
+                "max_model_len": self.max_model_len}
+
+    # -- endpoints -----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request):
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        self._check_common(body, response_id)
+        prompts = _completion_prompts(body.prompt)
+        # echo with logprobs: the prompt's tokens get theirs too (vLLM's rule).
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
+        constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs,
+                                       constraint.spec)
+        requests = await self.workers.run(self._process, response_id, body, prompts, params,
+                                          "prompt", add_special_tokens=body.add_special_tokens)
+        return await self._respond(body, raw, response_id, requests, CompletionFormat(self, body))
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_common(body, response_id)
+        constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, constraint.spec)
+        requests = await self.workers.run(self._process, response_id, body, [prompt], params,
+                                          "messages")
+        return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: a text's or a conversation's token ids, with the context length."""
+        self._check_model(body)
+        self.extra_fields.check(body, "tokenize")
+        if isinstance(body, TokenizeChatRequest):
+            token_ids = self._chat_prompt(body)["prompt_token_ids"]
+        else:
+            try:
+                token_ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except InvalidInput as exc:
+                raise APIError(str(exc), param=exc.param) from exc
+        decode = self.processor.tokenizer.decode
+        token_strs = [decode([t], skip_special_tokens=False) for t in token_ids] \
+            if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids,
+                "token_strs": token_strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        self._check_model(body)
+        self.extra_fields.check(body, "detokenize")
+        try:
+            return {"prompt": self.processor.detokenize(body.tokens)}
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest,
+                     tools: Sequence[Tool] = ()) -> dict:
+        """The conversation (and tools) through the chat template (the server's
+        --chat-template, else the model's): {"prompt": text, "prompt_token_ids": ids}."""
+        try:
+            messages = [m.for_template() for m in body.messages]
+            return self.processor.chat_prompt(
+                messages, body.add_generation_prompt, tools=tools, chat_template=self.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens)
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        except ValueError as exc:  # a content part that is not text
+            raise APIError(str(exc), param="messages") from exc
+        except TemplateTimeout as exc:  # the server's template is at fault, not the request
+            logger.error("chat template cut by its time budget: %s", exc)
+            raise APIError(f"{exc}; the server's chat template is at fault, not this request",
+                           500, error_type="server_error", code="chat_template_timeout") from exc
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_model(self, body) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(f"model {short_repr(body.model)} does not exist; this server serves "
+                           f"{self.model_name!r}", 404, param="model", code="model_not_found")
+
+    def _check_common(self, body, response_id: str) -> None:
+        self._check_model(body)
+        self.extra_fields.check(body, response_id)
+        if body.stream_options is not None and not body.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError("prompt_logprobs is not available when streaming; leave it out or set "
+                           "stream to false (echo with logprobs streams the prompt's logprobs)",
+                           param="prompt_logprobs")
+
+    def _sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None,
+                         structured_outputs: GrammarSpec | None) -> SamplingParams:
+        """The body's sampling fields; one it leaves out (null) takes the model's default
+        (generation_config.json, unless --generation-config none), else SamplingParams'.
+        max_tokens=None stays: the input processor makes it the room left in the context."""
+        given = dict(
+            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            seed=body.seed, min_tokens=body.min_tokens, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=_token_id_keys(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured_outputs)
+        fields = {**self.processor.sampling_defaults,
+                  **{name: value for name, value in given.items() if value is not None}}
+        fields["max_tokens"] = max_tokens
+        fields["output_kind"] = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    def _process(self, response_id: str, body, prompts, params: SamplingParams, prompt_param: str,
+                 add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
+        """Each prompt through the input processor: checked, tokenized, max_tokens fitted."""
+        try:
+            return [self.processor.process(f"{response_id}-{i}", prompt, params,
+                                           cache_salt=body.cache_salt, max_tokens_must_fit=True,
+                                           add_special_tokens=add_special_tokens)
+                    for i, prompt in enumerate(prompts)]
+        except InvalidInput as exc:
+            raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
+        except ValueError as exc:  # max_tokens fitted into the room left broke a sampling rule
+            raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    # -- running -------------------------------------------------------------------------------
+    async def _respond(self, body, raw: Request, response_id: str,
+                       requests: list[tuple[str | None, EngineCoreRequest]], fmt):
+        streams = await self._start(requests)
+        prompts = [(text, request.prompt_token_ids) for text, request in requests]
+        if body.stream:
+            return StreamingResponse(fmt.stream(response_id, streams, prompts),
+                                     media_type="text/event-stream")
+        finals = await collect_or_abort(streams, raw)
+        return fmt.full(response_id, finals, prompts)
+
+    async def _start(self, requests: list[tuple[str | None, EngineCoreRequest]]) -> list[AsyncIterator]:
+        streams = []
+        try:
+            self.engine.check_room(len(requests))  # all or none of a request's prompts
+            for text, request in requests:
+                streams.append(await self.engine.generate(request, text))
+        except ValueError as exc:
+            await close_all(streams)
+            raise APIError(str(exc), param="prompt") from exc
+        except QueueFullError as exc:
+            await close_all(streams)
+            raise APIError(str(exc), 503, code="server_overloaded") from exc
+        except EngineDeadError as exc:
+            await close_all(streams)
+            raise APIError(str(exc), 503) from exc
+        return streams
+
+
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings, keyed by the ids (the input
+    processor checks their range). Keys that are no integer: a 400 naming them all."""
+    if logit_bias is None:
+        return None
+    keys = {key: _as_int(key) for key in logit_bias}
+    bad = [key for key, token_id in keys.items() if token_id is None]
+    if bad:
+        raise APIError(f"logit_bias keys must be token ids (integers written as strings); not "
+                       f"integers: {reprlib.repr(bad)}", param="logit_bias")
+    return {keys[key]: value for key, value in logit_bias.items()}
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _completion_prompts(prompt) -> list[PromptInput]:
+    """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts;
+    [] is one empty prompt, for the input processor to refuse."""
+    prompts = prompt_list(prompt) or [prompt]
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "
+                       f"{len(prompts)}", param="prompt")
+    return prompts

@@ -1,0 +1,261 @@
+"""The answers' shapes: completions and chat completions, whole or as SSE chunks, with
+logprobs, usage and tool calls as OpenAI writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.server.async_engine import EngineDeadError, RequestFailed
+from pagedllm.server.protocol import (
+    error_body,
+)
+from pagedllm.server.streams import merge_streams
+from pagedllm.server.structured import OutputConstraint, ToolCallReader
+
+if TYPE_CHECKING:
+    from pagedllm.server.api import Api
+
+logger = logging.getLogger(__name__)
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict | None] | None:
+    """RequestOutput.prompt_logprobs as vLLM's API shows them: per prompt token (the first None),
+    token id -> {logprob, rank, decoded_token}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(tid): _logprob_json(lp) for tid, lp in entry.items()}
+            for entry in entries]
+
+
+def _logprob_json(lp: Logprob) -> dict:
+    return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+
+
+class Format:
+    """Shared by both endpoints: choice bookkeeping, usage and the streaming loop. One per
+    response."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, api: Api, body) -> None:
+        self.api = api
+        self.body = body
+        self.n = body.n
+
+    def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
+        """How logprobs name a token: its text, or "token_id:N" if the body asks (vLLM's
+        return_tokens_as_token_ids: text pieces can be ambiguous, ids are not)."""
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        if lp is not None:
+            return lp.decoded_token
+        return self.api.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, prompts, completion_tokens: int, cached_tokens: int) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def full(self, response_id: str, finals: list[RequestOutput], prompts) -> dict:
+        choices, generated = [], 0
+        for i, final in enumerate(finals):
+            for out in final.outputs:
+                choices.append(self.full_choice(i * self.n + out.index, out, prompts[i], final))
+                generated += len(out.token_ids)
+        response = {"id": response_id, "object": self.object_full, "created": int(time.time()),
+                    "model": self.api.model_name, "choices": choices,
+                    "usage": self.usage(prompts, generated, sum(f.num_cached_tokens for f in finals))}
+        return self.finish_response(response, finals)
+
+    def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
+        return response
+
+    async def stream(self, response_id: str, streams, prompts) -> AsyncIterator[str]:
+        """Server-sent events from DELTA outputs: each holds only what is new."""
+        created = int(time.time())
+        generated: dict[int, int] = {}  # tokens sent per choice
+        cached: dict[int, int] = {}  # prefix-cache hits per prompt
+        prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+
+        def chunk(choices: list[dict]) -> str:
+            return sse({"id": response_id, "object": self.object_chunk, "created": created,
+                         "model": self.api.model_name, "choices": choices})
+
+        try:
+            for first in self.opening_chunks(len(prompts)):
+                yield chunk(first)
+            async for i, output in merge_streams(streams):
+                cached[i] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
+                choices = []
+                for out in output.outputs:
+                    index = i * self.n + out.index
+                    first = index not in generated
+                    generated[index] = generated.get(index, 0) + len(out.token_ids)
+                    choices.append(self.delta_choice(index, out, prompts[i], first,
+                                                     prompt_logprobs.get(i)))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield sse({"id": response_id, "object": self.object_chunk, "created": created,
+                            "model": self.api.model_name, "choices": [],
+                            "usage": self.usage(prompts, sum(generated.values()), sum(cached.values()))})
+        except (RequestFailed, EngineDeadError) as exc:
+            yield sse(error_body(str(exc), "server_error", code=500))
+        except asyncio.CancelledError:  # the server stopped it (its shutdown grace ran out)
+            yield sse(error_body("the server is shutting down and cut this stream; retry it",
+                                  "service_unavailable", code=503))
+            raise
+        except Exception:  # the 200 is sent already: the client can only hear it in the stream
+            logger.exception("streaming response %s failed", response_id)
+            yield sse(error_body("internal server error", "server_error", code=500))
+        yield "data: [DONE]\n\n"
+
+    def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
+        return []
+
+    def full_choice(self, index: int, out: CompletionOutput, prompt, final: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, out: CompletionOutput, prompt, first: bool,
+                     prompt_logprobs: PromptLogprobs | None) -> dict:
+        """A chunk's choice from a DELTA output; first: this choice's first chunk."""
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, api: Api, body) -> None:
+        super().__init__(api, body)
+        self.chars_sent: dict[int, int] = {}  # per choice, for the logprobs' text offsets
+
+    def full_choice(self, index, out, prompt, final) -> dict:
+        echo = self.body.echo
+        text = self._echo_text(prompt) + out.text if echo else out.text
+        logprobs = self._logprobs(out, final.prompt_logprobs if echo else None, prompt[1], 0)
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                "prompt_logprobs": _prompt_logprobs_json(final.prompt_logprobs)
+                if self.body.prompt_logprobs is not None else None}
+
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
+        echo = first and self.body.echo
+        text = self._echo_text(prompt) + out.text if echo else out.text
+        logprobs = self._logprobs(out, prompt_logprobs if echo else None, prompt[1],
+                                  self.chars_sent.get(index, 0))
+        self.chars_sent[index] = self.chars_sent.get(index, 0) + len(text)
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+    def _echo_text(self, prompt) -> str:
+        text, token_ids = prompt
+        if text is None:  # given as token ids
+            text = self.api.processor.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return text
+
+    def _logprobs(self, out: CompletionOutput, prompt_entries: PromptLogprobs | None,
+                  prompt_ids: list[int], offset: int) -> dict | None:
+        """OpenAI's legacy logprobs: tokens, their logprobs, the top ones and text offsets; with
+        echo, the prompt's tokens first (the first has no logprob: null)."""
+        if out.logprobs is None:
+            return None
+        tokens, token_logprobs, tops = [], [], []
+        top_n = self.body.logprobs or 0
+
+        def add(token_id: int, entry: dict[int, Logprob] | None) -> None:
+            if entry is None:
+                tokens.append(self.token_text(token_id))
+                token_logprobs.append(None)
+                tops.append(None)
+                return
+            chosen = entry[token_id]
+            tokens.append(self.token_text(token_id, chosen))
+            token_logprobs.append(chosen.logprob)
+            tops.append({self.token_text(tid, lp): lp.logprob for tid, lp in entry.items()
+                         if tid != token_id or lp.rank <= top_n})
+
+        for token_id, entry in zip(prompt_ids if prompt_entries is not None else (), prompt_entries or ()):
+            add(token_id, entry)
+        for token_id, entry in zip(out.token_ids, out.logprobs):
+            add(token_id, entry)
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+class ChatFormat(Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, api: Api, body, constraint: OutputConstraint) -> None:
+        super().__init__(api, body)
+        self.constraint = constraint
+        self._readers: dict[int, ToolCallReader | None] = {}  # by choice index
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        """The choice's tool-call reader (None: its text is all content)."""
+        if index not in self._readers:
+            parser = self.constraint.new_parser()
+            self._readers[index] = parser and ToolCallReader(self.constraint, parser)
+        return self._readers[index]
+
+    def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
+        return [[{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for j in range(self.n)]]
+
+    def full_choice(self, index, out, prompt, final) -> dict:
+        reader = self._reader(index)
+        if reader is None:
+            message, finish_reason = {"role": "assistant", "content": out.text}, out.finish_reason
+        else:
+            message, finish_reason = reader.message(out.text, out.finish_reason)
+        return {"index": index, "message": message, "logprobs": self._logprobs(out),
+                "finish_reason": finish_reason, "stop_reason": out.stop_reason}
+
+    def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
+        response["prompt_logprobs"] = _prompt_logprobs_json(finals[0].prompt_logprobs) \
+            if self.body.prompt_logprobs is not None else None
+        return response
+
+    def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
+        reader = self._reader(index)
+        if reader is None:
+            fields, finish_reason = {"content": out.text} if out.text else {}, out.finish_reason
+        else:
+            fields, finish_reason = reader.delta(out.text, out.finish_reason)
+        return {"index": index, "delta": fields, "logprobs": self._logprobs(out),
+                "finish_reason": finish_reason}
+
+    def _logprobs(self, out: CompletionOutput) -> dict | None:
+        if out.logprobs is None:
+            return None
+        top_n = self.body.top_logprobs or 0
+        content = []
+        for token_id, entry in zip(out.token_ids, out.logprobs):
+            top = sorted(((tid, lp) for tid, lp in entry.items() if tid != token_id or lp.rank <= top_n),
+                         key=lambda item: item[1].rank)[:top_n]
+            content.append({**self._token_json(token_id, entry[token_id]),
+                            "top_logprobs": [self._token_json(tid, lp) for tid, lp in top]})
+        return {"content": content}
+
+    def _token_json(self, token_id: int, lp: Logprob) -> dict:
+        text = self.token_text(token_id, lp)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
