@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import os
@@ -127,6 +128,27 @@ def hf_default_model(default_model_path):
     from pagedllm.bench.hf_model import load_hf_model
 
     return load_hf_model(default_model_path, torch.float32)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 30,
+             interval_s: float = 0.01) -> None:
+    """Poll condition() until it is true; past timeout_s, fail saying what was awaited (a test
+    that waits for something never hangs: it fails with this line and a traceback)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(interval_s)
+
+
+async def await_for(condition: Callable[[], object], what: str, timeout_s: float = 30,
+                    interval_s: float = 0.01) -> None:
+    """wait_for inside an event loop: sleeps without blocking it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        await asyncio.sleep(interval_s)
 
 
 def wait_until_healthy(base_url: str, timeout_s: float, exited: Callable[[], str | None] | None = None,

@@ -42,6 +42,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class HandlerCount:
+    """The app, counting the HTTP requests whose handlers have not returned yet (read from the
+    test's thread: a plain int, written only by the event loop's)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.running = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= 1
+
+
 class RunningServer:
     """`pagedllm serve` inside the test process, but for the core: the core is a real process
     (one torch thread: the tiny model's matmuls are too small to share), the API runs in a
@@ -58,9 +77,10 @@ class RunningServer:
                                         **(async_engine_kwargs or {}))
         self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)
         self.hooks = core_hooks.HookClient()
+        self.handlers = HandlerCount(self.app)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        uvicorn_config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        uvicorn_config = uvicorn.Config(self.handlers, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(uvicorn_config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -106,6 +126,20 @@ class RunningServer:
                 return stats
             time.sleep(0.05)
         raise AssertionError(f"server still busy: {self.async_engine.stats}")
+
+
+@pytest.fixture
+def core_starts(monkeypatch) -> list[EngineConfig]:
+    """The engine core processes something tried to start from now on, each refused (an
+    AssertionError): for checks that bad settings stop `pagedllm serve` before any model load."""
+    started: list[EngineConfig] = []
+
+    def refuse(config: EngineConfig, *args, **kwargs):
+        started.append(config)
+        raise AssertionError("an engine core process was started")
+
+    monkeypatch.setattr("pagedllm.engine.core_client.CoreProcess", refuse)
+    return started
 
 
 @pytest.fixture(scope="session")
