@@ -78,6 +78,15 @@ def after_nan_block(cache: torch.Tensor) -> torch.Tensor:
     return storage[1:]
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the CPU kernels (or find them built) before the first test: a first build takes a
+    minute or two on this kind of machine, which must not count against the per-test timeout
+    (pyproject.toml) of whichever test happens to start the first engine."""
+    from pagedllm.kernels import compiled
+
+    compiled.available()
+
+
 @pytest.fixture
 def make_attn_metadata() -> Callable[..., tuple[AttentionMetadata, torch.Tensor]]:
     """build_attn_metadata([(num_computed, num_new, block_ids), ...], block_size)."""

@@ -196,6 +196,7 @@ def test_workers_stop_with_the_engine(tmp_path):
 
 
 @requires_default_model
+@pytest.mark.timeout(300)  # two engines on the default model: ~60 s under load
 def test_default_model_greedy_tokens_equal_size_one():
     # SmolLM2-135M: 9 attention heads in 3 KV groups, split 6 + 3 heads (2 + 1 KV heads).
     whole = LLM(dtype="float32", num_kv_blocks=64)

@@ -38,6 +38,7 @@ def _kill_tree(process: subprocess.Popen) -> None:
 
 
 @needs_compiler
+@pytest.mark.timeout(600)  # its own bounds: 120 s for the build to start, 300 s for the start after
 def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
     cache = tmp_path / "cache"
     builder = subprocess.Popen(

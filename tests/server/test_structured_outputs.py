@@ -203,6 +203,7 @@ def test_choice_regex_and_grammar_in_every_spelling(server):
         jsonschema.validate(json.loads(out.choices[0].text), schema)
 
 
+@pytest.mark.timeout(600)  # 91 s on the 2-core machine under load: the slowest test
 def test_named_and_required_tool_choices_give_valid_calls(server):
     """A named function: one call of it. "required" with parallel_tool_calls false: one call of
     any tool. Each always complete and valid for its tool's parameters. With parallel calls the
