@@ -17,6 +17,8 @@ FUZZ_EXAMPLES ?= 2000
 STRESS_REQUESTS ?= 2000
 STRESS_MAX_TOKENS ?= 32
 STRESS_KV_BLOCKS ?= 24
+# The per-test timeout of make fuzz and make stress (make test's is in pyproject.toml).
+LONG_TEST_TIMEOUT_S ?= 3600
 # make soak: `pagedllm bench serve` at a steady rate against `pagedllm serve`; RSS and blocks.
 SOAK_DURATION_S ?= 600
 SOAK_RATE ?= 1
@@ -54,11 +56,13 @@ lint: install
 	$(BIN)/ruff check pagedllm tests
 
 fuzz: install
-	PAGEDLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/server/test_fuzz.py -p no:cacheprovider
+	PAGEDLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/server/test_fuzz.py -p no:cacheprovider \
+		--timeout $(LONG_TEST_TIMEOUT_S)
 
 stress: install
 	PAGEDLLM_STORM_REQUESTS=$(STRESS_REQUESTS) PAGEDLLM_STORM_MAX_TOKENS=$(STRESS_MAX_TOKENS) \
-	PAGEDLLM_STORM_KV_BLOCKS=$(STRESS_KV_BLOCKS) $(BIN)/python -m pytest tests/server/test_storm.py
+	PAGEDLLM_STORM_KV_BLOCKS=$(STRESS_KV_BLOCKS) $(BIN)/python -m pytest tests/server/test_storm.py \
+		--timeout $(LONG_TEST_TIMEOUT_S)
 
 soak: install
 	$(BIN)/python -m tests.server.soak --duration-s $(SOAK_DURATION_S) --request-rate $(SOAK_RATE) \

@@ -81,7 +81,7 @@ def _optional_commands():
 def main(argv: list[str] | None = None) -> int:
     # Before torch is imported: OpenMP threads that spin forever between parallel regions
     # collapse throughput when another process shares the cores; a bounded spin kept idle-machine
-    # speed and stayed fast under load (docs/benchmarks.md, CPU speed). The user's value wins.
+    # speed and stayed fast under load (docs/benchmarks-notebook.md, CPU speed). The user's value wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
     parser = build_parser()
     args = parser.parse_args(argv)

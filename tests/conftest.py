@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import os
@@ -77,6 +78,15 @@ def after_nan_block(cache: torch.Tensor) -> torch.Tensor:
     return storage[1:]
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the CPU kernels (or find them built) before the first test: a first build takes a
+    minute or two on this kind of machine, which must not count against the per-test timeout
+    (pyproject.toml) of whichever test happens to start the first engine."""
+    from pagedllm.kernels import compiled
+
+    compiled.available()
+
+
 @pytest.fixture
 def make_attn_metadata() -> Callable[..., tuple[AttentionMetadata, torch.Tensor]]:
     """build_attn_metadata([(num_computed, num_new, block_ids), ...], block_size)."""
@@ -127,6 +137,27 @@ def hf_default_model(default_model_path):
     from pagedllm.bench.hf_model import load_hf_model
 
     return load_hf_model(default_model_path, torch.float32)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 30,
+             interval_s: float = 0.01) -> None:
+    """Poll condition() until it is true; past timeout_s, fail saying what was awaited (a test
+    that waits for something never hangs: it fails with this line and a traceback)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(interval_s)
+
+
+async def await_for(condition: Callable[[], object], what: str, timeout_s: float = 30,
+                    interval_s: float = 0.01) -> None:
+    """wait_for inside an event loop: sleeps without blocking it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        await asyncio.sleep(interval_s)
 
 
 def wait_until_healthy(base_url: str, timeout_s: float, exited: Callable[[], str | None] | None = None,

@@ -5,7 +5,7 @@ valid answer, one token per step, as N constrained requests of one decode step w
 is timed in its parts: filling the N bitmask rows (a Python loop over the matchers on even
 steps, the BitmaskFiller on odd ones, so load falls on both alike), applying
 the bitmask to [N, vocab] logits, and accepting the N sampled tokens. Put the sum next to a
-decode step of the same batch (docs/benchmarks.md: 88 ms for 64 SmolLM2 requests on 2 cores).
+decode step of the same batch (docs/benchmarks-notebook.md: 88 ms for 64 SmolLM2 requests on 2 cores).
 Compile time (the first request with a new spec) is reported per kind.
 """
 

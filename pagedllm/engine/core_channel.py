@@ -5,13 +5,14 @@ Two ZMQ sockets over Unix domain sockets in a directory only this user can open 
 by the API process, which binds both; the core connects):
 
   to the core    (PUSH -> PULL)  AddRequest, Abort, AbortSequences, SnapshotRequest, Shutdown,
-                                 and DebugCall (test-only, refused unless the core was started
-                                 with PAGEDLLM_CORE_TEST_HOOKS)
+                                 and the message types of the extensions the core was started
+                                 with (pagedllm.engine.core_process, --extension); a core
+                                 without one refuses them as it refuses any unknown message
   from the core  (PUSH -> PULL)  Ready or StartupFailed once; then AddsTaken as soon as it has
                                  taken new requests (before it steps), one StepReport per step
                                  (every sequence's new token ids, the requests a failed step
-                                 ended, the core's figures), SnapshotReply and CallReply answers,
-                                 and Dead before the core gives up
+                                 ended, the core's figures), SnapshotReply answers, and Dead
+                                 before the core gives up
 
 What a request carries: its token ids and the SamplingParams as plain data: logit_bias and
 allowed_token_ids (ids and numbers), bad_words as token ids, prompt_logprobs (a count), and a
@@ -71,22 +72,11 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
     call_id: int
 
 
-class DebugCall(msgspec.Struct, tag="debug"):
-    """TEST-ONLY: call function `name` of the module named by the core's PAGEDLLM_CORE_TEST_HOOKS
-    environment variable with (core, **args), between two steps; the answer is a CallReply. Tests
-    inject faults into the core's model step this way (tests/server/core_hooks.py). A core started
-    without that variable refuses every DebugCall."""
-
-    call_id: int
-    name: str
-    args: dict[str, Any] = {}
-
-
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Abort whatever is left, report it, and exit."""
 
 
-ToCore = AddRequest | Abort | AbortSequences | SnapshotRequest | DebugCall | Shutdown
+ToCore = AddRequest | Abort | AbortSequences | SnapshotRequest | Shutdown
 
 # -- from the core -------------------------------------------------------------------------------
 
@@ -139,21 +129,13 @@ class SnapshotReply(msgspec.Struct, tag="snapshot"):
     blocks: BlockMap  # its per-block bytes cross raw (msgpack bin), not as base64
 
 
-class CallReply(msgspec.Struct, tag="reply"):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
 class Dead(msgspec.Struct, tag="dead"):
     """The core gives up (too many failed steps in a row) and exits."""
 
     reason: str
 
 
-FromCore = Ready | StartupFailed | AddsTaken | StepReport | SnapshotReply | CallReply | Dead
-
-TEST_HOOKS_ENV = "PAGEDLLM_CORE_TEST_HOOKS"
+FromCore = Ready | StartupFailed | AddsTaken | StepReport | SnapshotReply | Dead
 
 
 class Codec:

@@ -3,7 +3,8 @@ messages, read what it sends back, notice when it dies.
 
 What crosses, from here: checked, tokenized requests (EngineCoreRequest: ids, numbers, the
 SamplingParams), aborts (a client gone, a stop string found here, where the text is), snapshot
-requests for the dashboard, Shutdown, and in tests DebugCall. What comes back: Ready once, then
+requests for the dashboard, Shutdown, and the messages of the extensions the core was started
+with (core_process, --extension; the tests' fault hooks). What comes back: Ready once, then
 per step the new token ids of every request (StepReport), which the output processor here turns
 into text. Why two processes: the model step and the HTTP front end (parsing, validation,
 tokenizing, chat templates, detokenizing, SSE) then share no GIL and no event loop; each gets a
@@ -22,7 +23,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -45,20 +46,21 @@ class CoreStartupError(ValueError):
 class CoreProcess:
     """One engine core process and the two sockets to it."""
 
-    def __init__(self, config: EngineConfig, num_threads: int, env: dict[str, str] | None = None,
-                 log_level: str | None = None, stderr=None) -> None:
-        """Start the core process (its logs go to stderr: this process's unless given a file)."""
+    def __init__(self, config: EngineConfig, num_threads: int, log_level: str | None = None,
+                 stderr=None, extensions: Sequence[str] = ()) -> None:
+        """Start the core process (its logs go to stderr: this process's unless given a file),
+        with the named extension modules (core_process's --extension)."""
         self.config = config
         self.addresses = Addresses()
         self._context = zmq.Context()
         try:
-            self._start(config, num_threads, env, log_level, stderr)
+            self._start(config, num_threads, log_level, stderr, extensions)
         except BaseException:
             self._context.destroy(linger=0)  # an unclosed context blocks whoever collects it
             self.addresses.remove()
             raise
 
-    def _start(self, config, num_threads, env, log_level, stderr) -> None:
+    def _start(self, config, num_threads, log_level, stderr, extensions) -> None:
         self._to_core = self._context.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy core
         self._to_core.setsockopt(zmq.LINGER, 0)
@@ -76,7 +78,8 @@ class CoreProcess:
                    "--to-core", self.addresses.to_core, "--from-core", self.addresses.from_core,
                    "--config", msgspec.json.encode(config).decode(), "--num-threads", str(num_threads),
                    "--parent-pid", str(os.getpid()), "--log-level", level]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr, env=_child_env(env))
+        command += [argument for name in extensions for argument in ("--extension", name)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr, env=_child_env())
 
     @property
     def pid(self) -> int:
@@ -105,7 +108,8 @@ class CoreProcess:
 
     # -- messages -------------------------------------------------------------------------------
     def send(self, message) -> None:
-        """Queue a message for the core (never blocks). Once closed, nothing: the core is gone,
+        """Queue a message for the core (never blocks), from the thread that runs the event loop
+        (a ZMQ socket is not thread-safe). Once closed, nothing: the core is gone,
         and an abort for it (a client leaving during shutdown) has nobody to read it. The same
         when the core has closed its end (it is exiting): a PUSH socket without a peer would
         block the event loop until one came."""
@@ -115,10 +119,6 @@ class CoreProcess:
             self._to_core.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             logger.debug("the engine core is gone: %s not sent", type(message).__name__)
-
-    def send_raw(self, data: bytes) -> None:
-        """Bytes as they are, message or not: for tests of the core's refusal of garbage."""
-        self._to_core.send(data)
 
     async def receive(self):
         """The next message from the core (awaited in the event loop that first called this);
@@ -176,10 +176,7 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+def _child_env() -> dict[str, str]:
     """This environment, with the pagedllm this process runs first on the child's path (the same
     code on both sides of the channel, wherever it was imported from)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = pythonpath_with_this_package()
-    env.update(extra or {})
-    return env
+    return {**os.environ, "PYTHONPATH": pythonpath_with_this_package()}

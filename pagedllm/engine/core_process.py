@@ -22,6 +22,16 @@ its stdin, a pipe whose other end only the parent holds, reaches end of file (wh
 parent). It ignores SIGINT and SIGTERM, which a terminal's Ctrl-C or a `kill` of the process
 group send to both processes: the API process decides when the core stops (Shutdown), after its
 graceful shutdown has let the running requests finish.
+
+Extensions: `--extension MODULE` (repeatable) imports MODULE in the core process, before the model
+loads (a module that does not import stops start-up with StartupFailed). Once the core is loaded,
+and before Ready, its `extend(loop: CoreLoop)` is called: it may wrap the core's parts
+(loop.core) and register handlers for message types of its own (loop.register(Type, handler): a
+msgspec Struct with a tag no message of core_channel uses; handler(message) runs between two
+steps, in the order the messages came). How an extension answers, if it does, is its own
+business: nothing it sends crosses this channel. A core started without an extension refuses its
+messages as it refuses any unknown one (logged and dropped). The tests inject faults into the
+model step this way (tests/server/core_hooks.py); nothing in the package reads a test switch.
 """
 
 from __future__ import annotations
@@ -33,7 +43,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Union
 
 import msgspec
 import psutil
@@ -41,15 +54,12 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_channel import (
-    TEST_HOOKS_ENV,
     Abort,
     AbortSequences,
     AddRequest,
     AddsTaken,
-    CallReply,
     Codec,
     Dead,
-    DebugCall,
     FromCore,
     Ready,
     Shutdown,
@@ -80,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the core on a slow reader: queue instead
     outbox.setsockopt(zmq.LINGER, 5000)  # the last report still goes out on exit
     outbox.connect(args.from_core)
-    codec = Codec(ToCore)
     try:
-        core = _start(args, codec, outbox)
-        if core is None:
+        loop = _start(args, inbox, outbox)
+        if loop is None:
             return 2
-        return CoreLoop(core, inbox, outbox, codec).run()
+        return loop.run()
     finally:
         inbox.close(linger=0)
         outbox.close()
@@ -100,22 +109,31 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--extension", action="append", default=[], metavar="MODULE",
+                        help="a module whose extend(loop) may wrap the core and handle message "
+                             "types of its own (see this module's docstring); repeatable")
     return parser.parse_args(argv)
 
 
-def _start(args: argparse.Namespace, codec: Codec, outbox: zmq.Socket):
-    """Load the model and allocate the cache; say Ready (and return the core) or say why not."""
+def _start(args: argparse.Namespace, inbox: zmq.Socket, outbox: zmq.Socket) -> CoreLoop | None:
+    """Load the model, allocate the cache and extend the loop; say Ready (and return the loop) or
+    say why not."""
     import torch
 
     from pagedllm.engine.core import EngineCore
 
+    codec = Codec(ToCore)
     try:
+        extensions = _import_extensions(args.extension)
         config = msgspec.json.decode(args.config, type=EngineConfig)
         # Loading (dequantizing weights) uses every core: nothing is served yet.
         torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                               else os.cpu_count() or 1)
         core, loaded = EngineCore.load(config)
         torch.set_num_threads(args.num_threads)
+        loop = CoreLoop(core, inbox, outbox, codec)
+        for extension in extensions:
+            extension.extend(loop)
     except (ValueError, FileNotFoundError, msgspec.ValidationError) as exc:
         outbox.send(codec.encode(StartupFailed(str(exc), user_error=True)))
         return None
@@ -129,7 +147,22 @@ def _start(args: argparse.Namespace, codec: Codec, outbox: zmq.Socket):
         startup_s=time.time() - psutil.Process().create_time(), max_model_len=plan.max_model_len,
         vocab_size=loaded.config.vocab_size, num_threads=torch.get_num_threads(),
         device=str(core.device), dtype=str(core.dtype).removeprefix("torch."), stats=core.stats())))
-    return core
+    return loop
+
+
+def _import_extensions(names: list[str]) -> list[ModuleType]:
+    """The --extension modules; ValueError (the user's to fix) for one that does not import or
+    has no extend(loop)."""
+    modules = []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--extension {name}: the module could not be imported ({exc})") from exc
+        if not callable(getattr(module, "extend", None)):
+            raise ValueError(f"--extension {name}: the module has no extend(loop) function")
+        modules.append(module)
+    return modules
 
 
 class CoreLoop:
@@ -140,7 +173,7 @@ class CoreLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.codec = codec
-        self.hooks = _test_hooks()
+        self._handlers: dict[type, Callable[[Any], None]] = {}  # the extensions' message types
         self.num_added = 0
         self.failures = 0  # failed steps in a row
         self.stopping = False
@@ -178,6 +211,13 @@ class CoreLoop:
                 self._send(Dead(reason))
                 return 1
         return 0
+
+    def register(self, message_type: type[msgspec.Struct], handler: Callable[[Any], None]) -> None:
+        """Decode message_type too (a tagged msgspec Struct of an extension) and hand each one
+        to handler, between two steps. TypeError if its tag is one the channel already uses."""
+        handlers = {**self._handlers, message_type: handler}
+        self.codec = Codec(Union[ToCore, *handlers])
+        self._handlers = handlers
 
     def _failed(self, news: _News, request_ids: list[str], cause: BaseException) -> None:
         self.failures += 1
@@ -227,19 +267,10 @@ class CoreLoop:
             core.abort_sequences(message.sequences)
         elif isinstance(message, SnapshotRequest):
             self._send(SnapshotReply(message.call_id, core.stats(), core.block_map()))
-        elif isinstance(message, DebugCall):
-            self._send(self._debug(message))
         elif isinstance(message, Shutdown):
             self.stopping = True
-
-    def _debug(self, call: DebugCall) -> CallReply:
-        if self.hooks is None:
-            logger.warning("refused a debug call (%s): the core runs without test hooks", call.name)
-            return CallReply(call.call_id, error=f"test hooks are off ({TEST_HOOKS_ENV} is not set)")
-        try:
-            return CallReply(call.call_id, result=getattr(self.hooks, call.name)(self.core, **call.args))
-        except Exception as exc:
-            return CallReply(call.call_id, error=repr(exc))
+        else:
+            self._handlers[type(message)](message)
 
     # -- messages out ---------------------------------------------------------------------------
     def _send(self, message: FromCore) -> None:
@@ -253,12 +284,6 @@ class _News:
     rejected: list[tuple[str, str]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     failure: str | None = None
-
-
-def _test_hooks():
-    """The module PAGEDLLM_CORE_TEST_HOOKS names (tests only), or None."""
-    name = os.environ.get(TEST_HOOKS_ENV)
-    return importlib.import_module(name) if name else None
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Two packings, one copy of the weight each way:
   multiple of 32: panels of 32 output features in the order the tile loads read them. A decode
   step streams every weight from memory once, and this kernel streams them faster than oneDNN's;
   a prefill chunk of hundreds of rows multiplies 10-30% faster, and one of thousands 0-15% slower
-  (docs/benchmarks.md, CPU speed); each row's sums run in one order whatever its batch.
+  (docs/benchmarks-notebook.md, CPU speed); each row's sums run in one order whatever its batch.
 - oneDNN's blocked layout otherwise (`mkldnn._reorder_linear_weight` + `_linear_pointwise`, as
   torch.compile's CPU freezing does): plain F.linear reorders the weight on every call (1.5-1.9x
   slower at decode batch sizes).

@@ -32,7 +32,7 @@ from pagedllm.kernels import matmul
 from pagedllm.model.quant_weight import QuantizedWeight, stack_rows
 
 # Up to this many rows the few-rows kernel runs; above it AMX where it can, else dequantized tiles
-# and a GEMM. Measured on the development machine (docs/benchmarks.md, Quantized weights): with
+# and a GEMM. Measured on the development machine (docs/benchmarks-notebook.md, Quantized weights): with
 # AMX the tile kernel is faster from 5 rows on, without it the few-rows kernel up to 16.
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_BEFORE_AMX = 4

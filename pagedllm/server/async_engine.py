@@ -25,7 +25,6 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -35,9 +34,7 @@ from pagedllm.engine.core_channel import (
     AbortSequences,
     AddRequest,
     AddsTaken,
-    CallReply,
     Dead,
-    DebugCall,
     Shutdown,
     SnapshotReply,
     SnapshotRequest,
@@ -218,13 +215,6 @@ class AsyncEngine:
         reply = await self._call(SnapshotRequest)
         return reply.stats, reply.blocks
 
-    async def debug_call(self, name: str, **args: Any) -> Any:
-        """TEST-ONLY: run hook `name` in the core (see core_channel.DebugCall); its result."""
-        reply = await self._call(DebugCall, name=name, args=args)
-        if reply.error is not None:
-            raise RuntimeError(f"debug call {name} failed in the core: {reply.error}")
-        return reply.result
-
     async def _call(self, message_type, **fields):
         self._check_alive()
         call_id = next(self._call_ids)
@@ -258,7 +248,7 @@ class AsyncEngine:
             self._on_report(message)
         elif isinstance(message, AddsTaken):
             self._take_adds(message)
-        elif isinstance(message, (SnapshotReply, CallReply)):
+        elif isinstance(message, SnapshotReply):
             answer = self._calls.get(message.call_id)
             if answer is not None and not answer.done():
                 answer.set_result(message)

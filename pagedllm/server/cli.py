@@ -101,7 +101,7 @@ def choose_num_threads(requested: int | None) -> tuple[int, str]:
 
     One per core this process may use, as vLLM serves here (its OpenMP threads bound to every
     core). The API process is idle ~95% of the time while the core is busy (py-spy over both,
-    docs/benchmarks.md Serving), so keeping a core for it cost more than it gave: on a quiet
+    docs/benchmarks-notebook.md Serving), so keeping a core for it cost more than it gave: on a quiet
     machine one thread left the core's TPOT at rate 2 at 79 ms against 37 ms with two. On a
     machine whose cores other busy processes share, fewer threads (--num-threads 1) wait less at
     the OpenMP barriers: the same page has that measurement too."""

@@ -60,7 +60,7 @@ patterns and arrays of objects.) xgrammar fills masks 2-7x faster, but:
   Apache-2.0, outlines-core Apache-2.0). outlines-core has no context-free grammars at all and
   compiles a schema to a regex DFA up front (2-40 s here).
 The fill cost is the price: 3-8 ms at 64 JSON-constrained rows (by load) against an 88 ms
-decode step of 64 SmolLM2 requests (docs/benchmarks.md), 4-9%. The bitmask's layout is the
+decode step of 64 SmolLM2 requests (docs/benchmarks-notebook.md), 4-9%. The bitmask's layout is the
 same in all three, so changing the library means changing compiler.py and matcher.py only.
 """
 

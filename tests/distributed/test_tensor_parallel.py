@@ -13,13 +13,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import time
 
 import gguf
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.driver import TensorParallelDriver
 from pagedllm.distributed.group import TensorParallelError
 from pagedllm.engine.core import StepError
 from pagedllm.engine.llm_engine import LLMEngine
@@ -139,15 +139,21 @@ def test_quantized_weight_that_cannot_split_is_refused(tmp_path):
     assert greedy_tokens(split) == greedy_tokens(whole)
 
 
-def test_sizes_that_do_not_split_are_refused_before_anything_starts(tmp_path):
+def test_sizes_that_do_not_split_are_refused_before_anything_starts(tmp_path, monkeypatch):
     folder = save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path)  # 4 heads, 2 KV heads
-    started = time.monotonic()
+    started = []
+
+    def start(cls, *args):
+        started.append(args)
+        raise AssertionError("tensor-parallel workers were started")
+
+    monkeypatch.setattr(TensorParallelDriver, "start", classmethod(start))
     with pytest.raises(ValueError, match="tensor_parallel_size=3: the model's 2 KV heads"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=8: each of the model's 2 KV heads "
                                          "would be replicated on 4 ranks, but has only 2"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=8)
-    assert time.monotonic() - started < 5  # no worker was spawned
+    assert started == []  # no worker was spawned
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=0)
 
@@ -161,7 +167,6 @@ def test_a_worker_that_dies_or_hangs_is_a_clear_error(tmp_path, fault):
     (worker,) = driver._processes
     os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     try:
-        started = time.monotonic()
         with pytest.raises(StepError) as info:
             greedy_tokens(llm, ["after the fault"])
         cause = info.value.__cause__
@@ -169,8 +174,7 @@ def test_a_worker_that_dies_or_hangs_is_a_clear_error(tmp_path, fault):
         if fault == "killed":
             assert "worker 1" in str(cause) and "exited with code -9" in str(cause)
         else:
-            assert "Timed out" in str(cause)
-        assert time.monotonic() - started < 30
+            assert "Timed out" in str(cause)  # after distributed_timeout_s, not never
         # The group stays broken: the next step fails at once, with the same reason.
         with pytest.raises(StepError, match="tensor parallel"):
             greedy_tokens(llm, ["again"])
@@ -192,6 +196,7 @@ def test_workers_stop_with_the_engine(tmp_path):
 
 
 @requires_default_model
+@pytest.mark.timeout(300)  # two engines on the default model: ~60 s under load
 def test_default_model_greedy_tokens_equal_size_one():
     # SmolLM2-135M: 9 attention heads in 3 KV groups, split 6 + 3 heads (2 + 1 KV heads).
     whole = LLM(dtype="float32", num_kv_blocks=64)

@@ -78,6 +78,7 @@ def bytes_per_block(llm: LLM, block_size: int) -> int:
     return plan.bytes_per_block * block_size // plan.block_size
 
 
+@pytest.mark.timeout(300)  # loads transformers' copy of the default model first: ~70 s under load
 def test_greedy_matches_transformers_on_the_default_model(llm, hf_default_model):
     tokenizer = llm.get_tokenizer()
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),

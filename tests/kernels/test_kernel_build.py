@@ -38,6 +38,7 @@ def _kill_tree(process: subprocess.Popen) -> None:
 
 
 @needs_compiler
+@pytest.mark.timeout(600)  # its own bounds: 120 s for the build to start, 300 s for the start after
 def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
     cache = tmp_path / "cache"
     builder = subprocess.Popen(
@@ -52,7 +53,6 @@ def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
     assert not list(cache.glob("torch_extensions/*/BUILT"))
 
     model = save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path / "model")
-    started = time.monotonic()
     # A bound shorter than a build: this start takes the portable path, with one warning.
     served = subprocess.run(
         [sys.executable, "-m", "pagedllm.cli", "generate", "ab", "--model", str(model),
@@ -63,7 +63,6 @@ def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
     assert served.stdout.strip(), "no text generated"
     warnings = [line for line in served.stderr.splitlines() if "CPU kernels unavailable" in line]
     assert len(warnings) == 1 and "did not finish within 3 s" in warnings[0], served.stderr[-2000:]
-    assert time.monotonic() - started < 240
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE], "a build was left running"
 

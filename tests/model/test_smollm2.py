@@ -83,6 +83,7 @@ def test_detokenizer_never_emits_half_a_character(default_model):
     assert "".join(deltas) == text
 
 
+@pytest.mark.timeout(300)  # transformers' greedy decode on the CPU: ~40 s under load
 @torch.inference_mode()
 def test_greedy_matches_transformers(default_model, hf_default_model):
     tokenizer = default_model.tokenizer

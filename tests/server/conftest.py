@@ -1,12 +1,11 @@
 """A real uvicorn server on a free loopback port, its engine core in a process of its own as
 `pagedllm serve` runs it, over the default model in float32, or a tiny random Llama (byte
 tokenizer, 64 positions) for tests that need many fast requests or a server of their own (storms,
-faults, fuzzing, limits). Faults are injected into the core process through its test hooks
-(tests/server/core_hooks.py, RunningServer.debug)."""
+faults, fuzzing, limits). Faults are injected into the core process through its test hooks, an
+extension the core is started with (tests/server/core_hooks.py, RunningServer.debug)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 import threading
@@ -19,13 +18,13 @@ import torch
 import uvicorn
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_channel import TEST_HOOKS_ENV
 from pagedllm.engine.core_client import CoreProcess
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.model.tokenizer_files import load_tokenizer
 from pagedllm.server.app import build_app
 from pagedllm.server.async_engine import AsyncEngine
 from tests.conftest import requires_default_model, wait_until_healthy
+from tests.server import core_hooks
 
 MODEL_NAME = "smollm2-test"
 API_KEY = "test-key-123"
@@ -43,6 +42,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class HandlerCount:
+    """The app, counting the HTTP requests whose handlers have not returned yet (read from the
+    test's thread: a plain int, written only by the event loop's)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.running = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= 1
+
+
 class RunningServer:
     """`pagedllm serve` inside the test process, but for the core: the core is a real process
     (one torch thread: the tiny model's matmuls are too small to share), the API runs in a
@@ -50,17 +68,19 @@ class RunningServer:
 
     def __init__(self, config: EngineConfig, api_key: str | None = None,
                  async_engine_kwargs: dict | None = None, core_log: Path | None = None,
-                 **app_kwargs) -> None:
+                 with_hooks: bool = True, **app_kwargs) -> None:
         self.core_log = open(core_log, "w") if core_log is not None else None
-        self.core = CoreProcess(config, num_threads=1, env={TEST_HOOKS_ENV: "tests.server.core_hooks"},
-                                stderr=self.core_log)
+        self.core = CoreProcess(config, num_threads=1, stderr=self.core_log,
+                                extensions=[core_hooks.EXTENSION] if with_hooks else [])
         ready = self.core.wait_ready()
         self.async_engine = AsyncEngine(self.core, load_tokenizer(ready.model_path),
                                         **(async_engine_kwargs or {}))
         self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)
+        self.hooks = core_hooks.HookClient()
+        self.handlers = HandlerCount(self.app)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        uvicorn_config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        uvicorn_config = uvicorn.Config(self.handlers, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(uvicorn_config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -79,13 +99,19 @@ class RunningServer:
         if self.thread.is_alive():  # closing the sockets under its event loop would crash libzmq
             raise AssertionError("the server thread did not stop within 30 s")
         self.core.close()
+        self.hooks.close()
         if self.core_log is not None:
             self.core_log.close()
 
+    def send_to_core(self, message) -> None:
+        """Put a message on the channel to the core, from the event loop's thread (which owns the
+        socket); msgspec.Raw(frame) sends a frame as it is."""
+        self.async_engine._loop.call_soon_threadsafe(self.core.send, message)
+
     def debug(self, name: str, **args):
-        """Run test hook `name` (tests/server/core_hooks.py) in the core, between two steps."""
-        call = self.async_engine.debug_call(name, **args)
-        return asyncio.run_coroutine_threadsafe(call, self.async_engine._loop).result(timeout=60)
+        """Run test hook `name` (tests/server/core_hooks.py) in the core, between two steps; its
+        result."""
+        return self.hooks.call(self.send_to_core, name, timeout_s=60, **args)
 
     def poison_ids(self, prompt: str) -> list[int]:
         return self.async_engine.input_processor.tokenizer.encode(prompt)
@@ -100,6 +126,20 @@ class RunningServer:
                 return stats
             time.sleep(0.05)
         raise AssertionError(f"server still busy: {self.async_engine.stats}")
+
+
+@pytest.fixture
+def core_starts(monkeypatch) -> list[EngineConfig]:
+    """The engine core processes something tried to start from now on, each refused (an
+    AssertionError): for checks that bad settings stop `pagedllm serve` before any model load."""
+    started: list[EngineConfig] = []
+
+    def refuse(config: EngineConfig, *args, **kwargs):
+        started.append(config)
+        raise AssertionError("an engine core process was started")
+
+    monkeypatch.setattr("pagedllm.engine.core_client.CoreProcess", refuse)
+    return started
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ outlives the API process, and a graceful shutdown lets running requests finish."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -21,11 +20,10 @@ import pytest
 
 import pagedllm
 from pagedllm.engine.core_channel import Abort, SnapshotRequest
-from pagedllm.engine.core_client import CoreProcess
-from pagedllm.model.tokenizer_files import load_tokenizer
-from pagedllm.server.async_engine import AsyncEngine
+from pagedllm.engine.core_client import CoreProcess, CoreStartupError
 from tests.conftest import wait_until_healthy
 from tests.server.conftest import RunningServer, free_port, tiny_config
+from tests.server.core_hooks import HookCall
 
 BODY = {"prompt": "A normal request", "max_tokens": 8, "temperature": 0}
 
@@ -35,8 +33,11 @@ def complete(server, **fields) -> httpx.Response:
 
 
 def test_malformed_messages_are_dropped_and_the_core_goes_on(tiny_model_dir, tmp_path):
+    """Garbage, and a test hook's call to a core started without the hooks extension (as every
+    core `pagedllm serve` starts is; tests/server/test_faults.py calls them in cores started
+    with it): each is logged and dropped, nothing runs, the core serves on with the same text."""
     core_log = tmp_path / "core.log"
-    with RunningServer(tiny_config(tiny_model_dir), core_log=core_log) as server:
+    with RunningServer(tiny_config(tiny_model_dir), core_log=core_log, with_hooks=False) as server:
         solo = complete(server).json()["choices"][0]["text"]
         encoder = msgspec.msgpack.Encoder()
         garbage = [
@@ -45,11 +46,12 @@ def test_malformed_messages_are_dropped_and_the_core_goes_on(tiny_model_dir, tmp
             encoder.encode({"type": "add", "request": {"request_id": 5}}),  # wrong field types
             encoder.encode({"type": "launch_missiles"}),  # no such message
             encoder.encode([1, 2, 3]),
+            encoder.encode(HookCall("fail_steps", server.hooks.reply_to, {"when": "always"})),
             encoder.encode(Abort(["no-such-request"])),  # well formed, names nothing: skipped
             encoder.encode(SnapshotRequest(call_id=-1)) + b"trailing bytes",
         ]
         for frame in garbage:
-            server.core.send_raw(frame)
+            server.send_to_core(msgspec.Raw(frame))
         after = complete(server)
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo
         assert server.core.process.poll() is None
@@ -59,24 +61,11 @@ def test_malformed_messages_are_dropped_and_the_core_goes_on(tiny_model_dir, tmp
     assert "Traceback" not in log
 
 
-def test_a_core_without_test_hooks_refuses_debug_calls(tiny_model_dir):
-    core = CoreProcess(tiny_config(tiny_model_dir), num_threads=1)
-    try:
-        ready = core.wait_ready()
-        engine = AsyncEngine(core, load_tokenizer(ready.model_path))
-
-        async def call():
-            engine.start()
-            try:
-                await engine.debug_call("fail_steps", when="always")
-            finally:
-                await engine.stop()
-
-        with pytest.raises(RuntimeError, match="test hooks are off"):
-            asyncio.run(call())
-        assert core.process.returncode == 0  # stopped by Shutdown
-    finally:
-        core.close()
+def test_an_extension_that_does_not_import_stops_start_up(tiny_model_dir):
+    core = CoreProcess(tiny_config(tiny_model_dir), num_threads=1, extensions=["tests.no_such_module"])
+    with pytest.raises(CoreStartupError, match=r"--extension tests.no_such_module: the module could "
+                                               r"not be imported \(No module named 'tests.no_such_module'\)"):
+        core.wait_ready()
 
 
 def test_a_killed_core_is_a_503_and_running_requests_fail(tiny_model_dir):

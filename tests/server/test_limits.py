@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from pagedllm.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pagedllm.server.protocol import MAX_PROMPTS_PER_REQUEST, MAX_STOP_TOKEN_IDS
+from tests.conftest import await_for, wait_for
 from tests.server.conftest import RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -140,9 +140,7 @@ def stalled_core(server: RunningServer, tmp_path: Path):
     server.debug("stall_steps", stalled_path=str(stalled), release_path=str(release))
 
     def wait_stalled() -> None:
-        deadline = time.monotonic() + 30
-        while not stalled.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(stalled.exists, "the core to hold its model step")
 
     try:
         yield wait_stalled
@@ -163,8 +161,8 @@ def test_full_waiting_queue_gives_a_fast_503_with_retry_after(tiny_model_dir, tm
                     await asyncio.to_thread(wait_stalled)  # the first request is in a step
                     waiting = [asyncio.ensure_future(client.post("/v1/completions", json=body))
                                for _ in range(2)]
-                    while server.async_engine.num_waiting < 2:
-                        await asyncio.sleep(0.01)
+                    await await_for(lambda: server.async_engine.num_waiting >= 2,
+                                    "two requests waiting in front of the stalled core")
                     refused = await client.post("/v1/completions", json=body)
                     several = await client.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
                     streamed = await client.post("/v1/chat/completions", json={

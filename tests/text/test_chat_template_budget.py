@@ -3,8 +3,6 @@ broken one stops start-up in one line, and message text cannot forge control tok
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pagedllm.engine.input_processor import InputProcessor, InvalidInput
@@ -39,10 +37,9 @@ def render(source: str, **budget) -> str:
     "{% for i in range(100000) %}{{ spin(100000) }}{% endfor %}",
 ])
 def test_a_looping_template_is_cut_by_its_time_budget(source):
-    started = time.monotonic()
+    """Each loops for hours unless cut (the per-test timeout fails it then)."""
     with pytest.raises(TemplateTimeout, match="within 0.3 s"):
         render(source, timeout_s=0.3)
-    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("source", [
@@ -57,10 +54,9 @@ def test_a_looping_template_is_cut_by_its_time_budget(source):
     "{{ 10 ** 100000000 }}",
 ])
 def test_an_inflating_template_is_cut_by_its_size_budget(source):
-    started = time.monotonic()
+    """Each would build hundreds of MB, or loop for long, unless cut first."""
     with pytest.raises(TemplateTooLong):
         render(source, max_chars=100_000)
-    assert time.monotonic() - started < 5
 
 
 def test_templates_within_the_budget_render_as_jinja_does():

@@ -13,7 +13,7 @@ round-half-even to an integer for int8 (max_code 127), to the nearest fp8 value 
 (448) and fp8_e5m2 (57344). Each token is quantized by itself, so a request's cache never
 depends on what else was in the batch.
 
-Measured on the default model in bfloat16 (docs/benchmarks.md, KV cache dtypes):
+Measured on the default model in bfloat16 (docs/benchmarks-notebook.md, KV cache dtypes):
 - The scale is float16, not float32: perplexity +0.42% over auto's with float16 scales, +0.29%
   with float32 ones, a difference inside the measurement's own noise (about 0.3%), for fewer
   bytes, which is the point: at head_dim 64 a token's head takes 66 bytes against bf16's 128
