@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from pagedllm import envs
 from pagedllm.config import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -79,14 +81,15 @@ def _optional_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before torch is imported: OpenMP threads that spin forever between parallel regions
-    # collapse throughput when another process shares the cores; a bounded spin kept idle-machine
-    # speed and stayed fast under load (docs/benchmarks.md, CPU speed). The user's value wins.
-    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+    envs.apply_process_defaults()  # before torch is imported: OpenMP reads them once
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    undeclared = envs.undeclared_pagedllm_variables()
+    if undeclared:
+        logger.warning("ignoring %s: pagedllm reads no such environment variable (pagedllm/envs.py "
+                       "lists those it does)", ", ".join(undeclared))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -28,9 +28,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_channel import Addresses, Codec, FromCore, Ready, StartupFailed, ToCore
-from pagedllm.utils import pythonpath_with_this_package
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class CoreProcess:
                    "--to-core", self.addresses.to_core, "--from-core", self.addresses.from_core,
                    "--config", msgspec.json.encode(config).decode(), "--num-threads", str(num_threads),
                    "--parent-pid", str(os.getpid()), "--log-level", level]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr, env=_child_env(env))
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr,
+                                        env=envs.child_environ(env))
 
     @property
     def pid(self) -> int:
@@ -176,10 +177,3 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
-    """This environment, with the pagedllm this process runs first on the child's path (the same
-    code on both sides of the channel, wherever it was imported from)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = pythonpath_with_this_package()
-    env.update(extra or {})
-    return env
