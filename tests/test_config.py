@@ -247,3 +247,10 @@ def test_the_readme_names_every_engine_flag():
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     missing = [flag_name(f) for f in fields(EngineConfig) if flag_name(f).removeprefix("--") not in readme]
     assert not missing, f"README.md's flags paragraph lacks {missing}"
+
+
+def test_an_engine_takes_a_config_or_its_fields_as_keywords_not_both():
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(TypeError, match="not both .*max_num_seqs"):
+        LLMEngine(EngineConfig(), max_num_seqs=3)
