@@ -91,15 +91,17 @@ def check_device_name(device: str) -> None:
 # -- declaring a setting --------------------------------------------------------------------------
 def setting(default, help: str, *, choices: tuple | None = None, flag: str | None = None,
             aliases: tuple[str, ...] = (), parse: Callable[[str], object] | None = None,
-            check: Callable[[str, object], None] | None = None, group: str | None = None):
+            check: Callable[[str, object], None] | None = None, group: str | None = None,
+            secret: bool = False):
     """A dataclass field that declares its flag too.
 
     help: what it does (and what None means, where None is its default); choices: the values it
     takes; flag: its flag where that is not `--the-field-name` (vLLM's spelling wins), aliases:
     more spellings (`-tp`); parse: the flag's text -> value, for types other than int, float, str
     (bool fields get `--x/--no-x`); check(name, value): a rule of its own, raising ValueError,
-    run instead of the type and choices check; group: the --help section it is listed in."""
-    return field(default=default, metadata={
+    run instead of the type and choices check; group: the --help section it is listed in;
+    secret: left out of the config's repr (an API key must not reach a log line)."""
+    return field(default=default, repr=not secret, metadata={
         "help": help, "choices": choices, "flag": flag, "aliases": aliases, "parse": parse,
         "check": check, "group": group})
 

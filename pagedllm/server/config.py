@@ -49,7 +49,7 @@ class ServerConfig:
         None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and on the live "
         "data of the dashboard at / (the page asks for it); or set "
         f"{API_KEY_ENV} (or {VLLM_API_KEY_ENV}), or --api-key-file, so that the key is not in the "
-        "process list")
+        "process list", secret=True)
     api_key_file: str | None = setting(None, "a file holding the API key (its first line)")
     served_model_name: str | None = setting(
         None, "the model's name in the API (default: --model, or the default model's name)")

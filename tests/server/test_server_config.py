@@ -116,3 +116,7 @@ def test_the_readme_names_every_server_flag():
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     missing = [flag_name(f) for f in fields(ServerConfig) if flag_name(f) not in readme]
     assert not missing, f"README.md lacks {missing}"
+
+
+def test_the_api_key_never_shows_in_the_settings_repr():
+    assert "s3cret" not in repr(ServerConfig(api_key="s3cret"))
