@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 import types
 import typing
@@ -78,7 +79,8 @@ def canonical_dtype(name) -> str:
 
 def canonical_kv_cache_dtype(name: str) -> str:
     """The kv_cache_dtype a name means ("fp8" -> "fp8_e4m3"); ValueError naming the valid ones."""
-    _check_choice("kv_cache_dtype", name, KV_CACHE_DTYPES)
+    if name not in KV_CACHE_DTYPES:
+        raise _choice_error("kv_cache_dtype", name, KV_CACHE_DTYPES)
     return KV_CACHE_DTYPE_ALIASES.get(name, name)
 
 
@@ -99,21 +101,21 @@ def setting(default, help: str, *, choices: tuple | None = None, flag: str | Non
     takes; flag: its flag where that is not `--the-field-name` (vLLM's spelling wins), aliases:
     more spellings (`-tp`); parse: the flag's text -> value, for types other than int, float, str
     (bool fields get `--x/--no-x`); check(name, value): a rule of its own, raising ValueError,
-    run instead of the type and choices check; group: the --help section it is listed in;
+    run instead of the choices or type check; group: the --help section it is listed in;
     secret: left out of the config's repr (an API key must not reach a log line)."""
     return field(default=default, repr=not secret, metadata={
         "help": help, "choices": choices, "flag": flag, "aliases": aliases, "parse": parse,
         "check": check, "group": group})
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+def _choice_error(name: str, value, choices: tuple) -> ValueError:
+    return ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def check_fields(config) -> None:
     """Each field of a settings dataclass against its declaration: its own check where it has
-    one, else its type and choices. A None where None is the default always passes."""
+    one, else its choices where it has them, else its type. A None where None is the default
+    always passes."""
     hints = _type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
@@ -123,10 +125,12 @@ def check_fields(config) -> None:
         if check is not None:
             check(f.name, value)
             continue
-        if not _has_type(value, hints[f.name]):
+        choices = f.metadata.get("choices")
+        if choices is not None:  # the valid values say more than their type (and True == 1)
+            if not (_has_type(value, hints[f.name]) and value in choices):
+                raise _choice_error(f.name, value, choices)
+        elif not _has_type(value, hints[f.name]):
             raise ValueError(f"{f.name} must be {_type_words(hints[f.name])}; got {value!r}")
-        if f.metadata.get("choices") is not None:
-            _check_choice(f.name, value, f.metadata["choices"])
 
 
 @functools.cache
@@ -163,7 +167,7 @@ def _is_a(value, kind) -> bool:
 
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               type(None): "None"}
+               os.PathLike: "a path", type(None): "None"}
 
 
 def _type_words(hint) -> str:
@@ -235,9 +239,9 @@ class EngineConfig:
     """Everything `LLM(...)` and the engine flags of every command accept, named like vLLM's
     options: the one place their defaults, help and choices are declared."""
 
-    model: str | None = setting(
+    model: str | os.PathLike | None = setting(
         None, "a Hugging Face model folder or a .gguf file (default: the embedded "
-        "SmolLM2-135M-Instruct)")
+        "SmolLM2-135M-Instruct)", parse=str)
     dtype: str = setting(
         "auto", "the model's dtype: auto is bfloat16 where the device computes in it natively, "
         "else float32 on a CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)

@@ -59,7 +59,7 @@ def test_engine_config_checks_every_part():
 @pytest.mark.parametrize("name,value,words", [
     ("seed", "3", "an integer"), ("enable_prefix_caching", 1, "true or false"),
     ("batch_invariant", "yes", "true or false"), ("max_model_len", 2.5, "an integer or None"),
-    ("quantization_group_size", True, "an integer"), ("model", 3, "a string or None"),
+    ("quantization_group_size", True, "an integer"), ("model", 3, "a string or a path or None"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_the_field(name, value, words):
     with pytest.raises(ValueError, match=f"{name} must be {words}; got"):
@@ -236,7 +236,7 @@ def test_the_start_up_line_names_every_choice_that_changes_which_code_runs(tiny_
                   kv_cache_dtype="int8", enable_prefix_caching=False, batch_invariant=True,
                   device="cpu")
     (line,) = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
-    for words in ("cpu, float32", "8 blocks x 16 tokens", "KV dtype int8", "paged layout",
+    for words in ("cpu, float32,", "8 blocks x 16 tokens", "KV dtype int8", "paged layout",
                   "weights", "prefix caching off", "tensor_parallel_size 1", "batch-invariant"):
         assert words in line, (words, line)
 
@@ -254,3 +254,10 @@ def test_an_engine_takes_a_config_or_its_fields_as_keywords_not_both():
 
     with pytest.raises(TypeError, match="not both .*max_num_seqs"):
         LLMEngine(EngineConfig(), max_num_seqs=3)
+
+
+def test_a_choice_is_of_the_fields_type_too():
+    with pytest.raises(ValueError, match="block_size must be one of 1, 2, 4"):
+        EngineConfig(block_size=True)  # == 1 to Python
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
+        EngineConfig(kv_cache_dtype=None)

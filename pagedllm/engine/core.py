@@ -153,13 +153,13 @@ class EngineCore:
         return self.scheduler.config
 
     def describe(self, weights_note: str) -> str:
-        """The start-up line: every choice that changes which code runs. The device and dtype; the
-        KV cache's blocks, bytes and what fits; the weights' bytes and weights_note
-        (LoadedModel.weights_note: what stayed quantized, what is float); prefix caching, tensor
+        """The start-up line: every choice that changes which code runs. The KV cache's blocks,
+        bytes and what fits; the weights' bytes and weights_note (LoadedModel.weights_note: what
+        stayed quantized, what is float); the device and dtype; prefix caching, tensor
         parallelism, batch invariance."""
-        return (f"{self.device}, {str(self.dtype).removeprefix('torch.')}; "
-                f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
-                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); {self.choices}")
+        return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
+                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); "
+                f"{self.device}, {str(self.dtype).removeprefix('torch.')}, {self.choices}")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
