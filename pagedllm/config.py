@@ -167,7 +167,7 @@ def _is_a(value, kind) -> bool:
 
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               os.PathLike: "a path", type(None): "None"}
+               type(None): "None"}
 
 
 def _type_words(hint) -> str:
@@ -186,6 +186,11 @@ def check_positive_seconds(name: str, value) -> None:
 
 def _memory_size(name: str, value) -> None:
     parse_size(value)
+
+
+def _model_path(name: str, value) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name} must be a path (a string or os.PathLike) or None; got {value!r}")
 
 
 def _dtype(name: str, value) -> None:
@@ -239,9 +244,11 @@ class EngineConfig:
     """Everything `LLM(...)` and the engine flags of every command accept, named like vLLM's
     options: the one place their defaults, help and choices are declared."""
 
-    model: str | os.PathLike | None = setting(
+    # A str as declared (the core process decodes the config by its annotations); a Path is taken
+    # too, offline.
+    model: str | None = setting(
         None, "a Hugging Face model folder or a .gguf file (default: the embedded "
-        "SmolLM2-135M-Instruct)", parse=str)
+        "SmolLM2-135M-Instruct)", check=_model_path)
     dtype: str = setting(
         "auto", "the model's dtype: auto is bfloat16 where the device computes in it natively, "
         "else float32 on a CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)

@@ -59,7 +59,8 @@ def test_engine_config_checks_every_part():
 @pytest.mark.parametrize("name,value,words", [
     ("seed", "3", "an integer"), ("enable_prefix_caching", 1, "true or false"),
     ("batch_invariant", "yes", "true or false"), ("max_model_len", 2.5, "an integer or None"),
-    ("quantization_group_size", True, "an integer"), ("model", 3, "a string or a path or None"),
+    ("quantization_group_size", True, "an integer"),
+    ("model", 3, "a path \\(a string or os.PathLike\\) or None"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_the_field(name, value, words):
     with pytest.raises(ValueError, match=f"{name} must be {words}; got"):
@@ -261,3 +262,23 @@ def test_a_choice_is_of_the_fields_type_too():
         EngineConfig(block_size=True)  # == 1 to Python
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
         EngineConfig(kv_cache_dtype=None)
+
+
+def test_a_config_crosses_to_the_core_process_whole():
+    """The core process decodes its EngineConfig by the annotations (msgspec): every field's type
+    must be one msgspec can decode, and the config arrives equal."""
+    import msgspec
+
+    config = EngineConfig(model="m.gguf", dtype="bf16", block_size=32, kv_cache_memory="1GiB",
+                          num_kv_blocks=5, max_model_len=100, enable_prefix_caching=False,
+                          kv_cache_dtype="fp8", device="cpu", distributed_timeout_s=2.5,
+                          batch_invariant=True)
+    assert msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig) == config
+    assert msgspec.json.decode(msgspec.json.encode(EngineConfig(kv_cache_memory=10**9)),
+                               type=EngineConfig).kv_cache_memory == 10**9
+
+
+def test_a_model_path_may_be_a_path_offline():
+    from pathlib import Path
+
+    assert EngineConfig(model=Path("m.gguf")).model == Path("m.gguf")
