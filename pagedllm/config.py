@@ -1,10 +1,29 @@
-"""Typed engine settings and size parsing. No torch here."""
+"""Typed, validated settings, and the command-line flags derived from them. No torch here.
+
+A setting is declared once, as a dataclass field made by `setting(...)`: its type (the
+annotation), default, help, choices (from the tables below) and, where it is not the field's name,
+its flag. `add_config_args` turns every field of a settings class into one flag and
+`config_from_args` maps the parsed flags back, so a field added later gets its flag with no more
+code. EngineConfig is the engine's (`LLM(...)`, every command's engine flags); the server's
+ServerConfig (pagedllm/server/config.py) is built the same way. The process-wide environment
+variables are pagedllm/envs.py's.
+
+Validation happens in one place, the dataclass's __post_init__: each field's type and choices
+(from the declaration), its own check where it has one, then the rules that tie fields together.
+Code never changes a config it is given: a changed copy is `dataclasses.replace(config, ...)`,
+which validates again.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
-from dataclasses import dataclass, fields
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -27,6 +46,12 @@ def parse_size(value: int | float | str) -> int:
     return size
 
 
+# -- the tables a setting's choices come from ----------------------------------------------------
+# The model's dtype, by vLLM's and torch's names. "auto": bfloat16 where the device computes in it
+# natively, else float32 on a CPU and float16 on a GPU (pagedllm.model.loader.resolve_dtype).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                 "fp16": "float16"}
 VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
 KV_LAYOUTS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max", "request")
@@ -34,13 +59,6 @@ CONTIGUOUS_RESERVES = ("max", "request")
 # (pagedllm.kernels.attention.kv_quant). "fp8" is vLLM's alias for fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
-
-
-def canonical_kv_cache_dtype(name: str) -> str:
-    """The kv_cache_dtype a name means ("fp8" -> "fp8_e4m3"); ValueError naming the valid ones."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    return KV_CACHE_DTYPE_ALIASES.get(name, name)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 # How the ranks past 0 of a tensor-parallel engine start (vLLM's names): "mp", the engine spawns
 # them on this machine; "external_launcher", they are started elsewhere (torchrun, or by hand with
@@ -48,10 +66,151 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 
+def canonical_dtype(name) -> str:
+    """The dtype a name means, one of DTYPES ("half" -> "float16"); a torch.dtype is taken by its
+    name. ValueError naming the valid ones."""
+    text = str(name).removeprefix("torch.")
+    text = DTYPE_ALIASES.get(text, text)
+    if text not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}); "
+                         f"got {name!r}")
+    return text
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """The kv_cache_dtype a name means ("fp8" -> "fp8_e4m3"); ValueError naming the valid ones."""
+    if name not in KV_CACHE_DTYPES:
+        raise _choice_error("kv_cache_dtype", name, KV_CACHE_DTYPES)
+    return KV_CACHE_DTYPE_ALIASES.get(name, name)
+
+
 def check_device_name(device: str) -> None:
     """auto, cpu, cuda or cuda:N (whether CUDA is there is checked where torch is)."""
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}")
+
+
+# -- declaring a setting --------------------------------------------------------------------------
+def setting(default, help: str, *, choices: tuple | None = None, flag: str | None = None,
+            aliases: tuple[str, ...] = (), parse: Callable[[str], object] | None = None,
+            check: Callable[[str, object], None] | None = None, group: str | None = None,
+            secret: bool = False):
+    """A dataclass field that declares its flag too.
+
+    help: what it does (and what None means, where None is its default); choices: the values it
+    takes; flag: its flag where that is not `--the-field-name` (vLLM's spelling wins), aliases:
+    more spellings (`-tp`); parse: the flag's text -> value, for types other than int, float, str
+    (bool fields get `--x/--no-x`); check(name, value): a rule of its own, raising ValueError,
+    run instead of the choices or type check; group: the --help section it is listed in;
+    secret: left out of the config's repr (an API key must not reach a log line)."""
+    return field(default=default, repr=not secret, metadata={
+        "help": help, "choices": choices, "flag": flag, "aliases": aliases, "parse": parse,
+        "check": check, "group": group})
+
+
+def _choice_error(name: str, value, choices: tuple) -> ValueError:
+    return ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def check_fields(config) -> None:
+    """Each field of a settings dataclass against its declaration: its own check where it has
+    one, else its choices where it has them, else its type. A None where None is the default
+    always passes."""
+    hints = _type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is None and f.default is None:
+            continue
+        check = f.metadata.get("check")
+        if check is not None:
+            check(f.name, value)
+            continue
+        choices = f.metadata.get("choices")
+        if choices is not None:  # the valid values say more than their type (and True == 1)
+            if not (_has_type(value, hints[f.name]) and value in choices):
+                raise _choice_error(f.name, value, choices)
+        elif not _has_type(value, hints[f.name]):
+            raise ValueError(f"{f.name} must be {_type_words(hints[f.name])}; got {value!r}")
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _type_args(hint) -> tuple:
+    """The types a hint allows: (int, NoneType) for `int | None`; (hint,) for a plain one."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _has_type(value, hint) -> bool:
+    return any(_is_a(value, kind) for kind in _type_args(hint))
+
+
+def _is_a(value, kind) -> bool:
+    """isinstance as a setting means it: True is no integer, an integer is a float, a
+    tuple[str, ...] holds strings."""
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    if typing.get_origin(kind) is tuple:
+        item = typing.get_args(kind)[0]
+        return isinstance(value, tuple) and all(_is_a(v, item) for v in value)
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               type(None): "None"}
+
+
+def _type_words(hint) -> str:
+    return " or ".join(_TYPE_WORDS.get(t, str(t)) for t in _type_args(hint))
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def check_positive_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+
+
+def _memory_size(name: str, value) -> None:
+    parse_size(value)
+
+
+def _model_path(name: str, value) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name} must be a path (a string or os.PathLike) or None; got {value!r}")
+
+
+def _dtype(name: str, value) -> None:
+    canonical_dtype(value)
+
+
+def _device(name: str, value) -> None:
+    check_device_name(value)
+
+
+def _generation_config(name: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
+                         f"a generation_config.json; got {value!r}")
+
+
+def _size_flag(text: str) -> int | str:
+    """--kv-cache-memory's text: bytes as an int, a size with a unit as written ("2GiB")."""
+    parse_size(text)
+    return int(text) if text.strip().isdigit() else text
 
 
 @dataclass
@@ -65,7 +224,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
@@ -82,86 +241,83 @@ def default_block_size(device_type: str) -> int:
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` and `pagedllm serve` accept, named like vLLM's options. The one
-    place their defaults are declared: the CLI and the offline API read them from here."""
+    """Everything `LLM(...)` and the engine flags of every command accept, named like vLLM's
+    options: the one place their defaults, help and choices are declared."""
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"
-    block_size: int | None = None  # tokens per KV block; None: default_block_size(the device)
-    kv_cache_memory: int | str | None = None  # bytes or "512MiB"; None: a share of free RAM
-    num_kv_blocks: int | None = None  # the budget in blocks instead of bytes (overrides memory)
-    # None: the model's own limit (max_position_embeddings), cut to the longest request the KV
-    # budget holds where that is less (pagedllm.core.kv.plan)
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    # Tokens per step, as vLLM's CPU defaults: 4096 offline (longer prefill chunks, fewer steps:
-    # the bench workload 1.5% faster than with 2048); `pagedllm serve` keeps 2048
+    # A str as declared (the core process decodes the config by its annotations); a Path is taken
+    # too, offline.
+    model: str | None = setting(
+        None, "a Hugging Face model folder or a .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)", check=_model_path)
+    dtype: str = setting(
+        "auto", "the model's dtype: auto is bfloat16 where the device computes in it natively, "
+        "else float32 on a CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)
+    block_size: int | None = setting(
+        None, "tokens per KV block (default: 64 on the CPU, 16 on a GPU)", choices=VALID_BLOCK_SIZES)
+    kv_cache_memory: int | str | None = setting(
+        None, "the KV cache's budget: bytes, or e.g. 512MiB, 2GiB (default: a share of the free "
+        "memory)", parse=_size_flag, check=_memory_size)
+    num_kv_blocks: int | None = setting(
+        None, "the KV cache's budget in blocks instead of bytes (overrides --kv-cache-memory)",
+        check=check_positive_int)
+    max_model_len: int | None = setting(
+        None, "the longest request, prompt and output (default: the model's limit, cut to the "
+        "longest request the KV cache holds where that is less; the start-up line says which)")
+    max_num_seqs: int = setting(256, "requests in one step at most")
+    # 4096 tokens per step, as vLLM's CPU default: longer prefill chunks, fewer steps (the bench
+    # workload 1.5% faster than with 2048). `pagedllm serve` keeps 2048
     # (SERVE_MAX_NUM_BATCHED_TOKENS): a shorter step delays the streams it runs beside less.
-    max_num_batched_tokens: int = 4096
-    kv_layout: str = "paged"  # or "contiguous"
-    # contiguous layout only: reserve max_model_len ("max") or prompt + max_tokens ("request")
-    contiguous_reserve: str = "max"
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # or int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
-    seed: int = 0
-    device: str = "auto"  # "auto": CUDA where available, else the CPU
-    # auto: a GGUF's quantized weights stay quantized, float checkpoints stay float; none:
-    # dequantize at load; int8 / int4: quantize a Hugging Face folder's matmul weights at load.
-    quantization: str = "auto"
-    quantization_group_size: int = 32  # inputs per scale, for int8 / int4
-    # Sampling defaults for unset request fields: "auto" (the model's generation_config.json),
-    # "vllm" or "none" (SamplingParams' own), or a folder with a generation_config.json.
-    generation_config: str = "auto"
-    # Tensor parallelism (pagedllm.distributed): the model split over this many processes.
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"  # or "external_launcher"
-    # How long a rank waits for the others in one collective before the engine fails (a worker
-    # that hangs); a dead worker fails the step at once.
-    distributed_timeout_s: float = 120.0
-    # Greedy outputs that do not depend on the batch, chunking or preemption, bf16 included, at
-    # some prefill speed (pagedllm.model.batch_invariant says what it covers; CPU only).
-    batch_invariant: bool = False
+    max_num_batched_tokens: int = setting(
+        4096, "tokens in one step at most, prompt chunks and decodes together")
+    kv_layout: str = setting(
+        "paged", "paged: blocks taken as tokens come; contiguous: the traditional reservation "
+        "per request, for side-by-side measurement", choices=KV_LAYOUTS)
+    contiguous_reserve: str = setting(
+        "max", "with --kv-layout contiguous, what a request reserves: max_model_len (max) or "
+        "its prompt and max_tokens (request)", choices=CONTIGUOUS_RESERVES)
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of prompt prefixes computed before")
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache stores: auto (the model's dtype), or compressed: int8, fp8 "
+        "(= fp8_e4m3), fp8_e5m2", choices=KV_CACHE_DTYPES)
+    seed: int = setting(0, "the engine's random seed (a request's own seed: SamplingParams.seed)")
+    device: str = setting(
+        "auto", "auto (CUDA where available, else the CPU), cpu, cuda or cuda:N", check=_device)
+    quantization: str = setting(
+        "auto", "auto: a GGUF's quantized weights stay quantized, float checkpoints stay float; "
+        "none: dequantize at load; int8, int4: quantize a Hugging Face folder's matmul weights at "
+        "load", choices=QUANTIZATION_CHOICES)
+    quantization_group_size: int = setting(
+        32, "inputs per scale for --quantization int8 or int4 (a multiple of 16; int4: 16 or a "
+        "multiple of 32)")
+    generation_config: str = setting(
+        "auto", "sampling defaults for the fields a request leaves unset: auto (the model's "
+        "generation_config.json), vllm or none (the library's), or a folder holding a "
+        "generation_config.json", check=_generation_config)
+    tensor_parallel_size: int = setting(
+        1, "split the model over this many processes (docs/distributed.md)", aliases=("-tp",),
+        check=check_positive_int)
+    distributed_executor_backend: str = setting(
+        "mp", "mp: the engine starts its tensor-parallel workers on this machine; "
+        "external_launcher: they are started by torchrun or by hand",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    # A worker that hangs fails the engine after this; a dead worker fails the step at once.
+    distributed_timeout_s: float = setting(
+        120.0, "seconds a rank waits for the others in one collective before the engine fails",
+        flag="--distributed-timeout", check=check_positive_seconds)
+    # pagedllm.model.batch_invariant says what it covers.
+    batch_invariant: bool = setting(
+        False, "greedy outputs that do not depend on the batch, chunking or preemption (bf16 "
+        "too; CPU only, one process; slower prefill)")
 
     def __post_init__(self) -> None:
-        if self.block_size is not None and self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(f"block_size must be a power of two from 1 to 128; got {self.block_size}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous'; got {self.kv_layout!r}")
-        if self.contiguous_reserve not in CONTIGUOUS_RESERVES:
-            raise ValueError(
-                f"contiguous_reserve must be 'max' or 'request'; got {self.contiguous_reserve!r}")
-        canonical_kv_cache_dtype(self.kv_cache_dtype)
+        check_fields(self)
         # The scheduler's own checks, so every entry point rejects the same values.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
-        if self.kv_cache_memory is not None:
-            parse_size(self.kv_cache_memory)
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
-                                                or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer; got {self.num_kv_blocks!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer; got {self.seed!r}")
-        check_device_name(self.device)
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
-                             f"got {self.quantization!r}")
         group = self.quantization_group_size
-        if not isinstance(group, int) or group < 16 or group % 16 or (
-                self.quantization == "int4" and group != 16 and group % 32):
+        if group < 16 or group % 16 or (self.quantization == "int4" and group != 16 and group % 32):
             raise ValueError(f"quantization_group_size must be a multiple of 16 (int8) or 16 or a "
                              f"multiple of 32 (int4); got {group!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer; "
-                             f"got {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of "
-                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
-                             f"got {self.distributed_executor_backend!r}")
-        timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"distributed_timeout_s must be a positive number of seconds; "
-                             f"got {timeout!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be true or false; got {self.batch_invariant!r}")
         if self.batch_invariant and self.device.startswith("cuda"):
             raise ValueError("batch_invariant runs on the CPU only: the GPU kernels choose their "
                              f"own summation orders (device {self.device!r}); use --device cpu")
@@ -169,79 +325,86 @@ class EngineConfig:
             raise ValueError("batch_invariant runs on one process: tensor parallelism sums partial "
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
-                             f"a generation_config.json; got {self.generation_config!r}")
+
+    def describe_choices(self) -> str:
+        """For the start-up line, the choices that change which code runs and that the device,
+        dtype, KV plan and weights do not already say."""
+        parts = [f"prefix caching {'on' if self.enable_prefix_caching else 'off'}",
+                 f"tensor_parallel_size {self.tensor_parallel_size}"]
+        if self.tensor_parallel_size > 1:
+            parts[-1] += f" ({self.distributed_executor_backend})"
+        if self.batch_invariant:
+            parts.append("batch-invariant")
+        return ", ".join(parts)
 
 
-def engine_defaults() -> dict:
-    """EngineConfig's default for each option, by name (for the CLI's flags)."""
-    return {f.name: f.default for f in fields(EngineConfig)}
+# -- command-line flags, derived from the fields ---------------------------------------------------
+def flag_name(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-# -- the engine's command-line flags -------------------------------------------------------------
+def add_config_args(parser: argparse.ArgumentParser, config_class: type, title: str | None = None) -> None:
+    """One flag per field of config_class (a dataclass of `setting` fields): its type, default,
+    help and choices are the field's, its dest the field's name. --help lists them under title,
+    and the fields with a `group` under that heading."""
+    hints = _type_hints(config_class)
+    sections: dict[str | None, argparse._ActionsContainer] = {
+        None: parser.add_argument_group(title) if title else parser}
+    for f in fields(config_class):
+        meta = f.metadata
+        if meta.get("group") not in sections:
+            sections[meta["group"]] = parser.add_argument_group(meta["group"])
+        target = sections[meta.get("group")]
+        default = f.default if f.default is not MISSING else None
+        help_text = (meta.get("help") or "").replace("%", "%%")
+        kwargs: dict = {"dest": f.name, "default": default}
+        if bool in _type_args(hints[f.name]):
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["help"] = f"{help_text} (default: {'on' if default else 'off'})"
+        else:
+            kwargs["type"] = _flag_type(f, hints[f.name], config_class)
+            shown = ",".join(default) if isinstance(default, tuple) else "%(default)s"
+            kwargs["help"] = help_text + (f" (default: {shown})" if default is not None else "")
+            if meta.get("choices") is not None:
+                kwargs["choices"] = meta["choices"]
+            else:
+                kwargs["metavar"] = flag_name(f).lstrip("-").replace("-", "_").upper()
+        target.add_argument(flag_name(f), *meta.get("aliases", ()), **kwargs)
+
+
+def _flag_type(f: Field, hint, config_class: type) -> Callable[[str], object]:
+    """How a flag's text becomes the field's value: its parse, or the one of int, float, str it
+    holds (None aside)."""
+    if f.metadata.get("parse") is not None:
+        return _argparse_type(f.metadata["parse"])
+    plain = [t for t in _type_args(hint) if t is not type(None)]
+    if len(plain) == 1 and plain[0] in (int, float, str):
+        return plain[0]
+    raise TypeError(f"{config_class.__name__}.{f.name}: a {hint} field needs setting(parse=...) "
+                    "to have a flag")
+
+
+def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """parse with its ValueError's message shown by argparse as it is."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def config_from_args(config_class: type, args: argparse.Namespace, **overrides):
+    """The config the flags of add_config_args ask for (overrides on top), validated."""
+    values = {f.name: getattr(args, f.name) for f in fields(config_class)}
+    return config_class(**{**values, **overrides})
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's; their defaults are EngineConfig's."""
-    default = engine_defaults()
-    parser.add_argument("--model", default=default["model"],
-                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=default["dtype"], help="auto, float32 or bfloat16")
-    parser.add_argument("--block-size", type=int, default=default["block_size"],
-                        help="tokens per KV block (default: 64 on the CPU, 16 on a GPU)")
-    parser.add_argument("--kv-cache-memory", default=default["kv_cache_memory"],
-                        help="bytes or e.g. 512MiB, 2GiB (default: a share of free RAM)")
-    parser.add_argument("--max-model-len", type=int, default=default["max_model_len"],
-                        help="default: the model's limit, or the longest request the KV cache "
-                             "memory holds where that is less")
-    parser.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"])
-    parser.add_argument("--kv-layout", choices=list(KV_LAYOUTS), default=default["kv_layout"])
-    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default["kv_cache_dtype"],
-                        help="what the KV cache stores: auto (the model's dtype), int8, fp8 "
-                             "(= fp8_e4m3) or fp8_e5m2")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=default["enable_prefix_caching"])
-    parser.add_argument("--seed", type=int, default=default["seed"])
-    parser.add_argument("--device", default=default["device"],
-                        help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=default["quantization"],
-                        help="auto: a GGUF's quantized weights stay quantized (default); none: "
-                             "dequantize at load; int8/int4: quantize a HF folder's weights at load")
-    parser.add_argument("--quantization-group-size", type=int, default=default["quantization_group_size"],
-                        help="inputs per scale for --quantization int8/int4")
-    parser.add_argument("--generation-config", default=default["generation_config"],
-                        help="sampling defaults for fields a request leaves unset: auto (the model's "
-                             "generation_config.json), vllm or none (the library's), or a folder")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=default["tensor_parallel_size"],
-                        help="split the model over this many processes (docs/distributed.md)")
-    parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                        default=default["distributed_executor_backend"],
-                        help="mp: the engine starts its tensor-parallel workers on this machine; "
-                             "external_launcher: they are started by torchrun or by hand")
-    parser.add_argument("--distributed-timeout", type=float, dest="distributed_timeout_s",
-                        default=default["distributed_timeout_s"],
-                        help="seconds a rank waits for the others in one collective before the "
-                             "engine fails")
-    parser.add_argument("--batch-invariant", action="store_true", default=default["batch_invariant"],
-                        help="greedy outputs that do not depend on the batch, chunking or "
-                             "preemption (bf16 too; CPU only; slower prefill)")
+    """The engine's flags, named like vLLM's: one per EngineConfig field."""
+    add_config_args(parser, EngineConfig, "engine")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    memory = args.kv_cache_memory
-    if memory is not None and str(memory).isdigit():
-        memory = int(memory)
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                        kv_cache_memory=memory, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_layout=args.kv_layout, enable_prefix_caching=args.enable_prefix_caching,
-                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
-                        quantization=args.quantization,
-                        quantization_group_size=args.quantization_group_size,
-                        generation_config=args.generation_config,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        distributed_executor_backend=args.distributed_executor_backend,
-                        distributed_timeout_s=args.distributed_timeout_s,
-
-                        batch_invariant=args.batch_invariant)
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return config_from_args(EngineConfig, args, **overrides)

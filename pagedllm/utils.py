@@ -18,14 +18,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pythonpath_with_this_package() -> str:
-    """$PYTHONPATH with the folder holding this pagedllm first: a child process started with it
-    (the engine core, a tensor-parallel worker, a kernel build) runs the same code as its parent,
-    wherever that was imported from."""
-    root = str(Path(__file__).resolve().parents[1])
-    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-
-
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags /proc/cpuinfo lists (empty where there is no such file)."""

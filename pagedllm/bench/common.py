@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, engine_config_from_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured.spec import GrammarSpec
@@ -121,13 +121,8 @@ def apply_threads(args) -> None:
 
 
 def engine_config(args, **overrides) -> EngineConfig:
-    from pagedllm.config import engine_config_from_args
-
-    config = engine_config_from_args(args)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config.__post_init__()
-    return config
+    """The engine flags' config with a bench's own settings on top (validated as any)."""
+    return engine_config_from_args(args, **overrides)
 
 
 def write_json(path: str | None, payload: dict) -> None:

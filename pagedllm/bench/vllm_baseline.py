@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.bench.workload import BenchRequest
 
 SYSTEM = "vllm"
@@ -69,7 +70,7 @@ class Session:
 
 def worker_env(python: str, threads: int, kv_cache_bytes: int) -> dict:
     """The environment vLLM's CPU backend is run in (what is set already stays)."""
-    env = dict(os.environ)
+    env = envs.child_environ(this_package=False)
     cores = sorted(os.sched_getaffinity(0))[:threads]
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_bytes / 2**30))))

@@ -34,13 +34,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import protocol
 from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
-from pagedllm.utils import pythonpath_with_this_package
 from pagedllm.worker.runner import PacketLayout
 
 logger = logging.getLogger(__name__)
@@ -145,22 +145,22 @@ def _serve_store(size: int) -> dist.Store:
 def _meet_store(size: int) -> dist.Store:
     """The store of an external launch (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-               if name not in os.environ]
+               if not envs.is_set(name)]
     if missing:
         raise ValueError(f"distributed_executor_backend='external_launcher' needs {', '.join(missing)} "
                          "in the environment (torchrun sets them; see docs/distributed.md)")
-    if os.environ["RANK"] != "0" or os.environ["WORLD_SIZE"] != str(size):
+    if envs.RANK != 0 or envs.WORLD_SIZE != size:
         raise ValueError(f"the engine is rank 0 of tensor_parallel_size={size} ranks; the environment "
-                         f"says RANK={os.environ['RANK']}, WORLD_SIZE={os.environ['WORLD_SIZE']}")
+                         f"says RANK={envs.RANK}, WORLD_SIZE={envs.WORLD_SIZE}")
     store, _, _ = next(dist.rendezvous("env://", timeout=CONNECT_TIMEOUT))
     return dist.PrefixStore("pagedllm", store)
 
 
 def _spawn_worker(rank: int, size: int, store: dist.PrefixStore) -> subprocess.Popen:
     """`python -m pagedllm.distributed.worker`, meeting at the store; it imports this pagedllm."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.underlying_store.port),
-           "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-           "LOCAL_WORLD_SIZE": str(size), "PYTHONPATH": pythonpath_with_this_package()}
+    env = envs.child_environ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.underlying_store.port),
+                              "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                              "LOCAL_WORLD_SIZE": str(size)})
     return subprocess.Popen([sys.executable, "-m", "pagedllm.distributed.worker",
                              "--parent-pid", str(os.getpid())], env=env, stdin=subprocess.PIPE)
 

@@ -12,10 +12,9 @@ collectives, the same on every rank.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
 from pagedllm.worker.runner import PacketLayout
 
 HEADER_LEN = 8
@@ -70,4 +69,4 @@ def launched_threads() -> int:
     """Torch threads for a rank started by a launcher: the machine's cores shared out between
     torchrun's LOCAL_WORLD_SIZE ranks where it set one, else all of them (one rank a machine).
     (Ranks the engine spawned take rank 0's THREADS_KEY.)"""
-    return threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return threads_per_rank(envs.LOCAL_WORLD_SIZE)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from datetime import timedelta
@@ -27,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import protocol
 from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    rank = int(os.environ.get("RANK", "-1"))
+    rank = envs.RANK if envs.RANK is not None else -1  # -1: not started by a launcher
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[tp rank {rank}]: %(message)s")
     if args.parent_pid is not None:

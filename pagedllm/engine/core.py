@@ -96,6 +96,7 @@ class EngineCore:
         if config.block_size is None:  # the device's default, now that the device is known
             config.block_size = default_block_size(self.device.type)
         self.kv_layout = config.kv_layout
+        self.choices = config.describe_choices()  # for the start-up line
         # Scales included: a byte budget buys proportionally more blocks of a compressed cache.
         # The heads are this process's (model.config): under tensor parallelism its share, the
         # largest of any rank's, so the budget is what each rank's cache may take.
@@ -152,10 +153,13 @@ class EngineCore:
         return self.scheduler.config
 
     def describe(self, weights_note: str) -> str:
-        """The start-up line: the KV cache's blocks, bytes and what fits; the weights' bytes and
-        weights_note (LoadedModel.weights_note: what stayed quantized, what is float)."""
+        """The start-up line: every choice that changes which code runs. The KV cache's blocks,
+        bytes and what fits; the weights' bytes and weights_note (LoadedModel.weights_note: what
+        stayed quantized, what is float); the device and dtype; prefix caching, tensor
+        parallelism, batch invariance."""
         return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
-                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note})")
+                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); "
+                f"{self.device}, {str(self.dtype).removeprefix('torch.')}, {self.choices}")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

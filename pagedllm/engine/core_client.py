@@ -29,9 +29,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_channel import Addresses, Codec, FromCore, Ready, StartupFailed, ToCore
-from pagedllm.utils import pythonpath_with_this_package
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class CoreProcess:
                    "--config", msgspec.json.encode(config).decode(), "--num-threads", str(num_threads),
                    "--parent-pid", str(os.getpid()), "--log-level", level]
         command += [argument for name in extensions for argument in ("--extension", name)]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr, env=_child_env())
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=stderr,
+                                        env=envs.child_environ())
 
     @property
     def pid(self) -> int:
@@ -176,7 +177,3 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _child_env() -> dict[str, str]:
-    """This environment, with the pagedllm this process runs first on the child's path (the same
-    code on both sides of the channel, wherever it was imported from)."""
-    return {**os.environ, "PYTHONPATH": pythonpath_with_this_package()}

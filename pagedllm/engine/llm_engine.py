@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        if config is not None and kwargs:
+            raise TypeError(f"LLMEngine takes an EngineConfig or its fields as keywords, not both "
+                            f"(got {', '.join(kwargs)} beside the config)")
         self.config = config or EngineConfig(**kwargs)
         started = time.monotonic()
         self.engine_core, loaded = EngineCore.load(self.config)

@@ -10,9 +10,13 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -> int:
+def run_chat(config: EngineConfig, sampling: dict, system: str | None) -> int:
+    """sampling: the SamplingParams fields the user set; the others are the model's defaults
+    (generation_config.json), then the library's, but max_tokens: a reply runs until it ends or
+    the context is full unless told otherwise, as /v1/chat/completions does."""
     engine = LLMEngine(config)
-    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    params = dataclasses.replace(engine.input_processor.default_sampling_params(),
+                                 **{"max_tokens": None, **sampling}, output_kind=RequestOutputKind.DELTA)
     messages = [{"role": "system", "content": system}] if system else []
     print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
     for turn in range(1_000_000):

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.utils import cpu_flags, pythonpath_with_this_package
+from pagedllm import envs
+from pagedllm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ def _cflags() -> list[str]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "torch_extensions"
+    return envs.PAGEDLLM_CACHE_DIR / "torch_extensions"
 
 
 def _build_name() -> str:
@@ -78,7 +78,7 @@ def _build_name() -> str:
 
 
 def _why_unavailable() -> str | None:
-    if os.environ.get("PAGEDLLM_ATTENTION", "auto") == "torch":
+    if envs.PAGEDLLM_ATTENTION == "torch":
         return "PAGEDLLM_ATTENTION=torch"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the kernel is written for x86-64 with AVX-512; this is {platform.machine()}"
@@ -88,7 +88,7 @@ def _why_unavailable() -> str | None:
     missing = [name for name in _SOURCES + _HEADERS if not (_CSRC / name).is_file()]
     if missing:
         return f"{', '.join(missing)} missing from {_CSRC}"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(envs.CXX) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     return None
 
@@ -110,7 +110,6 @@ def unavailable_reason() -> str | None:
 
 
 _BUILT = "BUILT"  # written into the build folder once the library there is whole
-_DEFAULT_BUILD_TIMEOUT_S = 900.0
 
 
 def _load() -> bool:
@@ -133,12 +132,7 @@ def _load() -> bool:
 
 
 def build_timeout_s() -> float:
-    value = os.environ.get("PAGEDLLM_KERNEL_BUILD_TIMEOUT_S")
-    try:
-        timeout = float(value) if value else _DEFAULT_BUILD_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"PAGEDLLM_KERNEL_BUILD_TIMEOUT_S must be seconds; got {value!r}") from None
-    return timeout
+    return envs.PAGEDLLM_KERNEL_BUILD_TIMEOUT_S
 
 
 def _build_in_child(build_dir: Path, name: str) -> str | None:
@@ -150,7 +144,7 @@ def _build_in_child(build_dir: Path, name: str) -> str | None:
     logger.info("building pagedllm's CPU kernels in %s: once per version of their sources, about "
                 "1-2 minutes (at most %.0f s, PAGEDLLM_KERNEL_BUILD_TIMEOUT_S)", build_dir, timeout)
     started = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": pythonpath_with_this_package()}
+    env = envs.child_environ()
     child = subprocess.Popen(
         [sys.executable, "-c", "import json, sys; from pagedllm.kernels import compiled; "
                                "compiled.build(json.loads(sys.argv[1]))", json.dumps(spec)],

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.config import DTYPES, canonical_dtype
 from pagedllm.model.architectures import (
     ACTIVATIONS,
     ARCHITECTURES,
@@ -19,11 +20,6 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # The rope types model/rope.py's ROPE_TYPES implements.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
-_DTYPE_NAMES = {
-    "float32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16,
-}
 # GGUF general.file_type for unquantized files; quantized ones are dequantized to float32.
 _GGUF_FILE_DTYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
 
@@ -256,13 +252,17 @@ def _check_numbers(values: dict[str, Any], source: str, keys: tuple[str, ...]) -
 
 
 def parse_dtype_name(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a name in pagedllm.config's dtype table ("bfloat16", "half", ...)."""
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPE_NAMES[name.removeprefix("torch.")]
-    except KeyError:
-        raise UnsupportedModelError(
-            f"unsupported dtype {name!r}; supported: {', '.join(_DTYPE_NAMES)}") from None
+        canonical = canonical_dtype(name)
+    except ValueError:
+        canonical = None
+    if canonical in (None, "auto"):
+        raise UnsupportedModelError(f"unsupported dtype {name!r}; supported: "
+                                    f"{', '.join(d for d in DTYPES if d != 'auto')}")
+    return getattr(torch, canonical)
 
 
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.config import QUANTIZATION_CHOICES, canonical_dtype
 from pagedllm.model.config import ModelConfig, parse_dtype_name
 from pagedllm.model.errors import (
     CorruptCheckpointError,
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_RUNNABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 DEFAULT_GROUP_SIZE = 32
@@ -62,20 +60,11 @@ class LoadedModel:
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """"auto" is bfloat16 where the device does bfloat16 math natively; else float32 on a CPU and
     float16 on a GPU."""
-    if dtype == "auto":
+    if canonical_dtype(dtype) == "auto":  # ValueError naming the valid ones
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-    if isinstance(dtype, str):
-        dtype = _DTYPE_ALIASES.get(dtype, dtype)
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"unsupported dtype {dtype!r}; use auto, float32 (fp32), bfloat16 (bf16) "
-                "or float16 (fp16)")
-        return parse_dtype_name(dtype)
-    if dtype not in _RUNNABLE_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype}; use torch.float32, bfloat16 or float16")
-    return dtype
+    return parse_dtype_name(canonical_dtype(dtype))
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -17,12 +17,11 @@ element now and then comes out one bf16 step apart from it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.kernels import matmul
 
 
@@ -35,7 +34,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.amx = (self.in_features % 32 == 0 and os.environ.get("PAGEDLLM_DENSE_AMX", "1") != "0"
+        self.amx = (self.in_features % 32 == 0 and envs.PAGEDLLM_DENSE_AMX
                     and matmul.dense_amx_available())
         self.gated_silu = gated_silu and self.amx
         if self.gated_silu:

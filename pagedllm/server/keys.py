@@ -4,8 +4,9 @@ An empty key is refused: a server guarded by it would answer no one."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from pagedllm import envs
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
@@ -27,8 +28,9 @@ def read_api_key(flag: str | None, key_file: str | None) -> str | None:
     if flag is not None:
         return _checked(flag, "--api-key")
     for env in (API_KEY_ENV, VLLM_API_KEY_ENV):
-        if env in os.environ:
-            return _checked(os.environ[env], env)
+        key = envs.read(env)
+        if key is not None:
+            return _checked(key, env)
     return None
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.kernels.attention import cpu_attention, kv_quant, torch_ref
 from pagedllm.kernels.attention.kv_quant import CacheSide, QuantizedKV, kv_format
 from pagedllm.kernels.attention.metadata import AttentionMetadata
@@ -104,7 +104,7 @@ def _triton_attention():
     None, with one warning, where Triton is not installed or PAGEDLLM_ATTENTION=torch."""
     if "module" not in _triton_state:
         module = None
-        if os.environ.get("PAGEDLLM_ATTENTION", "auto") == "torch":
+        if envs.PAGEDLLM_ATTENTION == "torch":
             why = "PAGEDLLM_ATTENTION=torch"
         else:
             try:

@@ -4,10 +4,9 @@ The same contract as torch_ref, its oracle."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
 from pagedllm.kernels import compiled
 from pagedllm.kernels.attention.kv_quant import CacheSide, QuantizedKV
 from pagedllm.kernels.attention.metadata import AttentionMetadata
@@ -64,7 +63,7 @@ def paged_attention(
             sliding_window if sliding_window is not None else 0,
             softcap if softcap is not None else 0.0)
     if use_amx is None:
-        use_amx = os.environ.get("PAGEDLLM_ATTENTION_AMX", "1") != "0"
+        use_amx = envs.PAGEDLLM_ATTENTION_AMX
     return torch.ops.pagedllm_cpu.paged_attention(
         query, key_data, value_data, key_scale, value_scale, attn_metadata.block_tables,
         attn_metadata.seq_lens, attn_metadata.query_start_loc, scale,
