@@ -121,6 +121,10 @@ class EngineConfig:
     # Greedy outputs that do not depend on the batch, chunking or preemption, bf16 included, at
     # some prefill speed (pagedllm.model.batch_invariant says what it covers; CPU only).
     batch_invariant: bool = False
+    # Speculative decoding, vLLM's shape, as a dict or its JSON text (the flag
+    # --speculative-config takes JSON): {"method": "ngram" | "suffix" | "draft_model",
+    # "num_speculative_tokens": k, ...}; pagedllm.spec_decode.config says every key. None: off.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size not in VALID_BLOCK_SIZES:
