@@ -23,7 +23,8 @@ whose product falls below min_token_prob. A proposal's score is the sum of its p
 expected accepted tokens, if the counts were the odds). The highest score wins; among equal
 scores the longer match, and the sequence's own tree before the shared one. Since a proposal
 from match m scores at most min(k, floor(m * factor)), the search stops once no shorter match
-can beat what it has.
+can beat what it has, and skips a start whose first token's probability times its length limit
+cannot (each node keeps its most frequent child as counts rise, so that costs O(1)).
 
 The shared tree holds the outputs of the last suffix_decoding_max_cached_requests requests to
 finish (the least recently finished leave first; their counts come out again). Nodes left with
@@ -43,12 +44,25 @@ _Ref = tuple  # (list[int], int)
 
 
 class _Node:
-    __slots__ = ("count", "depth", "children")
+    __slots__ = ("count", "depth", "children", "best")
 
     def __init__(self, count: int, depth: int) -> None:
         self.count = count
         self.depth = depth  # the substring's length
         self.children: dict[int, _Node | _Ref] = {}
+        # The child a proposal follows (highest count, then smallest token), kept as counts rise;
+        # None: not known (no children, or a removal lowered counts), found again when read.
+        self.best: int | None = None
+
+    def child_rose(self, token: int) -> None:
+        """The count of child `token` went up (or it is new): it may now be the best."""
+        best = self.best
+        if best is None or best == token:
+            self.best = token if best is not None or len(self.children) == 1 else None
+            return
+        mine, theirs = _count(self.children[token]), _count(self.children[best])
+        if mine > theirs or (mine == theirs and token < best):
+            self.best = token
 
 
 class SuffixTree:
@@ -83,11 +97,13 @@ class SuffixTree:
             child = node.children.get(token)
             if child is None:  # a first occurrence: from here on this suffix is unique
                 node.children[token] = (text, position)
+                node.child_rose(token)
                 continue
             if isinstance(child, _Node):
                 child.count += 1
             else:
                 child = self._materialize(node, token, child)
+            node.child_rose(token)
             if child.depth < self.depth:
                 active.append(child)
         self._active = active
@@ -111,6 +127,7 @@ class SuffixTree:
             assert position + 1 < len(text) or text is not self._open, "continuation unknown"
             if position + 1 < len(text):
                 node.children[text[position + 1]] = (text, position + 1)
+                node.best = text[position + 1]
         parent.children[token] = node
         return node
 
@@ -124,6 +141,7 @@ class SuffixTree:
             for position in range(start, min(start + self.depth, len(text))):
                 token = text[position]
                 child = node.children[token]
+                node.best = None  # a count below falls: found again when read
                 if not isinstance(child, _Node):  # this occurrence's own reference
                     del node.children[token]
                     break
@@ -215,14 +233,26 @@ def _children(node: _Node | _Ref):
             yield text[position + 1], 1
 
 
+def _count(child: _Node | _Ref) -> int:
+    return child.count if isinstance(child, _Node) else 1
+
+
 def _best_child(node: _Node) -> tuple[int, _Node | _Ref] | None:
-    best = None
-    best_key = None
-    for token, child in node.children.items():
-        key = (child.count if isinstance(child, _Node) else 1, -token)
-        if best_key is None or key > best_key:
-            best, best_key = (token, child), key
-    return best
+    if node.best is None:
+        if not node.children:
+            return None
+        node.best = max(node.children, key=lambda t: (_count(node.children[t]), -t))
+    return node.best, node.children[node.best]
+
+
+def _score_bound(start: _Node | _Ref, cap: int) -> float:
+    """At least the score of any proposal of cap tokens from `start`: each of its terms is at most
+    the first token's probability (products only fall), padded for rounding in the sum."""
+    if not isinstance(start, _Node):
+        return float(cap) + 1e-9
+    best = _best_child(start)
+    first = _count(best[1]) / start.count if best is not None else 0.0
+    return cap * first * (1 + 1e-9) + 1e-12
 
 
 class _Proposal:
@@ -296,6 +326,8 @@ class SuffixProposer:
                 if found is not None:
                     candidates.append((1, shared, found))
             for rank, tree, start in candidates:
+                if best is not None and _score_bound(start, cap) <= best.score:
+                    continue  # cannot beat it (and a tie goes to the longer match already found)
                 proposal, score = tree.speculate(start, m, cap, self.min_token_prob)
                 if not proposal:
                     continue
