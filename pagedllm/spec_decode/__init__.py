@@ -13,6 +13,8 @@ The pieces, each usable and tested alone:
 - ngram.NgramProposer, suffix.SuffixProposer: proposers over plain ints (proposer.Proposer);
   draft.DraftProposer: the draft model's interface.
 - rejection.RejectionSampler, accept_greedy: which proposed tokens stand, and the token after.
+- grammar.constrain_proposal: a constrained sequence's proposal cut at the first token its
+  grammar refuses, with the mask of each position to verify.
 - metrics.SpecDecodeStats (vLLM's counters), AcceptanceRate and choose_k (how many to propose).
 - KVCacheManager.trim (pagedllm.core.kv.manager): rejected tokens' slots go back.
 
@@ -25,7 +27,7 @@ How they fit the step (the design the integration follows):
    num_tokens + k < max_model_len: the step emits at most k + 1 tokens); the proposer fills
    request.spec_token_ids (n-gram and suffix in the core process, on token ids it already has;
    a draft model in the runner). A structured-output sequence's proposal is cut at the first
-   token its grammar matcher (a fork of it, advanced through the proposal) refuses.
+   token its grammar refuses (grammar.constrain_proposal, which also gives each position's mask).
 2. Scheduling: a speculating request asks for num_tokens + len(spec_token_ids) -
    num_computed_tokens new tokens (1 + k for a decode) out of the token budget, and
    allocate_slots(request, 1 + k) takes slots for them like any tokens (copy-on-write first for
@@ -36,8 +38,8 @@ How they fit the step (the design the integration follows):
    proposal) and returns logits for every one of those positions (sample rows: k + 1 for a
    speculating sequence, one otherwise); with argmax_only (every row greedy, nothing else read),
    their argmax ids, which accept_greedy takes directly.
-4. Verification in the engine core, where sampling is now: grammar masks per position (the
-   forked matcher's after each proposed token), then RejectionSampler (the sampler's own logits
+4. Verification in the engine core, where sampling is now: grammar masks per position (from
+   step 1's constrain_proposal), then RejectionSampler (the sampler's own logits
    processing and sampling distribution, per position with the history grown by the proposed
    tokens before it), giving each sequence its accepted tokens and one more.
 5. Update: num_computed_tokens += 1 + accepted (only accepted K/V counts as computed, so the
