@@ -21,7 +21,7 @@ import time
 from pagedllm.bench.common import print_table, write_json
 from pagedllm.bench.workload import copy_reference_pairs, corpus_text
 from pagedllm.model.tokenizer_files import load_tokenizer
-from pagedllm.spec_decode import NgramProposer, SuffixProposer
+from pagedllm.spec_decode import SpeculativeConfig, make_proposer
 from pagedllm.spec_decode.proposer import Proposer
 
 
@@ -36,9 +36,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def proposers() -> dict[str, Proposer]:
-    """Each method with vLLM's defaults (prompt lookup 5-5 as vLLM; 2-5 beside it)."""
-    return {"ngram 5-5": NgramProposer(5, 5), "ngram 2-5": NgramProposer(2, 5),
-            "suffix": SuffixProposer()}
+    """Each method with its defaults (prompt lookup 5-5, as vLLM's; 2-5 beside it)."""
+    def default(method: str, **settings) -> Proposer:
+        return make_proposer(SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 4,
+                                                      **settings}))
+
+    return {"ngram 5-5": default("ngram"), "ngram 2-5": default("ngram", prompt_lookup_min=2),
+            "suffix": default("suffix")}
 
 
 class _Seq:

@@ -5,7 +5,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
      "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
-     "suffix_decoding_max_cached_requests": 10000}
+     "suffix_decoding_max_cached_requests": 1000}
     {"method": "draft_model", "model": "/path/to/small.gguf", "num_speculative_tokens": 4}
 
 Every refusal is one line naming the key, what it got and what is allowed. A key of another
@@ -30,6 +30,7 @@ METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 # vLLM's rule for prompt lookup: both unset -> 5 and 5; one set -> the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_MAX_CACHED_REQUESTS = 1000
 # Keys only one method reads.
 _METHOD_KEYS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
@@ -49,8 +50,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     # suffix: the trees hold substrings up to this long; a proposal's match plus its tokens fit in it
     suffix_decoding_max_tree_depth: int = 24
-    # finished requests whose outputs stay in the shared tree (least recently used out); 0: none
-    suffix_decoding_max_cached_requests: int = 10000
+    # finished requests whose outputs stay in the shared tree (least recently used out); 0: none.
+    # vLLM's default is 10000; in Python a tree costs ~450 bytes per cached output token
+    # (pagedllm.spec_decode.suffix), so 1000 outputs of 500 tokens take ~220 MiB.
+    suffix_decoding_max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
     # a match of m tokens proposes at most factor * m tokens
     suffix_decoding_max_spec_factor: float = 1.0
     # a proposal stops where its estimated probability (the product of the continuation

@@ -29,6 +29,11 @@ cannot (each node keeps its most frequent child as counts rise, so that costs O(
 The shared tree holds the outputs of the last suffix_decoding_max_cached_requests requests to
 finish (the least recently finished leave first; their counts come out again). Nodes left with
 one occurrence after a removal stay nodes (memory is what the tree held at its largest).
+
+Costs, measured on the corpus's text (SmolLM2's tokens, depth 24): ~1.2 nodes and ~450 bytes
+per token of a shared tree's outputs, ~8 µs per token appended to a sequence's own tree (a 4k
+prompt: ~30 ms once), and a proposal for 64 sequences of 4k tokens in ~1.7 ms
+(`pagedllm bench proposers`).
 """
 
 from __future__ import annotations
@@ -266,8 +271,9 @@ class _Proposal:
 
 
 class SuffixProposer:
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
+                 min_token_prob: float) -> None:
+        """The settings' meaning and defaults: SpeculativeConfig's suffix_decoding_* fields."""
         self.depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor

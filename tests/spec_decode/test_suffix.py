@@ -147,13 +147,13 @@ def test_proposals_match_reference(data, depth, k, factor, min_prob, max_cached)
 
 def test_hand_case_prefers_the_frequent_continuation():
     # "1 2" was followed by 3 twice and by 4 once: the proposal continues with 3.
-    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=0, min_token_prob=0.0)
+    proposer = SuffixProposer(8, 0, 1.0, 0.0)  # depth, cached requests, spec factor, min prob
     seq = Seq("a", [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7, 1, 2], 14)
     assert proposer.propose([seq], [1]) == [[3]]
 
 
 def test_shared_tree_remembers_finished_outputs():
-    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=1, min_token_prob=0.0)
+    proposer = SuffixProposer(8, 1, 1.0, 0.0)  # depth, cached requests, spec factor, min prob
     proposer.propose([Seq("a", [0, 5, 6, 7, 8, 9], 1)], [1])
     proposer.forget("a")  # its output 5 6 7 8 9 joins the shared tree
     assert proposer.propose([Seq("b", [1, 5, 6, 7], 1)], [2]) == [[8, 9]]
