@@ -207,6 +207,13 @@ def _generation_config(name: str, value) -> None:
                          f"a generation_config.json; got {value!r}")
 
 
+def _speculative_config(name: str, value) -> None:
+    """A dict or its JSON text that pagedllm.spec_decode.config accepts (it imports no torch)."""
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+    SpeculativeConfig.parse(value)
+
+
 def _size_flag(text: str) -> int | str:
     """--kv-cache-memory's text: bytes as an int, a size with a unit as written ("2GiB")."""
     parse_size(text)
@@ -309,6 +316,10 @@ class EngineConfig:
     batch_invariant: bool = setting(
         False, "greedy outputs that do not depend on the batch, chunking or preemption (bf16 "
         "too; CPU only, one process; slower prefill)")
+    speculative_config: dict | str | None = setting(
+        None, "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\" | \"suffix\" | "
+        "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "
+        "key; default: off)", parse=str, check=_speculative_config)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -32,6 +32,9 @@ BENCHES = {
     "tensor-parallel": ("pagedllm.bench.tensor_parallel",
                         "throughput and all-reduce time per step at tensor_parallel_size 1, 2, ...; "
                         "communication per step for 7B/70B"),
+    "proposers": ("pagedllm.bench.proposers",
+                  "speculative decoding's proposers alone: cost per call at 64 x 4k tokens, tokens "
+                  "per step on the copy workload's reference answers"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.bench.common import run_workload
-from pagedllm.bench.workload import BenchRequest, random_workload
+from pagedllm.bench.workload import BenchRequest, copy_workload, random_workload
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,8 +27,11 @@ SCENARIOS = ("batched", "sequential", "single_stream")
 
 
 def single_stream_requests(tokenizer, runs: int, prompt_tokens: int, output_tokens: int,
-                           seed: int) -> list[BenchRequest]:
-    """One request per run, each with its own prompt (so no run hits a cache another filled)."""
+                           seed: int, workload: str = "default") -> list[BenchRequest]:
+    """One request per run, each with its own prompt (so no run hits a cache another filled); for
+    the copy workload, copy requests (their lengths their own: edit, refactor, json in turn)."""
+    if workload == "copy":
+        return copy_workload(tokenizer, runs, seed + 1)
     return random_workload(tokenizer, runs, prompt_tokens, output_tokens, seed + 1)
 
 

@@ -34,7 +34,7 @@ from pagedllm.bench.scenarios import (
     summarize_run,
     summarize_streams,
 )
-from pagedllm.bench.workload import BenchRequest, load_workload, summarize
+from pagedllm.bench.workload import WORKLOADS, BenchRequest, load_workload, summarize
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,6 +42,10 @@ from pagedllm.sampling_params import SamplingParams
 def add_args(parser: argparse.ArgumentParser) -> None:
     baselines.add_args(parser)
     add_threads_arg(parser)  # a baseline runs with as many threads as torch
+    parser.add_argument("--workload", choices=WORKLOADS, default="default",
+                        help="default: what --dataset says; copy: prompts whose answers echo their "
+                             "input (edit a passage, refactor code, fill a JSON template), for "
+                             "speculative decoding; the single-stream requests are copy ones too")
     parser.add_argument("--single-stream-runs", type=int, default=3,
                         help="requests timed one by one in the single-stream scenario")
     parser.add_argument("--single-stream-len", default="128:256", metavar="PROMPT:OUTPUT",
@@ -75,10 +79,10 @@ def main(args: argparse.Namespace) -> int:
     startup_s = time.time() - process_started
     rss_mib = round(psutil.Process().memory_info().rss / 2**20, 1)
     workload = load_workload(engine.tokenizer, args.dataset, args.num_prompts, args.input_len,
-                             args.output_len, args.seed)
+                             args.output_len, args.seed, args.workload)
     prompt_tokens, output_tokens = (int(n) for n in args.single_stream_len.split(":"))
     streams = single_stream_requests(engine.tokenizer, args.single_stream_runs, prompt_tokens, output_tokens,
-                                     args.seed)
+                                     args.seed, args.workload)
     baseline = None if args.baseline == "none" else baselines.load(args.baseline)
     session = baseline.start(engine, args, workload + streams) if baseline else None
     ours = {"system": "pagedllm", "dtype": str(engine.dtype).removeprefix("torch."),
@@ -87,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
             "weights_mib": round(engine.weight_bytes / 2**20, 1),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
             "rss_after_startup_mib": rss_mib}
-    payload = {"workload": {**summarize(workload), "temperature": args.temperature},
+    payload = {"workload": {**summarize(workload), "kind": args.workload, "temperature": args.temperature},
                "single_stream_len": args.single_stream_len, "pagedllm": ours}
     try:
         rival = session if session is not None and "batched" in baseline.SCENARIOS else None

@@ -48,6 +48,10 @@ class Request:
     # Prefix-cache hashes of the request's full blocks, filled by the KV manager; tokens
     # only ever get appended, so they stay valid for the request's whole life.
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
+    # Speculative decoding: tokens proposed to follow token_ids, verified by the next step. Never
+    # part of token_ids (so never hashed into the prefix cache, never counted as computed): the
+    # accepted ones are appended to token_ids after verification, the list emptied.
+    spec_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

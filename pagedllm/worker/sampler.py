@@ -113,15 +113,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()
-        logits = self._apply_token_rules(raw, rows)
-        logits = self._apply_penalties(logits, rows)
-        logits = self._ban_early_stops(logits, rows)
-        token_ids = self._choose(logits, rows)
+        token_ids = self._choose(process_logits(raw, rows), rows)
         logprobs = self._logprobs(raw, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    # -- logit processing -----------------------------------------------------------------
-    def _apply_token_rules(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    # -- logit processing (process_logits) -------------------------------------------------
+    @staticmethod
+    def _apply_token_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """allowed_token_ids, bad_words and logit_bias: one masked fill and one indexed add over
         the rows that have any (a step without them costs one pass over the rows)."""
         ruled = [(i, r.rules) for i, r in enumerate(rows) if r.rules is not None]
@@ -155,7 +153,8 @@ class Sampler:
                               torch.cat([rules.bias_values for _, rules in biased]), accumulate=True)
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         needs = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
         if not needs:
             return logits
@@ -179,7 +178,8 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _ban_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    @staticmethod
+    def _ban_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         banned = [(i, r.stop_ids_before_min_tokens) for i, r in enumerate(rows)
                   if r.stop_ids_before_min_tokens and r.history.num_output_tokens < r.params.min_tokens]
         if not banned:
@@ -263,6 +263,41 @@ class Sampler:
         num_top best, from the raw logits [len(token_ids), vocab]."""
         chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
         return _token_logprobs(logits.float(), chosen, [num_top] * len(token_ids))
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits each row samples from (float32 logits in): its token rules, penalties and
+    min_tokens' stop ban applied, on a copy where anything changes. The sampler and the rejection
+    sampler of speculative decoding (pagedllm.spec_decode.rejection) both start from here."""
+    logits = Sampler._apply_token_rules(logits, rows)
+    logits = Sampler._apply_penalties(logits, rows)
+    return Sampler._ban_early_stops(logits, rows)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] float32: the distribution each row's token is drawn from, given its processed
+    logits (process_logits): temperature, top-k, top-p and min-p as Sampler._choose applies them
+    (the same candidate sets and weights); a greedy row's mass all on its argmax."""
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    device = logits.device
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.long, device=device)
+        probs[index, logits[index].max(dim=-1).indices] = 1.0
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return probs
+    index = torch.tensor(random_rows, dtype=torch.long, device=device)
+    rest = [params[i] for i in random_rows]
+    temps = torch.tensor([p.temperature for p in rest], dtype=logits.dtype, device=device).unsqueeze(1)
+    scaled = logits[index].div_(temps)
+    for group, values, token_ids in _candidates(scaled, rest):
+        weights = _weights(values, [rest[j] for j in group]).float()
+        weights /= weights.sum(dim=-1, keepdim=True)
+        if token_ids is not None:
+            weights = torch.zeros(len(group), logits.shape[1], device=device).scatter_(1, token_ids, weights)
+        probs[index[torch.tensor(group, dtype=torch.long, device=device)]] = weights
+    return probs
 
 
 def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]) -> list[TokenLogprobs]:

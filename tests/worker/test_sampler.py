@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from pagedllm.core.request import Request
 from pagedllm.kernels import compiled, sampling
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import Sampler, SamplingRow, TokenRules
+from pagedllm.worker.sampler import Sampler, SamplingRow, TokenRules, sampling_probs
 
 
 def row(params: SamplingParams, prompt=(1, 2), output=(), stops=(), seed=None,
@@ -222,22 +222,6 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs / probs.sum()
 
 
-def sampler_probs(logits: torch.Tensor, params: list[SamplingParams]) -> list[torch.Tensor]:
-    """What the sampler's candidates and weights give each row, normalized, over the vocabulary."""
-    from pagedllm.worker.sampler import _candidates, _weights
-
-    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-    result = [None] * len(params)
-    for group, values, token_ids in _candidates(logits / temps, params):
-        weights = _weights(values.clone(), [params[j] for j in group])
-        for k, j in enumerate(group):
-            probs = torch.zeros(logits.shape[1])
-            ids = torch.arange(logits.shape[1]) if token_ids is None else token_ids[k]
-            probs[ids] = weights[k]
-            result[j] = probs / probs.sum()
-    return result
-
-
 params_strategy = st.builds(
     SamplingParams, temperature=st.floats(0.3, 3.0), top_k=st.sampled_from([-1, 1, 5, 40, 300, 5000]),
     top_p=st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.0, 0.05, 0.3]))
@@ -247,10 +231,11 @@ params_strategy = st.builds(
 @given(params=st.lists(params_strategy, min_size=1, max_size=6), vocab=st.sampled_from([7, 300, 5000]),
        spread=st.sampled_from([0.01, 1.0, 8.0]), seed=st.integers(0, 2**16))
 def test_candidates_keep_what_a_full_sort_keeps(params, vocab, spread, seed):
-    """Whatever the batch, each row's tokens and probabilities are those of the definition,
-    including flat rows whose nucleus is larger than the first candidate sets (spread 0.01)."""
+    """Whatever the batch, each row's tokens and probabilities (sampling_probs: the sampler's
+    candidates and weights over the vocabulary) are those of the definition, including flat rows
+    whose nucleus is larger than the first candidate sets (spread 0.01)."""
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * spread
-    for j, (got, p) in enumerate(zip(sampler_probs(logits, params), params)):
+    for j, (got, p) in enumerate(zip(sampling_probs(logits, params), params)):
         expected = reference_probs(logits[j], p)
         assert torch.allclose(got, expected, atol=1e-5), (p, (got - expected).abs().max())
 

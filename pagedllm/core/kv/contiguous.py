@@ -84,6 +84,19 @@ class ContiguousKVManager:
         self._use(reservation, end)
         return True
 
+    def trim(self, request: Request, num_kept_tokens: int) -> None:
+        """Count only the first num_kept_tokens slots as used (speculative decoding's rejected
+        tokens leave); the reservation itself stays whole, as it always does."""
+        reservation = self._reservations.get(request.request_id)
+        if reservation is None:
+            raise ValueError(f"cannot trim {request.request_id}: it holds no blocks")
+        if not max(1, request.num_computed_tokens) <= num_kept_tokens <= reservation.num_used_tokens:
+            raise ValueError(f"cannot trim {request.request_id} to {num_kept_tokens} tokens: it has "
+                             f"{request.num_computed_tokens} computed and {reservation.num_used_tokens} "
+                             "slots in use")
+        self._used_slots -= reservation.num_used_tokens - num_kept_tokens
+        reservation.num_used_tokens = num_kept_tokens
+
     def free(self, request: Request) -> None:
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is None:

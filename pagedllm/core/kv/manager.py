@@ -16,6 +16,16 @@ A block enters the prefix cache when the request owning it has *computed* it (it
 num_computed_tokens covers the whole block, i.e. from the step after it was written), so
 no request ever reads K/V that is being written in the same step.
 
+Speculative decoding: a speculating request's step writes K/V for its proposed tokens too;
+allocate_slots takes them like any new tokens (num_new_tokens = 1 + k for a decode), with
+copy-on-write for any shared block in the range, so a proposal never lands in a block another
+request reads. After verification the scheduler counts only accepted tokens as computed and calls
+trim(), which gives back the blocks that hold nothing but rejected tokens and cuts the tail
+block's fill to what was kept. Prefix-cache hashes cover request.token_ids, which only ever holds
+accepted tokens, and only blocks that num_computed_tokens (accepted K/V) covers whole: a block
+with a rejected token in it is never cached; its rejected slots are written over by the next step
+before anything reads them.
+
 Sliding windows: when every layer of the model attends only to the last `sliding_window`
 keys, a block wholly before the window of a request's next token is read by nothing again,
 so allocate_slots gives it back as the request advances (it stays in the prefix cache, if
@@ -96,6 +106,13 @@ class _BlockTable:
     def replace(self, index: int, block: KVBlock | None) -> None:
         self.blocks[index] = block
         self.ids[index] = NULL_BLOCK if block is None else block.block_id
+
+    def truncate(self, num_blocks: int) -> list[KVBlock]:
+        """Drop the entries from num_blocks on; the blocks they held."""
+        dropped = self.blocks[num_blocks:]
+        del self.blocks[num_blocks:]
+        del self.ids[num_blocks:]
+        return dropped
 
 
 class KVCacheManager:
@@ -302,6 +319,37 @@ class KVCacheManager:
                 tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
                 self.pool.cache(block, hashes[i], tokens, parent, request.cache_salt)
             table.num_cached = i + 1
+
+    def trim(self, request: Request, num_kept_tokens: int) -> None:
+        """Keep the slots of the request's first num_kept_tokens positions, give back the rest:
+        after a speculative step, the slots of rejected tokens. A block holding only rejected
+        tokens goes back to the pool (at its head: nothing in it is worth caching, and the next
+        step takes the same block again); the block of the last kept token stays, its fill cut to
+        what is kept. Call after the step ran (its block copies done), with at least the tokens
+        the request counts as computed: computed K/V, cached blocks among it, is never cut."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise ValueError(f"cannot trim {request.request_id}: it holds no blocks")
+        bs = self.block_size
+        capacity = len(table.blocks) * bs
+        if not max(1, request.num_computed_tokens) <= num_kept_tokens <= capacity:
+            raise ValueError(f"cannot trim {request.request_id} to {num_kept_tokens} tokens: it has "
+                             f"{request.num_computed_tokens} computed and slots for {capacity}")
+        num_kept_blocks = cdiv(num_kept_tokens, bs)
+        dropped = table.truncate(num_kept_blocks)
+        if dropped:
+            # Last first: released blocks go to the head of the free queue, so the first dropped
+            # ends up first in line.
+            self.pool.release(reversed(dropped))
+            if self._pending_copies:
+                self._pending_copies.discard_into(lambda dst: not self.pool.blocks[dst].ref_cnt)
+        tail = table.blocks[-1]
+        kept_in_tail = num_kept_tokens - (num_kept_blocks - 1) * bs
+        if kept_in_tail < tail.num_filled:
+            if tail.ref_cnt > 1:  # a step wrote past what is shared: copy-on-write was skipped
+                raise ValueError(f"cannot trim {request.request_id}: its block {tail.block_id} is "
+                                 f"shared and filled past {num_kept_tokens} tokens")
+            self.pool.fill(tail, kept_in_tail)
 
     # -- release and sharing ------------------------------------------------------------------
 

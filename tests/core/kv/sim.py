@@ -2,7 +2,8 @@
 for the KV managers and the scheduler.
 
 The simulated K/V of a token is what real K/V depends on: the whole prefix up to and
-including it (plus the cache salt, so a cross-salt hit shows up as wrong content). After
+including it (plus the cache salt, so a cross-salt hit shows up as wrong content), a speculative
+step's proposed tokens included (so K/V of a rejected proposal, read later, shows up too). After
 every write the runner reads each scheduled request's whole context back through its block
 table, so a wrong prefix hit, a missed copy-on-write or a block handed to two writers shows
 up as a content mismatch. With a sliding window it reads what attention reads: the window of
@@ -23,7 +24,9 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 
 def kv_content(request: Request, position: int) -> tuple:
-    return (request.cache_salt, tuple(request.token_ids[:position + 1]))
+    """What K/V at `position` holds: the prefix up to it, proposed (speculative) tokens included."""
+    tokens = request.token_ids + request.spec_token_ids if request.spec_token_ids else request.token_ids
+    return (request.cache_salt, tuple(tokens[:position + 1]))
 
 
 def new_token_slots(item: ScheduledRequest) -> list[int]:
