@@ -134,3 +134,23 @@ def test_half_precision_engines_agree_with_fp32_on_an_easy_prompt(dtype, cuda_ll
               max_model_len=512)
     got = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(got) == 8 and got[0] == expected[0]
+
+
+@requires_default_model
+def test_gguf_weights_stay_quantized_on_the_gpu(cuda_llm, default_model_path):
+    """The default model's Q4_1 / Q8_0 matrices are kept as codes in GPU memory (the Triton
+    matmul dequantizes inside the kernel), and its greedy tokens equal those of the same file
+    dequantized at load."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.quant_linear import QuantLinear
+
+    model = cuda_llm.engine.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert quantized and {p.codes.device.type for m in quantized for p in m.parts} == {"cuda"}
+    dequantized = LLM(model=str(default_model_path), dtype="float32", device="cuda",
+                      kv_cache_memory="256MiB", max_model_len=512, quantization="none")
+    assert dequantized.engine.weight_bytes > 2 * cuda_llm.engine.weight_bytes
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for ours, theirs in zip(cuda_llm.generate(PROMPTS, params, use_tqdm=False),
+                            dequantized.generate(PROMPTS, params, use_tqdm=False)):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
