@@ -121,6 +121,9 @@ class EngineConfig:
     # Greedy outputs that do not depend on the batch, chunking or preemption, bf16 included, at
     # some prefill speed (pagedllm.model.batch_invariant says what it covers; CPU only).
     batch_invariant: bool = False
+    # No CUDA graphs: every decode step launches its kernels from Python (pagedllm.worker.cuda_graphs
+    # says what the graphs cover). vLLM's flag.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size not in VALID_BLOCK_SIZES:
@@ -169,6 +172,8 @@ class EngineConfig:
             raise ValueError("batch_invariant runs on one process: tensor parallelism sums partial "
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false; got {self.enforce_eager!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm', 'none' or a folder holding "
                              f"a generation_config.json; got {self.generation_config!r}")
@@ -225,6 +230,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true", default=default["batch_invariant"],
                         help="greedy outputs that do not depend on the batch, chunking or "
                              "preemption (bf16 too; CPU only; slower prefill)")
+    parser.add_argument("--enforce-eager", action="store_true", default=default["enforce_eager"],
+                        help="no CUDA graphs: run every decode step eagerly (GPU only; slower)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -243,5 +250,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
                         distributed_timeout_s=args.distributed_timeout_s,
-
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager)

@@ -85,7 +85,8 @@ def _start(store: dist.Store, rank: int, size: int, spawned: bool) -> tuple[Mode
         raise _Aborted
     runner_args = json.loads(runner_args)
     runner_args["kv_dtype"] = parse_dtype_name(runner_args["kv_dtype"])
-    runner = ModelRunner(loaded.model, device="cpu", **runner_args)
+    # No CUDA graphs on a worker: its steps come as packets (execute_packet), never replayed.
+    runner = ModelRunner(loaded.model, device="cpu", enforce_eager=True, **runner_args)
     store.set(protocol.ready_key(rank), "")
     logger.info("ready: %s", loaded.weights_note)
     return runner, group

@@ -101,11 +101,11 @@ def test_default_model_fp32_greedy_equals_transformers(cuda_llm, hf_default_mode
 
 @requires_default_model
 def test_engine_state_lives_on_the_gpu(cuda_llm):
-    engine = cuda_llm.engine
-    assert engine.device.type == "cuda"
-    assert {p.device.type for p in engine.runner.model.parameters()} == {"cuda"}
-    assert {t.device.type for pair in engine.runner.kv_caches for t in pair} == {"cuda"}
-    assert engine.sampler.generator.device.type == "cuda"
+    core = cuda_llm.engine.engine_core
+    assert core.device.type == "cuda"
+    assert {p.device.type for p in core.runner.model.parameters()} == {"cuda"}
+    assert {t.device.type for pair in core.runner.kv_caches for t in pair} == {"cuda"}
+    assert core.sampler.generator.device.type == "cuda"
 
 
 @requires_default_model
@@ -144,7 +144,7 @@ def test_gguf_weights_stay_quantized_on_the_gpu(cuda_llm, default_model_path):
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.model.quant_linear import QuantLinear
 
-    model = cuda_llm.engine.runner.model
+    model = cuda_llm.engine.engine_core.runner.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert quantized and {p.codes.device.type for m in quantized for p in m.parts} == {"cuda"}
     dequantized = LLM(model=str(default_model_path), dtype="float32", device="cuda",
