@@ -103,7 +103,8 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor
     sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
     # [T, hidden]: every new token's final hidden state, in the flat batch's order (the engine
-    # core turns a prompt's rows into prompt logprobs, for the requests that ask).
+    # core turns a prompt's rows into prompt logprobs, for the requests that ask). After a replayed
+    # CUDA graph, a view of the graph's output: read it before the next step.
     hidden: torch.Tensor
 
 
