@@ -390,19 +390,10 @@ def _attention_row(case: dict, device: str) -> dict:
 
     query, key_cache, value_cache, meta = make_case(
         case["batch"], block_size=16, num_heads=case["num_heads"], num_kv_heads=case["num_kv_heads"],
-        head_dim=case["head_dim"], dtype=torch.bfloat16, seed=1)
+        head_dim=case["head_dim"], dtype=torch.bfloat16, seed=1, device=device)
     if case["kv"] != "auto":
         key_cache = QuantizedKV.from_values(key_cache, case["kv"])
         value_cache = QuantizedKV.from_values(value_cache, case["kv"])
-
-    def to_device(cache):
-        if isinstance(cache, QuantizedKV):
-            return QuantizedKV(cache.data.to(device), cache.scale.to(device))
-        return cache.to(device)
-
-    query, key_cache, value_cache = query.to(device), to_device(key_cache), to_device(value_cache)
-    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
-        setattr(meta, name, getattr(meta, name).to(device))
     scale = case["head_dim"] ** -0.5
 
     def kernel():

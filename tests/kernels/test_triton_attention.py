@@ -23,9 +23,14 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="triton is not installed: pip install triton (make test does)")
 from pagedllm.kernels.attention import QuantizedKV, torch_ref, triton_attention  # noqa: E402
 from tests.conftest import after_nan_block, punch_window_holes  # noqa: E402
-from tests.kernels.test_cpu_kernel import make_case  # noqa: E402
+from tests.kernels.test_cpu_kernel import make_case as make_host_case  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def make_case(*args, **kwargs):
+    """test_cpu_kernel's case on DEVICE (written there: on a GPU, no CPU kernel is built)."""
+    return make_host_case(*args, device=DEVICE, **kwargs)
 pytestmark = pytest.mark.skipif(
     not ON_GPU and not triton_attention.interpreting(),
     reason="no CUDA, and triton was imported before TRITON_INTERPRET=1 could be set")
