@@ -1,6 +1,7 @@
 # Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
 # Longer reliability runs (not in `make test`): `make fuzz`, `make stress`, `make soak`.
-# On a machine with CUDA (and a CUDA build of torch in .venv): `make gpu-check` (under 8 minutes).
+# On a machine with CUDA: `make gpu-check` (under 8 minutes; docs/gpu.md); `make gpu-prepare` packs,
+# here, what a GPU machine without network needs for it.
 # `make dashboard-screenshot` retakes docs/dashboard.png (the README's picture of the dashboard).
 PYTHON ?= python3.11
 VENV := .venv
@@ -24,10 +25,12 @@ SOAK_DURATION_S ?= 600
 SOAK_RATE ?= 1
 SOAK_SERVE_ARGS ?= --dtype float32 --max-model-len 2048 --kv-cache-memory 256MiB $(MODEL_FLAG)
 
-# make gpu-check: the larger model to bench besides the default one (a HF folder or .gguf).
+# make gpu-check: the larger model to bench instead of a random-weight ~1B Llama (a HF folder or
+# .gguf); the python with a CUDA build of torch (.venv's where there is one, else python3).
 GPU_CHECK_MODEL ?=
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: install serve test lint fuzz stress soak gpu-check dashboard-screenshot
+.PHONY: install serve test lint fuzz stress soak gpu-check gpu-prepare dashboard-screenshot
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,8 +71,12 @@ soak: install
 	$(BIN)/python -m tests.server.soak --duration-s $(SOAK_DURATION_S) --request-rate $(SOAK_RATE) \
 		--output-json bench-out/soak.json -- $(SOAK_SERVE_ARGS)
 
-gpu-check: install
-	GPU_CHECK_MODEL=$(GPU_CHECK_MODEL) $(BIN)/python -m tests.gpu_check
+# No `install` first: a GPU machine may have no network (what it lacks comes from gpu-prepare).
+gpu-check:
+	GPU_CHECK_MODEL=$(GPU_CHECK_MODEL) $(GPU_PYTHON) -m tests.gpu_check
+
+gpu-prepare: install
+	$(BIN)/python -m tests.gpu_prepare
 
 dashboard-screenshot: install
 	PAGEDLLM_DASHBOARD_PNG=docs/dashboard.png $(BIN)/python -m pytest -p no:cacheprovider \

@@ -316,6 +316,9 @@ class EngineConfig:
     batch_invariant: bool = setting(
         False, "greedy outputs that do not depend on the batch, chunking or preemption (bf16 "
         "too; CPU only, one process; slower prefill)")
+    enforce_eager: bool = setting(
+        False, "no CUDA graphs: every decode step launched from Python (on a GPU, decode steps "
+        "replay captured graphs otherwise: docs/gpu.md)")
     speculative_config: dict | str | None = setting(
         None, "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\" | \"suffix\" | "
         "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "

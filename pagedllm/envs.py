@@ -92,6 +92,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("RANK", _count, None, "this process's rank among a tensor-parallel launch"),
     EnvVar("WORLD_SIZE", _count, None, "how many ranks the launch has"),
     EnvVar("LOCAL_WORLD_SIZE", _count, 1, "how many of them run on this machine"),
+    EnvVar("LOCAL_RANK", _count, None, "this process's rank among those on its machine (its GPU)"),
     EnvVar("MASTER_ADDR", str, None, "where rank 0's store listens"),
     EnvVar("MASTER_PORT", _count, None, "the port it listens on"),
 )}

@@ -37,7 +37,13 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import protocol
-from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup
+from pagedllm.distributed.group import (
+    CONNECT_TIMEOUT,
+    TensorParallelError,
+    TensorParallelGroup,
+    backend_for,
+    rank_device,
+)
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
@@ -60,9 +66,13 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> LoadedModel
     size = config.tensor_parallel_size
     if size == 1:
         return load_model(*args)
-    if device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size={size} runs on the CPU (gloo) for now; "
-                         f"device {device} takes tensor_parallel_size=1")
+    backend = backend_for(device)  # ValueError for a device the collectives do not run on
+    if device.type == "cuda" and config.distributed_executor_backend == "mp":
+        last = rank_device(device, size - 1)
+        if last.index >= torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} from {device} takes GPUs {device.index or 0} "
+                             f"to {last.index} (one per rank); this machine has "
+                             f"{torch.cuda.device_count()}")
     plan = ShardPlan(read_model_config(config.model), size)  # ValueError where sizes do not split
     driver = TensorParallelDriver.start(config, device)
     try:
@@ -71,7 +81,7 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> LoadedModel
         driver.close()
         raise
     loaded.model.tensor_parallel = driver
-    loaded.weights_note += (f"; tensor parallel over {size} ranks ({driver.launch}, gloo): "
+    loaded.weights_note += (f"; tensor parallel over {size} ranks ({driver.launch}, {backend}): "
                             f"{plan.describe()}, {torch.get_num_threads()} torch threads each")
     return loaded
 
@@ -97,15 +107,18 @@ class TensorParallelDriver:
         store = _serve_store(size) if spawn else _meet_store(size)
         threads = protocol.threads_per_rank(size) if spawn else protocol.launched_threads()
         torch.set_num_threads(threads)
-        # The workers load what rank 0 resolved: the same dtype whatever their CPU says.
+        # The workers load what rank 0 resolved: the same dtype whatever their CPU says, and
+        # rank 0's device, from which each takes its own (group.rank_device).
         dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
-        settings = dataclasses.asdict(dataclasses.replace(config, dtype=dtype))
+        settings = dataclasses.asdict(dataclasses.replace(config, dtype=dtype, device=str(device)))
         store.set(protocol.CONFIG_KEY, json.dumps(settings))
         store.set(protocol.THREADS_KEY, str(threads))
         processes = [_spawn_worker(rank, size, store) for rank in range(1, size)] if spawn else []
         try:
             _wait_for_workers(store, size, processes, protocol.hello_key, "connecting")
-            group = TensorParallelGroup(store, 0, size, config.distributed_timeout_s)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL's communicator binds the current device
+            group = TensorParallelGroup(store, 0, size, config.distributed_timeout_s, device)
         except BaseException:
             _stop_workers(store, None, processes, [False])
             raise

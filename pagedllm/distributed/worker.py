@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import protocol
-from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup
+from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup, rank_device
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.config import parse_dtype_name
@@ -74,10 +74,14 @@ class _Aborted(Exception):
 def _start(store: dist.Store, rank: int, size: int, spawned: bool) -> tuple[ModelRunner, TensorParallelGroup]:
     config = EngineConfig(**json.loads(store.get(protocol.CONFIG_KEY)))
     store.set(protocol.hello_key(rank), "")
-    group = TensorParallelGroup(store, rank, size, config.distributed_timeout_s)
+    # Rank 0's device (resolved there) and this rank's place on its machine give this rank's.
+    device = rank_device(torch.device(config.device), rank if envs.LOCAL_RANK is None else envs.LOCAL_RANK)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds the current device
+    group = TensorParallelGroup(store, rank, size, config.distributed_timeout_s, device)
     torch.set_num_threads(int(store.get(protocol.THREADS_KEY)) if spawned else protocol.launched_threads())
     plan = ShardPlan(read_model_config(config.model), size)
-    loaded = load_model(config.model, config.dtype, "cpu", config.quantization,
+    loaded = load_model(config.model, config.dtype, device, config.quantization,
                         config.quantization_group_size, shard=RankShard(plan, rank, group))
     store.wait([protocol.RUNNER_KEY], timedelta(seconds=CONNECT_TIMEOUT.total_seconds()))
     runner_args = store.get(protocol.RUNNER_KEY).decode()
@@ -85,7 +89,8 @@ def _start(store: dist.Store, rank: int, size: int, spawned: bool) -> tuple[Mode
         raise _Aborted
     runner_args = json.loads(runner_args)
     runner_args["kv_dtype"] = parse_dtype_name(runner_args["kv_dtype"])
-    runner = ModelRunner(loaded.model, device="cpu", **runner_args)
+    # No CUDA graphs on a worker: its steps come as packets (execute_packet), never replayed.
+    runner = ModelRunner(loaded.model, device=device, enforce_eager=True, **runner_args)
     store.set(protocol.ready_key(rank), "")
     logger.info("ready: %s", loaded.weights_note)
     return runner, group

@@ -116,7 +116,8 @@ class EngineCore:
             model, num_blocks=self.kv_plan.num_blocks, block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, kv_dtype=dtype, device=self.device,
-            kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant)
+            kv_cache_dtype=config.kv_cache_dtype, batch_invariant=config.batch_invariant,
+            enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs)
         self.sampler = Sampler(config.seed, self.device)
         self.grammar_compiler = grammar_compiler
         self.structured = StructuredOutputManager(grammar_compiler)

@@ -12,6 +12,7 @@ ValueError, whose message names the file and the problem.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import time
@@ -110,8 +111,12 @@ class _WeightPolicy:
         self.group_size = group_size
         self.dtype = dtype
         self.tally: dict[str, int] = {}
-        # The quantized kernels are CPU kernels: elsewhere a GGUF's weights are dequantized.
+        self.device = device
         self.on_cpu = device.type == "cpu"
+        # Where a kernel computes on quantized weights: the CPU's compiled ones, and on CUDA the
+        # Triton one (kernels/triton_quant_matmul.py). Elsewhere a GGUF's weights are dequantized.
+        self.keeps_quantized = self.on_cpu or (device.type == "cuda" and
+                                               importlib.util.find_spec("triton") is not None)
         if quantization in QUANTIZATION_BITS and not self.on_cpu:
             raise ValueError(f"quantization={quantization} runs on the CPU; {device} takes auto or none")
 
@@ -120,10 +125,12 @@ class _WeightPolicy:
             raise ValueError(
                 f"{path}: quantization={self.quantization} quantizes a Hugging Face folder's float "
                 "weights; a GGUF file keeps its own quantization (auto) or is dequantized (none)")
-        keep = self.quantization == "auto" and self.on_cpu
+        keep = self.quantization == "auto" and self.keeps_quantized
 
         def get(hf: str):
             weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep)
+            if isinstance(weight, QuantizedWeight) and not self.on_cpu:
+                weight = weight.to(self.device)
             type_name = checkpoint.tensors[checkpoint.hf_names[hf]].tensor_type.name
             self._count(weight, type_name)
             return weight

@@ -12,6 +12,8 @@ A QuantLinear picks its kernel by the number of rows it multiplies:
   exists at a time;
 - without the compiled kernels (no AVX-512, no compiler, PAGEDLLM_ATTENTION=torch): the portable
   torch path, dequantize then F.linear, which is also the reference the kernels are tested against.
+On CUDA every row count goes to the Triton kernel (pagedllm.kernels.triton_quant_matmul), which
+dequantizes inside the matmul; the loader keeps GGUF weights quantized there only where Triton is.
 Weight-only: activations stay in the model's dtype and products are summed in float32 over the
 weights gguf's dequantizer gives (in float32 exactly those; in bf16 rounded to bf16 as the
 dequantized model holds them, or exact in the few-rows kernel), so the results match the
@@ -52,10 +54,13 @@ class QuantLinear(nn.Module):
         # Batch-invariant mode (pagedllm.model.batch_invariant): the few-rows kernel for any
         # number of rows, whose sums run in one order per row.
         self.row_invariant = False
+        self._gpu_parts = None  # the parts as the GPU kernel takes them, made on its first call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if not matmul.quant_support(rows) or rows.stride(-1) != 1:
+        if on_gpu(rows):
+            out = self._gpu_forward(rows)
+        elif not matmul.quant_support(rows) or rows.stride(-1) != 1:
             out = F.linear(rows, self.dequantize(rows.dtype), self.bias)
         elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant:
             out = self._kernel(rows, matmul.quant_linear)
@@ -66,6 +71,15 @@ class QuantLinear(nn.Module):
         else:
             out = self._dequantized_tiles(rows)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _gpu_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels import triton_quant_matmul  # Triton only where a GPU runs
+
+        if not triton_quant_matmul.supports(rows, self.parts):
+            return F.linear(rows, self.dequantize(rows.dtype), self.bias)
+        if self._gpu_parts is None:
+            self._gpu_parts = triton_quant_matmul.prepare(self.parts)
+        return triton_quant_matmul.linear(rows, self._gpu_parts, self.bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole float weight [out_features, in_features] (the portable path)."""
@@ -123,6 +137,11 @@ class QuantEmbedding(nn.Module):
         else:
             rows = picked.dequantize(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def on_gpu(rows: torch.Tensor) -> bool:
+    """Whether a matmul runs on the GPU's kernel: activations on a CUDA device."""
+    return rows.is_cuda
 
 
 def merge_layouts(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:

@@ -116,6 +116,13 @@ class QuantizedWeight:
                     f"{' (4-bit codes are packed in runs of 32)' if self.bits == 4 else ''}")
         return None
 
+    def to(self, device: str | torch.device) -> QuantizedWeight:
+        """The same weight with its tensors on device (codes, scales, mins and codebook)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+        return dataclasses.replace(self, codes=move(self.codes), scales=move(self.scales),
+                                   mins=move(self.mins), codebook=move(self.codebook))
+
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Rows start..end as views (no copy)."""
         return dataclasses.replace(

@@ -8,6 +8,9 @@ receives only the changed entries. Per-step upkeep thus does not grow with conte
 Under tensor parallelism (pagedllm.distributed) the runner of rank 0 sends each step's packet to
 the workers, whose runners keep their own copy of the table the way a device's is kept
 (execute_packet): every rank runs the same step on its shard of the model.
+
+On CUDA, decode steps replay CUDA graphs (pagedllm.worker.cuda_graphs) unless enforce_eager; the
+KV cache then has one block more than the KV manager hands out, the graphs' scratch block.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pagedllm.kernels.attention import allocate_kv_cache, copy_blocks, cpu_atten
 from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.model.batch_invariant import make_batch_invariant
 from pagedllm.utils import cdiv
+from pagedllm.worker import cuda_graphs
 from pagedllm.worker.block_table import BlockTable
 
 logger = logging.getLogger(__name__)
@@ -99,7 +103,8 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor
     sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
     # [T, hidden]: every new token's final hidden state, in the flat batch's order (the engine
-    # core turns a prompt's rows into prompt logprobs, for the requests that ask).
+    # core turns a prompt's rows into prompt logprobs, for the requests that ask). After a replayed
+    # CUDA graph, a view of the graph's output: read it before the next step.
     hidden: torch.Tensor
 
 
@@ -107,7 +112,10 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
                  device: str | torch.device = "cpu", kv_cache_dtype: str = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, enforce_eager: bool = False, max_num_seqs: int = 256,
+                 graph_capture: cuda_graphs.GraphCapture | None = None) -> None:
+        """enforce_eager: no CUDA graphs. graph_capture: what records the decode graphs (None:
+        CUDA's, on a CUDA device; tests give a stand-in to run the graph path elsewhere)."""
         cfg = model.config  # under tensor parallelism, this rank's share of the heads
         self.model = model
         self.device = torch.device(device)
@@ -119,7 +127,9 @@ class ModelRunner:
         elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, block_size,
+        use_graphs = (not enforce_eager and not batch_invariant and self.tp is None
+                      and (graph_capture is not None or self.device.type == "cuda"))
+        self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks + int(use_graphs), block_size,
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
                                            kv_cache_dtype)
         # A step's integers (token ids, positions, slots, sampled rows, and off the CPU the
@@ -149,6 +159,15 @@ class ModelRunner:
                                if self.device.type == "cpu" and compiled.available() else None)
         self._copies: list[tuple[int, int]] = []  # this step's, for the workers' packet
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
+        self.decode_graphs = None
+        if use_graphs and (graph_capture is not None
+                           or cuda_graphs.attention_captures(self.kv_caches[0], kv_dtype, self.device)):
+            self.decode_graphs = cuda_graphs.DecodeGraphs(
+                model, self.kv_caches, max_num_seqs=max_num_seqs,
+                max_blocks_per_seq=self.block_table.max_blocks_per_seq,
+                pad_slot=num_blocks * block_size,  # the scratch block, past the manager's
+                device=self.device, capture=graph_capture or cuda_graphs.CudaGraphCapture(self.device))
+            self.decode_graphs.capture_all()
         if self.tp is not None:  # the workers build their runners as this one was built
             self.tp.start_workers(dict(
                 num_blocks=num_blocks, block_size=block_size,
@@ -173,7 +192,11 @@ class ModelRunner:
         greedy sampling with nothing else to read takes), those requests' batch indices, and the
         hidden states of every token."""
         step = self.prepare_inputs(scheduled)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(step.input_ids.shape[0], step.attn_metadata):
+            hidden = graphs.replay(step.input_ids, step.positions, step.attn_metadata)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
         if not step.sample_indices:
             return StepOutput(torch.empty(0, device=self.device), [], hidden)
         rows = hidden.index_select(0, step.sample_rows)

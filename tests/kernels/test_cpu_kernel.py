@@ -21,8 +21,10 @@ needs_kernel = pytest.mark.skipif(not compiled.available(),
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed):
-    """A filled paged cache and the metadata of one step. requests: [(num_computed, num_new)]."""
+def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu"):
+    """A filled paged cache and the metadata of one step. requests: [(num_computed, num_new)].
+    device: where it all goes (the values are drawn on the host, the same for every device; the
+    cache is written there, so a GPU's case never builds the CPU kernels)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = sum(cdiv(c + n, block_size) for c, n in requests)
@@ -33,15 +35,18 @@ def make_case(requests, *, block_size, num_heads, num_kv_heads, head_dim, dtype,
     # Garbage in the unused blocks, so reading past a request's own blocks would show.
     key_cache.normal_(generator=gen)
     value_cache.normal_(generator=gen)
+    key_cache, value_cache = key_cache.to(device), value_cache.to(device)
     batch = [(c, n, [physical.pop() for _ in range(cdiv(c + n, block_size))]) for c, n in requests]
     full, _ = build_attn_metadata([(0, c + n, b) for c, n, b in batch], block_size)
     total = full.slot_mapping.numel()
-    write_kv(torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),
-             torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype),
-             key_cache, value_cache, full.slot_mapping)
+    write_kv(torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device),
+             torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device),
+             key_cache, value_cache, full.slot_mapping.to(device))
     meta, _ = build_attn_metadata(batch, block_size)
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        setattr(meta, name, getattr(meta, name).to(device))
     num_tokens = sum(n for _, n in requests)
-    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(device)
     return query, key_cache, value_cache, meta
 
 

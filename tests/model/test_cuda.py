@@ -1,6 +1,7 @@
 """The model and the engine on CUDA, against transformers on the same GPU with TF32 off: tiny
-random models' logits through the paged cache (prefill, then a chunk after cached context), the
-default model's fp32 greedy tokens, and the engine's device state. `make gpu-check` runs these; a
+random models' logits through the paged cache (prefill, then a chunk after cached context) and
+their greedy tokens through the whole engine (CUDA graphs and eager), the default model's fp32
+greedy tokens (its GGUF kept quantized), and the engine's device state. `make gpu-check` runs these; a
 machine without CUDA skips them (the CPU-side checks of the same path are tests/test_device.py and
 the Triton kernel under the interpreter, tests/kernels/test_triton_attention.py)."""
 
@@ -74,6 +75,38 @@ def test_tiny_model_logits_match_transformers(shape, tiny_checkpoint, monkeypatc
     assert calls, "CUDA attention did not run the Triton kernel"
 
 
+# Not dynamic NTK rope: past the model's length (16) its frequencies depend on the sequence length
+# at the time a key is computed, which for a prompt cut into chunks is each chunk's end here and
+# the whole prompt's in transformers' generate; the logits test above covers that shape.
+GREEDY_SHAPES = sorted(set(SHAPES) - {"llama_dynamic_rope"})
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("shape", GREEDY_SHAPES)
+def test_tiny_model_greedy_tokens_equal_transformers(shape, enforce_eager, tiny_checkpoint):
+    """The whole engine on the GPU (blocks of 4, prefills cut into chunks beside other requests'
+    decodes; decode steps replayed from CUDA graphs, or eagerly) generates transformers' greedy
+    tokens on the same GPU, in float32."""
+    from pagedllm.entrypoints.llm import LLM
+    from tests.model.test_llama_equivalence import ENGINE_PROMPTS
+
+    checkpoint = tiny_checkpoint(shape)
+    llm = LLM(model=str(checkpoint.folder), dtype="float32", device="cuda", block_size=4, max_model_len=64,
+              kv_cache_memory="1MiB", max_num_batched_tokens=24, max_num_seqs=4,
+              enforce_eager=enforce_eager)
+    assert (llm.engine.engine_core.runner.decode_graphs is None) == enforce_eager
+    prompts = [token_ids(length, seed=20 + length) for length in ENGINE_PROMPTS.get(shape, (13, 3, 20))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf_model = copy.deepcopy(checkpoint.hf_model).to("cuda")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.inference_mode():
+            expected = hf_model.generate(ids, eos_token_id=[], pad_token_id=0, max_new_tokens=12,
+                                         do_sample=False, attention_mask=torch.ones_like(ids))
+        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
@@ -101,11 +134,11 @@ def test_default_model_fp32_greedy_equals_transformers(cuda_llm, hf_default_mode
 
 @requires_default_model
 def test_engine_state_lives_on_the_gpu(cuda_llm):
-    engine = cuda_llm.engine
-    assert engine.device.type == "cuda"
-    assert {p.device.type for p in engine.runner.model.parameters()} == {"cuda"}
-    assert {t.device.type for pair in engine.runner.kv_caches for t in pair} == {"cuda"}
-    assert engine.sampler.generator.device.type == "cuda"
+    core = cuda_llm.engine.engine_core
+    assert core.device.type == "cuda"
+    assert {p.device.type for p in core.runner.model.parameters()} == {"cuda"}
+    assert {t.device.type for pair in core.runner.kv_caches for t in pair} == {"cuda"}
+    assert core.sampler.generator.device.type == "cuda"
 
 
 @requires_default_model
@@ -134,3 +167,23 @@ def test_half_precision_engines_agree_with_fp32_on_an_easy_prompt(dtype, cuda_ll
               max_model_len=512)
     got = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(got) == 8 and got[0] == expected[0]
+
+
+@requires_default_model
+def test_gguf_weights_stay_quantized_on_the_gpu(cuda_llm, default_model_path):
+    """The default model's Q4_1 / Q8_0 matrices are kept as codes in GPU memory (the Triton
+    matmul dequantizes inside the kernel), and its greedy tokens equal those of the same file
+    dequantized at load."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.model.quant_linear import QuantLinear
+
+    model = cuda_llm.engine.engine_core.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert quantized and {p.codes.device.type for m in quantized for p in m.parts} == {"cuda"}
+    dequantized = LLM(model=str(default_model_path), dtype="float32", device="cuda",
+                      kv_cache_memory="256MiB", max_model_len=512, quantization="none")
+    assert dequantized.engine.weight_bytes > 2 * cuda_llm.engine.weight_bytes
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for ours, theirs in zip(cuda_llm.generate(PROMPTS, params, use_tqdm=False),
+                            dequantized.generate(PROMPTS, params, use_tqdm=False)):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids

@@ -17,8 +17,8 @@ layout.
 paged_attention runs the compiled CPU kernel (cpu_attention: in place through the block table, one
 call for prefill chunks and decodes) where it is built and takes the call, the Triton kernel
 (triton_attention, the same contract) for CUDA tensors, and the portable torch path (torch_ref, also
-the reference both kernels are tested against) everywhere else. (The Triton kernel does not read
-compressed pages yet: on CUDA they take the torch path.)
+the reference both kernels are tested against) everywhere else. The Triton kernel reads compressed
+pages and soft-caps in its inner loop, so CUDA takes the torch path only without Triton.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def paged_attention(
     if cpu_attention.supports(query, key_cache):
         return cpu_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                           sliding_window, softcap)
-    if query.device.type == "cuda" and softcap is None and not isinstance(key_cache, QuantizedKV):
+    if query.device.type == "cuda":
         gpu_kernel = _triton_attention()
         if gpu_kernel is not None and gpu_kernel.supports(query, key_cache):
             return gpu_kernel.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
