@@ -211,7 +211,11 @@ def _speculative_config(name: str, value) -> None:
     """A dict or its JSON text that pagedllm.spec_decode.config accepts (it imports no torch)."""
     from pagedllm.spec_decode.config import SpeculativeConfig
 
-    SpeculativeConfig.parse(value)
+    if SpeculativeConfig.parse(value) is not None:
+        # Refused rather than accepted and ignored: the proposers, the rejection sampler and the KV
+        # rollback exist (pagedllm.spec_decode) but the engine's step does not run them yet.
+        raise ValueError("speculative_config: speculative decoding is not run by the engine's step yet "
+                         "(its proposers and verifier are in pagedllm.spec_decode); leave it unset")
 
 
 def _size_flag(text: str) -> int | str:

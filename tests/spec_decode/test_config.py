@@ -84,10 +84,12 @@ def test_bad_values_are_refused_in_one_line(value, message):
     assert "\n" not in str(info.value)
 
 
-def test_engine_config_takes_the_field():
+def test_engine_config_checks_the_field_then_refuses_it_until_the_step_runs_it():
     assert EngineConfig().speculative_config is None
-    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert SpeculativeConfig.parse(config.speculative_config).num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="method must be one of"):
+        EngineConfig(speculative_config={"method": "medusa"})
+    with pytest.raises(ValueError, match="not run by the engine's step yet"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def _tokenizer(vocab: dict[str, int], eos: str = "</s>") -> Tokenizer:
