@@ -62,6 +62,14 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # The share of each head's dimensions that rotary turns; the rest pass through unchanged.
     partial_rotary_factor: float = 1.0
+    # Mixture of experts (model/moe.py): num_experts > 0 makes the MLP of the layers in moe_layers
+    # (every layer when None) a router over that many experts of moe_intermediate_size, each
+    # token taking num_experts_per_tok of them, their scores renormalized where norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +85,10 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}")
 
     @property
     def rope_type(self) -> str:
@@ -106,6 +118,9 @@ class ModelConfig:
         attends to everything (Gemma's global layers, Qwen2's layers below max_window_layers)."""
         windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
         return None if None in windows else max(windows)
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer_index in self.moe_layers)
 
     def uses_local_rope(self, layer_index: int) -> bool:
         return self.local_rope_theta is not None and self.uses_sliding_window(layer_index)
@@ -162,6 +177,7 @@ class ModelConfig:
             final_logit_softcapping=config.get("final_logit_softcapping"),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=_hf_partial_rotary_factor(config),
+            **_hf_moe(config, architecture),
         )
 
     @classmethod
@@ -308,6 +324,25 @@ def _hf_rope(
         params["factor"] = (config.get("max_position_embeddings", 2048)
                             / params["original_max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **params}, local_theta
+
+
+def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The mixture-of-experts fields: Mixtral's experts are intermediate_size wide, on every layer,
+    their top-k scores always renormalized; Qwen3-MoE's are moe_intermediate_size wide, on every
+    decoder_sparse_step-th layer (counting from 1) not in mlp_only_layers."""
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if not experts:
+        return {}
+    _check_sizes(config, "config.json", {"num_experts_per_tok": "num_experts_per_tok"})
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"],
+                    moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True)
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(config["num_hidden_layers"])
+                   if i not in dense and step > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"],
+                moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 def _hf_partial_rotary_factor(config: dict[str, Any]) -> float:

@@ -27,6 +27,7 @@ from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attenti
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight
@@ -146,7 +147,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index)
         # The norm before the MLP, under Llama's name (Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.is_moe_layer(layer_index) else MLP(config)
         self.attn_output_norm = self.mlp_output_norm = None
         if config.arch.sandwich_norms:
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -29,6 +29,9 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         f"{ours}.input_layernorm.weight": [f"{layer}.input_layernorm.weight"],
         f"{ours}.post_attention_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
     }
+    if config.is_moe_layer(i):
+        del names[f"{ours}.mlp.gate_up_proj.weight"], names[f"{ours}.mlp.down_proj.weight"]
+        names.update(_expert_names(config, i))
     if arch.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
         names[f"{ours}.post_attention_layernorm.weight"] = [
             f"{layer}.pre_feedforward_layernorm.weight"]
@@ -45,6 +48,22 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         names[f"{ours}.mlp.gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
         names[f"{ours}.mlp.down_proj.bias"] = [f"{mlp}.down_proj.bias"]
     return names
+
+
+def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """A mixture-of-experts layer's router and stacked experts (model/moe.py), from Qwen3-MoE's
+    per-expert names or Mixtral's (w1 gate, w3 up, w2 down)."""
+    ours = f"layers.{i}.mlp"
+    if config.architecture == "MixtralForCausalLM":
+        moe, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = f"model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
+    experts = range(config.num_experts)
+    return {
+        f"{ours}.gate.weight": [f"{moe}.gate.weight"],
+        f"{ours}.experts_gate_up": [f"{moe}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)],
+        f"{ours}.experts_down": [f"{moe}.experts.{e}.{down}.weight" for e in experts],
+    }
 
 
 def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -62,6 +62,13 @@ SHAPES: dict[str, tuple[str, dict]] = {
     # Phi-4-mini's shape: rotary over part of each head, tied embeddings.
     "phi4_partial_rotary": ("Phi3Config", dict(
         partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0)),
+    # Mixtures of experts: top-2 of 4 experts, so a batch leaves some experts without tokens.
+    # Qwen3-MoE: layer 1 of 3 dense (mlp_only_layers), scores not renormalized.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    "mixtral_moe": ("MixtralConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=None)),
 }
 
 
