@@ -13,6 +13,9 @@ Each rank holds a share of every layer:
   (the others give zeros, an all-reduce sums them), and each rank's logits cover its rows, gathered
   on rank 0, which samples.
 Norms (and per-head q/k norms) are whole on every rank.
+- a mixture-of-experts layer (model/moe.py) like its MLP: every expert's intermediate columns cut
+  the same way (gate/up rows, down columns), the router whole on every rank so each rank routes
+  each token alike; the layer's partial output summed by one all-reduce.
 
 Shares that do not divide evenly are as even as they can be, the larger first (rank 0 holds the
 largest, so its KV cache is the largest any rank needs). The MLP's columns split at multiples of
@@ -58,6 +61,7 @@ class RankShare:
     kv_heads: Span
     intermediate: Span
     vocab: Span
+    moe_intermediate: Span = (0, 0)  # each expert's columns, on a mixture-of-experts model
 
 
 class ShardPlan:
@@ -92,8 +96,11 @@ class ShardPlan:
         unit = next(u for u in MLP_SPLIT_UNITS if intermediate % u == 0 and intermediate // u >= size)
         if vocab < size:
             raise ValueError(f"{what}: the model's vocabulary of {vocab} is too small to split")
-        self.shares = [RankShare(q, kv, i, v) for q, kv, i, v in zip(
-            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size))]
+        moe_spans = [(0, 0)] * size
+        if config.num_experts:
+            moe_spans = _mlp_split(config.moe_intermediate_size, size, f"{what}: the experts'")
+        self.shares = [RankShare(q, kv, i, v, m) for q, kv, i, v, m in zip(
+            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size), moe_spans)]
 
     def describe(self) -> str:
         """The split in one line, for the start-up log."""
@@ -112,7 +119,8 @@ class ShardPlan:
         return dataclasses.replace(
             self.config, num_attention_heads=_length(share.q_heads),
             num_key_value_heads=_length(share.kv_heads),
-            intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab))
+            intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab),
+            moe_intermediate_size=_length(share.moe_intermediate))
 
     def shard_parameter(self, rank: int, name: str, value):
         """Rank's part of one of the model's parameters (our names, fused as LlamaForCausalLM
@@ -127,6 +135,16 @@ class ShardPlan:
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
             columns = share.intermediate
             return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
+        if name.endswith("mlp.experts_gate_up"):  # [E * 2I, H]: each expert's gate rows, up rows
+            width, (start, end) = config.moe_intermediate_size, share.moe_intermediate
+            return _take_rows(value, [(e * width + start, e * width + end)
+                                      for e in range(2 * config.num_experts)])
+        if name.endswith("mlp.experts_down"):  # [E * H, I]: every expert's columns at once
+            start, end = share.moe_intermediate
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"tensor_parallel_size={self.size}: {name} is quantized; "
+                                 "load it dequantized (quantization='none') or use one rank")
+            return value[:, start:end].clone(memory_format=torch.contiguous_format)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return _take_rows(value, [share.vocab])
         if name.endswith("self_attn.o_proj.weight"):
@@ -151,6 +169,14 @@ class ShardPlan:
                     f"{part.shape[1]} inputs) cannot be split at input {boundary}: {why}; "
                     f"load it dequantized (quantization='none') or use another size")
         return [part.columns(start, end)]
+
+
+def _mlp_split(width: int, size: int, what: str) -> list[Span]:
+    """An MLP's intermediate columns over size ranks, at quantization-group multiples where it can."""
+    if width < size:
+        raise ValueError(f"{what} intermediate size {width} is too small to split over {size} ranks")
+    unit = next(u for u in MLP_SPLIT_UNITS if width % u == 0 and width // u >= size)
+    return split(width, size, unit)
 
 
 def _length(span: Span) -> int:
