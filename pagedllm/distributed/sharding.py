@@ -135,16 +135,11 @@ class ShardPlan:
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
             columns = share.intermediate
             return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
-        if name.endswith("mlp.experts_gate_up"):  # [E * 2I, H]: each expert's gate rows, up rows
-            width, (start, end) = config.moe_intermediate_size, share.moe_intermediate
-            return _take_rows(value, [(e * width + start, e * width + end)
-                                      for e in range(2 * config.num_experts)])
-        if name.endswith("mlp.experts_down"):  # [E * H, I]: every expert's columns at once
-            start, end = share.moe_intermediate
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"tensor_parallel_size={self.size}: {name} is quantized; "
-                                 "load it dequantized (quantization='none') or use one rank")
-            return value[:, start:end].clone(memory_format=torch.contiguous_format)
+        if ".mlp.experts." in name:  # one expert of a mixture: its own columns, as an MLP's
+            columns, width = share.moe_intermediate, config.moe_intermediate_size
+            if name.endswith("gate_up_proj.weight"):
+                return _take_rows(value, [columns, _shifted(columns, width)])
+            return self._take_columns(name, value, [s.moe_intermediate for s in self.shares], rank)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return _take_rows(value, [share.vocab])
         if name.endswith("self_attn.o_proj.weight"):

@@ -120,15 +120,15 @@ class MLP(nn.Module):
     """A gated MLP, down(act(gate(x)) * up(x)), with gate and up as one matmul: SwiGLU (SiLU) for
     most families, GeGLU (tanh-approximated GELU) for Gemma."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size  # an expert's own
         self.act = ACTIVATIONS[config.hidden_act]
         self.fused_silu = config.hidden_act == "silu"  # the compiled kernel does SiLU-and-mul
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -147,7 +147,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index)
         # The norm before the MLP, under Llama's name (Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config) if config.is_moe_layer(layer_index) else MLP(config)
+        self.mlp = (SparseMoE(config, [MLP(config, config.moe_intermediate_size)
+                                       for _ in range(config.num_experts)])
+                    if config.is_moe_layer(layer_index) else MLP(config))
         self.attn_output_norm = self.mlp_output_norm = None
         if config.arch.sandwich_norms:
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -8,19 +8,17 @@ expert no token picked costs nothing, and a token that lands on an expert twice 
 just two rows of it. Outputs are summed back with index_add_ in expert order, the order
 transformers' reference loop uses, so float32 results agree to rounding.
 
-Experts are held stacked, as two 2-D weights: experts_gate_up [E * 2I, H] (expert e's gate rows,
-then its up rows) and experts_down [E * H, I]. Stacking keeps the checkpoint's per-expert tensors
-a plain concatenation (weight_names.py) and lets tensor parallelism cut every expert's I columns
-at once (distributed/sharding.py).
+Each expert is an ordinary gated MLP module (its gate/up fused), so whatever the loader does to an
+MLP it does to an expert: bf16 weights prepacked for the CPU's kernels, a GGUF's quantized expert
+tensors kept quantized (gguf_file.py cuts llama.cpp's stacked [E, I, H] tensors per expert),
+tensor parallelism cutting each expert's columns (distributed/sharding.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 
 
@@ -36,19 +34,17 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """experts: num_experts gated MLPs (llama.MLP, moe_intermediate_size wide), made by the caller
+    so that each expert is an ordinary MLP: prepacked for the CPU's bf16 kernels, or kept
+    quantized from a GGUF, like any other."""
+
+    def __init__(self, config: ModelConfig, experts: list[nn.Module]):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.normalize = config.norm_topk_prob
-        self.intermediate_size = config.moe_intermediate_size
-        self.hidden_size = config.hidden_size
-        self.act = ACTIVATIONS[config.hidden_act]
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
-        rows = config.num_experts * 2 * config.moe_intermediate_size
-        self.experts_gate_up = nn.Parameter(torch.empty(rows, config.hidden_size))
-        self.experts_down = nn.Parameter(
-            torch.empty(config.num_experts * config.hidden_size, config.moe_intermediate_size))
+        self.experts = nn.ModuleList(experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.normalize)
@@ -59,8 +55,6 @@ class SparseMoE(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair indices (t * k + j), grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        gate_up = self.experts_gate_up.view(self.num_experts, 2 * self.intermediate_size, -1)
-        down = self.experts_down.view(self.num_experts, self.hidden_size, -1)
         pair_weights = weights.reshape(-1)
         out = torch.zeros_like(x)
         start = 0
@@ -70,7 +64,5 @@ class SparseMoE(nn.Module):
             pairs = order[start:start + count]
             start += count
             tokens = pairs // self.top_k
-            gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, down[expert]) * pair_weights[pairs, None]
-            out.index_add_(0, tokens, y)
+            out.index_add_(0, tokens, self.experts[expert](x[tokens]) * pair_weights[pairs, None])
         return out

@@ -58,12 +58,12 @@ def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         moe, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
     else:
         moe, gate, up, down = f"model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
-    experts = range(config.num_experts)
-    return {
-        f"{ours}.gate.weight": [f"{moe}.gate.weight"],
-        f"{ours}.experts_gate_up": [f"{moe}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)],
-        f"{ours}.experts_down": [f"{moe}.experts.{e}.{down}.weight" for e in experts],
-    }
+    names = {f"{ours}.gate.weight": [f"{moe}.gate.weight"]}
+    for e in range(config.num_experts):
+        theirs = f"{moe}.experts.{e}"
+        names[f"{ours}.experts.{e}.gate_up_proj.weight"] = [f"{theirs}.{p}.weight" for p in (gate, up)]
+        names[f"{ours}.experts.{e}.down_proj.weight"] = [f"{theirs}.{down}.weight"]
+    return names
 
 
 def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import MLP
 from pagedllm.model.moe import SparseMoE, route
 from tests.model.test_llama_equivalence import token_ids
 
@@ -26,7 +27,7 @@ def moe_layer(num_experts: int, top_k: int, normalize: bool, seed: int) -> Spars
         tie_word_embeddings=True, attention_bias=False, bos_token_id=None,
         num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=INTERMEDIATE,
         norm_topk_prob=normalize)
-    layer = SparseMoE(config)
+    layer = SparseMoE(config, [MLP(config, INTERMEDIATE) for _ in range(num_experts)])
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in layer.parameters():
@@ -36,14 +37,12 @@ def moe_layer(num_experts: int, top_k: int, normalize: bool, seed: int) -> Spars
 
 def reference(layer: SparseMoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
     """Each token alone, each of its picks alone: the definition the fused layer must equal."""
-    gate_up = layer.experts_gate_up.view(layer.num_experts, 2 * INTERMEDIATE, HIDDEN)
-    down = layer.experts_down.view(layer.num_experts, HIDDEN, INTERMEDIATE)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(experts.shape[1]):
-            e = int(experts[t, j])
-            gate, up = (gate_up[e] @ x[t]).chunk(2)
-            out[t] += weights[t, j] * (down[e] @ (layer.act(gate) * up))
+            expert = layer.experts[int(experts[t, j])]
+            gate, up = (expert.gate_up_proj.weight @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (expert.down_proj.weight @ (torch.nn.functional.silu(gate) * up))
     return out
 
 
