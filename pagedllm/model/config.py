@@ -189,6 +189,8 @@ class ModelConfig:
                 f"unsupported GGUF architecture {gguf_arch!r}; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}")
         architecture = GGUF_ARCHITECTURES[gguf_arch]
+        if gguf_arch == "llama" and metadata.get("llama.expert_count"):
+            architecture = "MixtralForCausalLM"  # llama.cpp writes Mixtral as a Llama with experts
         arch = ARCHITECTURES[architecture]
 
         def key(name: str, default: Any = None) -> Any:
@@ -237,6 +239,7 @@ class ModelConfig:
             final_logit_softcapping=key("final_logit_softcapping"),
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
+            **_gguf_moe(key, tensor_names, layers),
         )
 
 
@@ -396,6 +399,18 @@ _LLAMA_CPP_DEFAULTS = {
 # GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every
 # size but the 27B one, told apart by its layer count, which uses hidden_size / heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_moe(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields from llama.cpp's keys; the sparse layers are those with a
+    router tensor. llama.cpp renormalizes the top-k scores unless the file says otherwise."""
+    experts = key("expert_count", 0)
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
+                moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
+                norm_topk_prob=bool(key("expert_weights_norm", True)),
+                moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names))
 
 
 def _gguf_query_pre_attn_scalar(

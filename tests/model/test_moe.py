@@ -5,6 +5,7 @@ test_llama_equivalence.py (qwen3_moe and mixtral_moe are in tiny.SHAPES)."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,9 +13,16 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.llama import MLP
+from pagedllm.model.loader import load_model
 from pagedllm.model.moe import SparseMoE, route
+from pagedllm.model.quant_linear import QuantLinear
 from tests.model.test_llama_equivalence import token_ids
+from tests.model.test_quantized_model import greedy_generate
+from tests.model.tiny import make_hf_model, write_gguf
+
+Q = gguf.GGMLQuantizationType
 
 HIDDEN, INTERMEDIATE = 8, 6
 
@@ -108,3 +116,31 @@ def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_
     stats = llm.memory_stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("shape", ["qwen3_moe", "mixtral_moe"])
+def test_quantized_gguf_experts_stay_quantized_and_equal_dequantized(shape, tmp_path):
+    hf_model = make_hf_model(shape, mlp_only_layers=[], norm_topk_prob=True) if shape == "qwen3_moe" \
+        else make_hf_model(shape)
+    layers = hf_model.config.num_hidden_layers
+    # Each layer's stacked experts in another type: cut per expert, each expert's rows kept quantized.
+    types = [Q.Q8_0, Q.Q4_0, Q.Q5_1]
+    quantize = {f"blk.{i}.ffn_{p}_exps.weight": types[(i + j) % len(types)]
+                for i in range(layers) for j, p in enumerate(("gate", "up", "down"))}
+    path = write_gguf(hf_model, tmp_path / "moe.gguf", quantize=quantize)
+    kept = load_model(path, dtype="float32", quantization="auto")
+    dequantized = load_model(path, dtype="float32", quantization="none")
+    experts = [e for layer in kept.model.layers for e in layer.mlp.experts]
+    assert experts and all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear)
+                           for e in experts)
+    prompts = [token_ids(n, seed=60 + n) for n in (1, 5, 17)]
+    assert greedy_generate(kept.model, prompts, max_new_tokens=10) == \
+        greedy_generate(dequantized.model, prompts, max_new_tokens=10)
+
+
+def test_an_unsupported_expert_tensor_type_is_refused_by_name(tmp_path):
+    path = write_gguf(make_hf_model("mixtral_moe"), tmp_path / "moe.gguf",
+                      raw_types={"blk.1.ffn_down_exps.weight": Q.IQ2_XXS})
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path, dtype="float32")
+    assert "IQ2_XXS" in str(info.value) and "blk.1.ffn_down_exps.weight" in str(info.value)
