@@ -73,6 +73,9 @@ class ShardPlan:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         intermediate, vocab = config.intermediate_size, config.vocab_size
         what = f"tensor_parallel_size={size}"
+        if config.kv_lora_rank and size > 1:
+            raise ValueError(f"{what}: latent attention ({config.architecture}) is not split over "
+                             "ranks yet; use tensor_parallel_size=1")
         if kv_heads >= size:
             kv_spans = split(kv_heads, size)
             group = heads // kv_heads

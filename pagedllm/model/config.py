@@ -14,6 +14,7 @@ from pagedllm.model.architectures import (
     GGUF_ARCHITECTURES,
     Architecture,
 )
+from pagedllm.model.config_parts import gguf_moe_fields, hf_sparse_and_latent_fields
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -70,6 +71,24 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] | None = None
+    # DeepSeek's experts: shared experts (one MLP this wide, every token), the routed weights'
+    # factor, and how experts are picked (model/moe.py's route says each way).
+    shared_expert_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): a token's keys and values are one
+    # latent of kv_lora_rank values and one rotary key of qk_rope_head_dim shared by every head, so
+    # the cache holds one "KV head" of head_dim = kv_lora_rank + qk_rope_head_dim (and
+    # num_key_value_heads is 1). 0: ordinary attention.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary over interleaved pairs of dimensions (DeepSeek)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,7 +104,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling)
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+        if self.num_experts and not (isinstance(self.num_experts_per_tok, int)
+                                     and 0 < self.num_experts_per_tok <= self.num_experts):
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                 f"num_experts={self.num_experts}")
@@ -148,7 +168,7 @@ class ModelConfig:
         if generation_config:
             eos_ids += [i for i in _as_id_list(generation_config.get("eos_token_id"))
                         if i not in eos_ids]
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -177,8 +197,9 @@ class ModelConfig:
             final_logit_softcapping=config.get("final_logit_softcapping"),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=_hf_partial_rotary_factor(config),
-            **_hf_moe(config, architecture),
         )
+        # A latent-attention model's cache geometry replaces the heads' (config_parts.py).
+        return cls(**{**fields, **hf_sparse_and_latent_fields(config, architecture)})
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -239,7 +260,7 @@ class ModelConfig:
             final_logit_softcapping=key("final_logit_softcapping"),
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
-            **_gguf_moe(key, tensor_names, layers),
+            **gguf_moe_fields(key, tensor_names, layers),
         )
 
 
@@ -329,25 +350,6 @@ def _hf_rope(
     return float(theta), {"rope_type": rope_type, **params}, local_theta
 
 
-def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """The mixture-of-experts fields: Mixtral's experts are intermediate_size wide, on every layer,
-    their top-k scores always renormalized; Qwen3-MoE's are moe_intermediate_size wide, on every
-    decoder_sparse_step-th layer (counting from 1) not in mlp_only_layers."""
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    if not experts:
-        return {}
-    _check_sizes(config, "config.json", {"num_experts_per_tok": "num_experts_per_tok"})
-    if architecture == "MixtralForCausalLM":
-        return dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"],
-                    moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True)
-    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-    layers = tuple(i for i in range(config["num_hidden_layers"])
-                   if i not in dense and step > 0 and (i + 1) % step == 0)
-    return dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"],
-                moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
-                norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers)
-
-
 def _hf_partial_rotary_factor(config: dict[str, Any]) -> float:
     params = config.get("rope_parameters") or {}
     return float(params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
@@ -399,18 +401,6 @@ _LLAMA_CPP_DEFAULTS = {
 # GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every
 # size but the 27B one, told apart by its layer count, which uses hidden_size / heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _gguf_moe(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields from llama.cpp's keys; the sparse layers are those with a
-    router tensor. llama.cpp renormalizes the top-k scores unless the file says otherwise."""
-    experts = key("expert_count", 0)
-    if not experts:
-        return {}
-    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
-                moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
-                norm_topk_prob=bool(key("expert_weights_norm", True)),
-                moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names))
 
 
 def _gguf_query_pre_attn_scalar(

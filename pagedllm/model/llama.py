@@ -27,6 +27,7 @@ from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attenti
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.mla import MLAttention
 from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
@@ -144,12 +145,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = (MLAttention(config, layer_index, RMSNorm) if config.kv_lora_rank
+                          else Attention(config, layer_index))
         # The norm before the MLP, under Llama's name (Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (SparseMoE(config, [MLP(config, config.moe_intermediate_size)
-                                       for _ in range(config.num_experts)])
-                    if config.is_moe_layer(layer_index) else MLP(config))
+        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_index):
+            shared = config.shared_expert_intermediate_size
+            self.mlp = SparseMoE(config, [MLP(config, config.moe_intermediate_size)
+                                          for _ in range(config.num_experts)],
+                                 MLP(config, shared) if shared else None)
         self.attn_output_norm = self.mlp_output_norm = None
         if config.arch.sandwich_norms:
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

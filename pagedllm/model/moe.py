@@ -22,15 +22,31 @@ from torch import nn
 from pagedllm.model.config import ModelConfig
 
 
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]): softmax over all experts in float32, the top k,
-    renormalized to sum to one where the model says so (Mixtral always; Qwen3-MoE by
-    norm_topk_prob)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool, method: str = "greedy",
+          scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, scale: float = 1.0,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from the router's logits, as each family does:
+    - greedy (Mixtral, Qwen3-MoE, DeepSeek-V2): softmax over all experts in float32, the top k;
+    - group_limited_greedy (DeepSeek-V2): only experts of the topk_group groups whose best score
+      is highest;
+    - noaux_tc (DeepSeek-V3): sigmoid scores; groups ranked by the sum of their two best biased
+      scores, experts picked by biased score, weighted by their unbiased one.
+    Then renormalized to sum to one where the model says so, and multiplied by scale."""
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    if method in ("group_limited_greedy", "noaux_tc") and n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if method == "noaux_tc" \
+            else grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1)
+        fill = 0.0 if method == "group_limited_greedy" else float("-inf")
+        choice = grouped.masked_fill(keep.unsqueeze(-1) == 0, fill).view_as(choice)
+    experts = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 class SparseMoE(nn.Module):
@@ -38,17 +54,24 @@ class SparseMoE(nn.Module):
     so that each expert is an ordinary MLP: prepacked for the CPU's bf16 kernels, or kept
     quantized from a GGUF, like any other."""
 
-    def __init__(self, config: ModelConfig, experts: list[nn.Module]):
+    def __init__(self, config: ModelConfig, experts: list[nn.Module], shared: nn.Module | None = None):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
-        self.normalize = config.norm_topk_prob
+        self.routing = dict(normalize=config.norm_topk_prob, method=config.topk_method,
+                            scoring=config.scoring_func, n_group=config.n_group,
+                            topk_group=config.topk_group, scale=config.routed_scaling_factor)
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        # DeepSeek-V3 biases the choice of experts (not their weights) by a learned score each.
+        self.score_bias = (nn.Parameter(torch.zeros(config.num_experts))
+                           if config.topk_method == "noaux_tc" else None)
         self.experts = nn.ModuleList(experts)
+        self.shared_experts = shared  # DeepSeek: one MLP every token goes through too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)
-        return self.run_experts(x, weights.to(x.dtype), experts)
+        weights, experts = route(self.gate(x), self.top_k, bias=self.score_bias, **self.routing)
+        out = self.run_experts(x, weights.to(x.dtype), experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert[experts[t, k]](x[t]), each expert once per batch."""

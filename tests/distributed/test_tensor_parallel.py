@@ -155,6 +155,9 @@ def test_sizes_that_do_not_split_are_refused_before_anything_starts(tmp_path, mo
     with pytest.raises(ValueError, match="tensor_parallel_size=8: each of the model's 2 KV heads "
                                          "would be replicated on 4 ranks, but has only 2"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=8)
+    mla = save_checkpoint(make_hf_model("deepseek_v2_mla"), tmp_path / "mla")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: latent attention .* not split"):
+        LLM(str(mla), **ENGINE, tensor_parallel_size=2)
     assert started == []  # no worker was spawned
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=0)

@@ -95,7 +95,7 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("shape", ["qwen3_moe", "mixtral_moe"])
+@pytest.mark.parametrize("shape", ["qwen3_moe", "mixtral_moe", "deepseek_v2_mla", "deepseek_v3_mla"])
 def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_n(shape, tiny_checkpoint):
     checkpoint = tiny_checkpoint(shape)
     shared = token_ids(12, seed=40)

@@ -67,6 +67,18 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    # Latent attention: q through its own low-rank projection (V3) or not (V2); DeepSeek's experts
+    # (a dense first layer, shared experts, grouped routing).
+    "deepseek_v2_mla": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    "deepseek_v3_mla": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     "mixtral_moe": ("MixtralConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
 }
@@ -88,6 +100,9 @@ def make_hf_model(shape: str, seed: int = 0, **overrides):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer
+                buffer.copy_(0.5 * torch.randn_like(buffer))
     return model.eval()
 
 
