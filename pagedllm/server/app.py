@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
+from pagedllm.server import anthropic
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
@@ -126,6 +127,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
+
+    @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
+    async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):
+        return await anthropic.messages(api, raw, body)
 
     @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
