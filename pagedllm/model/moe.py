@@ -49,6 +49,19 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool, method: str 
     return weights * scale, experts
 
 
+class Router(nn.Module):
+    """The router's weight [num_experts, hidden], applied in float32 (as transformers does): not an
+    nn.Linear, so the CPU's bf16 prepacking leaves it alone; a one-row bf16 matmul through oneDNN
+    costs more than this whole product in float32."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
 class SparseMoE(nn.Module):
     """experts: num_experts gated MLPs (llama.MLP, moe_intermediate_size wide), made by the caller
     so that each expert is an ordinary MLP: prepacked for the CPU's bf16 kernels, or kept
@@ -61,7 +74,7 @@ class SparseMoE(nn.Module):
         self.routing = dict(normalize=config.norm_topk_prob, method=config.topk_method,
                             scoring=config.scoring_func, n_group=config.n_group,
                             topk_group=config.topk_group, scale=config.routed_scaling_factor)
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.gate = Router(config.hidden_size, config.num_experts)
         # DeepSeek-V3 biases the choice of experts (not their weights) by a learned score each.
         self.score_bias = (nn.Parameter(torch.zeros(config.num_experts))
                            if config.topk_method == "noaux_tc" else None)
