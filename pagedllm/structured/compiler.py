@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import llguidance.numpy
 
+from pagedllm.structured.reasoning_grammar import after_reasoning
 from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
 from pagedllm.text.tokenizer import Tokenizer
@@ -73,7 +74,17 @@ def llguidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON envelope) for a spec."""
+    """The llguidance grammar (its JSON envelope, or Lark text) for a spec: after the model's
+    reasoning, where the spec says so."""
+    if spec.reasoning is not None:
+        answer = None if spec.kind == "text" else _answer_grammar(spec)
+        return after_reasoning(spec.reasoning, answer)
+    return _answer_grammar(spec)
+
+
+def _answer_grammar(spec: GrammarSpec) -> str:
+    if spec.kind == "text":
+        return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     if spec.kind in ("json_schema", "json_object"):
         schema = grammar_schema(json.loads(spec.text)) if spec.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(
