@@ -107,16 +107,23 @@ def check_grammar(spec: GrammarSpec) -> None:
 class CompiledGrammar:
     """A spec compiled for one tokenizer: hands out fresh matchers."""
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int,
+                 tokenizer: llguidance.LLTokenizer | None = None):
         self.spec = spec
         self.vocab_size = vocab_size  # the tokenizer's; a bitmask row covers this many ids
         self._template = template  # never advanced: only copied
+        self._tokenizer = tokenizer  # for a thinking budget's matcher (the marker's tokens)
 
     def matcher(self) -> GrammarMatcher:
         # Here, not at the top: compiling needs no torch (the API process of `pagedllm serve`
         # compiles to check a request; only the engine core makes matchers).
         from pagedllm.structured.matcher import GrammarMatcher
 
+        prefix = self.spec.reasoning
+        if prefix is not None and prefix.budget is not None:
+            from pagedllm.structured.reasoning_budget import ReasoningBudgetMatcher
+
+            return ReasoningBudgetMatcher(self._template, self.vocab_size, prefix, self._tokenizer)
         return GrammarMatcher(self._template, self.vocab_size)
 
 
@@ -196,7 +203,7 @@ class GrammarCompiler:
         if template.is_error():
             raise GrammarError(_error_text(spec, template.get_error()))
         logger.debug("compiled %s in %.1f ms", spec.describe(), (time.perf_counter() - started) * 1e3)
-        return CompiledGrammar(spec, template, self.vocab_size)
+        return CompiledGrammar(spec, template, self.vocab_size, self._ll_tokenizer)
 
     def _remember_failure(self, spec: GrammarSpec, running: Future, error: GrammarError) -> None:
         failed: Future[CompiledGrammar] = Future()

@@ -4,56 +4,46 @@ reasoning through as free text, then holds the answer to the request's constrain
 vLLM applies a request's grammar only once the reasoning parser saw the end marker; here the
 reasoning is part of the grammar instead, so the engine needs no notion of reasoning at all:
 
-    start: "<think>" think "</think>" WS @answer        (mode "optional": the block may be left out)
-    think[stop="</think>", max_tokens=BUDGET]: /(?s:.*)/
+    start: ("<think>" think GAP)? @answer     (mode "optional"; mode "open": think GAP @answer)
+    think[lazy]: /(?s:.*)<\\/think>/         (any text up to the first end marker, which it holds)
     answer: the request's own grammar (JSON schema, regex, choice, GBNF/Lark), a sub-grammar
 
-`think` is a lazy lexeme ending at the first end marker (llguidance's stop=); the literal end
-marker after it is the same text again, which llguidance merges with the stop (its "outer stop"
-pattern: nothing is backtracked). A budget is the lexeme's max_tokens: once the reasoning has
-taken that many tokens (the end marker counted when the model writes it), the lexeme ends and
-the literal end marker is forced. A model caught halfway through writing the marker in several
-tokens when the budget runs out gets the whole marker again after its partial one (a reasoning
-that ends in "</th"); where the marker is one token (Qwen3, DeepSeek-R1) that cannot happen.
+The thinking budget is not in the grammar: llguidance's max_tokens ends a lexeme without writing
+its end (the answer would follow an unclosed reasoning), and its stop= form, which does force the
+marker, panics inside llguidance when a mask is asked for halfway through a marker written in
+several tokens (llguidance 1.9.1, and the panic poisons the compiled grammar for every later
+request). The budget is counted by the matcher instead (reasoning_budget.py), which forces the
+marker's tokens itself; this grammar takes them as reasoning text like any other.
 
-An answer of any text (a budget with no constraint, kind "text") that may skip the reasoning
-must not start with the start marker, or the parser would keep both readings of "<think>..."
-alive and the budget would never bind.
+An answer of any text (a budget with no constraint, kind "text") is just any text: the budget
+matcher alone gives it its shape.
 """
 
 from __future__ import annotations
 
 import json
 
+import llguidance
+
 from pagedllm.structured.spec import ReasoningPrefix
 
 # Between the reasoning and a constrained answer (Qwen3 writes "\n\n"); bounded, so that a small
-# model cannot spend its whole budget on newlines.
+# model cannot spend its tokens on newlines.
 _GAP = r"/[ \t\r\n]{0,8}/"
 _REGEX_SPECIALS = set("\\.+*?()|[]{}^$#&-~/")
 
 
 def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
-    """The llguidance grammar (TopLevelGrammar JSON) of reasoning then answer. answer: the
-    constraint's own grammar as llguidance takes it (a TopLevelGrammar JSON with one grammar, or
-    Lark text); None: any text."""
-    budget = f", max_tokens={prefix.budget}" if prefix.budget is not None else ""
-    end = _literal(prefix.end)
-    block = f"think {end}" if prefix.mode == "open" else f"{_literal(prefix.start)} think {end}"
-    rules = [f"think[stop={end}{budget}]: /(?s:.*)/"]
+    """The llguidance grammar of reasoning then answer. answer: the constraint's own grammar as
+    llguidance takes it (a TopLevelGrammar JSON with one grammar, or Lark text); None: any text."""
     if answer is None:
-        if prefix.mode == "open":
-            rules.insert(0, f"start: {block} TEXT")
-        else:
-            rules.insert(0, f"start: {block} TEXT | NOT_OPENED")
-            rules.append(f"NOT_OPENED: /(?s:.*)/ & ~/{_regex(prefix.start)}(?s:.*)/")
-        rules.append("TEXT: /(?s:.*)/")
-        return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}]})
+        return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
+    think = f"think[lazy]: /(?s:.*){_regex(prefix.end)}/"
     if prefix.mode == "open":
-        rules.insert(0, f"start: {block} {_GAP} @answer")
+        start = f"start: think {_GAP} @answer"
     else:
-        rules.insert(0, f"start: ({block} {_GAP})? @answer")
-    return json.dumps({"grammars": [{"lark_grammar": "\n".join(rules)}, _named(answer, "answer")]})
+        start = f"start: ({_literal(prefix.start)} think {_GAP})? @answer"
+    return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
 
 
 def _named(grammar: str, name: str) -> dict:

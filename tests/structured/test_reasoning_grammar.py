@@ -1,6 +1,7 @@
-"""A constraint after the reasoning (structured/reasoning_grammar.py), walked byte by byte with the
-tiny byte tokenizer (one token per byte, so a budget of N tokens is N bytes): the reasoning is free,
-the answer is held to the constraint, a budget forces the end marker."""
+"""A constraint after the reasoning (structured/reasoning_grammar.py) and a thinking budget
+(structured/reasoning_budget.py), walked byte by byte with the tiny byte tokenizer (one token per
+byte, so a budget of N tokens is N bytes): the reasoning is free, the answer is held to the
+constraint, a budget forces the end marker."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.engine.core_channel import AddRequest
 from pagedllm.engine.messages import EngineCoreRequest
@@ -106,4 +109,48 @@ def test_grammar_json_is_one_envelope():
 
     grammars = json.loads(llguidance_grammar(JSON.after_reasoning(ReasoningPrefix(budget=5))))["grammars"]
     assert [g.get("name") for g in grammars] == [None, "answer"]
-    assert "max_tokens=5" in grammars[0]["lark_grammar"]
+    assert "think[lazy]" in grammars[0]["lark_grammar"]
+
+
+def test_a_mask_halfway_through_the_marker(tiny_compiler):
+    """Masks asked for at every byte of a marker written one byte at a time (where llguidance's
+    stop= form panicked): the marker's next byte is allowed each time."""
+    for spec in (JSON.after_reasoning(ReasoningPrefix()), JSON.after_reasoning(ReasoningPrefix(budget=50))):
+        matcher = tiny_compiler.matcher(spec)
+        for byte in b'<think>ab</think>\n{"a": 3}':
+            assert byte in matcher.allowed_token_ids()
+            assert matcher.accept_token(byte)
+        assert matcher.can_end
+
+
+def test_the_budget_completes_a_marker_begun_in_time(tiny_compiler):
+    """Out of budget halfway through the marker: only the marker's rest is forced."""
+    spec = JSON.after_reasoning(ReasoningPrefix(budget=14))
+    matcher = walk(tiny_compiler, spec, "<think>" + "x" * 10 + "</th")
+    assert next_bytes(matcher) == {"i"}
+    assert matcher.accept_tokens(list(b"ink>")) and "{" in next_bytes(matcher)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.sampled_from(list("ab <>/thinkx{}")), max_size=40), back=st.integers(0, 40),
+       mode=st.sampled_from(["open", "optional"]))
+def test_rollback_and_fork_are_replay(tiny_compiler, text, back, mode):
+    """A matcher rolled back (or forked) is in the state of one that took only the kept tokens."""
+    spec = GrammarSpec.any_text(ReasoningPrefix(mode=mode, budget=6))
+    matcher = tiny_compiler.matcher(spec)
+    taken = []
+    for byte in text.encode():
+        if byte not in matcher.allowed_token_ids():
+            break
+        assert matcher.accept_token(byte)
+        taken.append(byte)
+    back = min(back, len(taken))
+    child = matcher.fork()
+    matcher.rollback(back)
+    fresh = tiny_compiler.matcher(spec)
+    assert fresh.accept_tokens(taken[:len(taken) - back])
+    assert matcher.allowed_token_ids() == fresh.allowed_token_ids()
+    assert matcher.can_end == fresh.can_end
+    replayed = tiny_compiler.matcher(spec)
+    assert replayed.replay(taken)
+    assert child.allowed_token_ids() == replayed.allowed_token_ids()
