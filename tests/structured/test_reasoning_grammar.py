@@ -154,3 +154,21 @@ def test_rollback_and_fork_are_replay(tiny_compiler, text, back, mode):
     replayed = tiny_compiler.matcher(spec)
     assert replayed.replay(taken)
     assert child.allowed_token_ids() == replayed.allowed_token_ids()
+
+
+def test_the_batched_fill_asks_a_forcing_matcher_for_its_row(tiny_compiler):
+    """llguidance's thread pool fills rows from its own matchers; a matcher forcing the end marker
+    fills its row itself, and the rows equal the one-by-one fill's."""
+    from pagedllm.structured.bitmask import allocate_token_bitmask
+    from pagedllm.structured.matcher import BitmaskFiller
+
+    spec = JSON.after_reasoning(ReasoningPrefix(budget=3))
+    matchers = [walk(tiny_compiler, spec, "<think>" + "x" * (i % 4)) for i in range(10)]
+    assert any(m.fills_own_row for m in matchers) and not all(m.fills_own_row for m in matchers)
+    rows = [(m, i) for i, m in enumerate(matchers)]
+    one_by_one = allocate_token_bitmask(len(rows), tiny_compiler.vocab_size)
+    BitmaskFiller().fill(one_by_one, rows)
+    batched = allocate_token_bitmask(len(rows), tiny_compiler.vocab_size)
+    BitmaskFiller(num_threads=2).fill(batched, rows)
+    assert (batched == one_by_one).all()
+    assert next_bytes(matchers[3]) == {"<"}
