@@ -133,6 +133,8 @@ class BitmaskFiller:
             if matcher.fills_own_row:
                 matcher.fill_bitmask(bitmask, row)
         matchers = [(m, row) for m, row in matchers if not m.fills_own_row]
+        if not matchers:
+            return
         # As llguidance.torch.fill_next_token_bitmask_par, without importing that module (see
         # GrammarMatcher.fill_bitmask).
         assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()

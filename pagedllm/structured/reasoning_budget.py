@@ -44,6 +44,7 @@ class ReasoningBudgetMatcher(GrammarMatcher):
         self._end = prefix.end.encode()
         self._state = self._initial()
         self._history: list[_BudgetState] = []  # the state before each accepted token
+        self._refusal: str | None = None  # why a token was refused while forcing the marker
 
     def _initial(self) -> _BudgetState:
         return _BudgetState("reasoning" if self._prefix.mode == "open" else "start")
@@ -51,7 +52,9 @@ class ReasoningBudgetMatcher(GrammarMatcher):
     # -- advancing ----------------------------------------------------------------------------
     def accept_token(self, token_id: int) -> bool:
         if self._state.phase == "forcing" and token_id != self._state.forced[0]:
-            return False  # only the marker may come now
+            self._refusal = (f"the thinking budget is spent: only the end marker's token "
+                             f"{self._state.forced[0]} may come, not {token_id}")
+            return False
         if not super().accept_token(token_id):
             return False
         self._history.append(self._state)
@@ -68,6 +71,7 @@ class ReasoningBudgetMatcher(GrammarMatcher):
         super().reset()
         self._state = self._initial()
         self._history = []
+        self._refusal = None
 
     def fork(self) -> ReasoningBudgetMatcher:
         child = ReasoningBudgetMatcher(self._template, self.vocab_size, self._prefix, self._tokenizer,
@@ -121,6 +125,10 @@ class ReasoningBudgetMatcher(GrammarMatcher):
         words.zero_()
         bit = token % 32
         words[token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32: bit 31 is the sign
+
+    @property
+    def error(self) -> str | None:
+        return self._refusal or super().error
 
     @property
     def can_end(self) -> bool:

@@ -172,3 +172,11 @@ def test_the_batched_fill_asks_a_forcing_matcher_for_its_row(tiny_compiler):
     BitmaskFiller(num_threads=2).fill(batched, rows)
     assert (batched == one_by_one).all()
     assert next_bytes(matchers[3]) == {"<"}
+
+
+def test_a_token_other_than_the_forced_marker_is_refused_with_a_reason(tiny_compiler):
+    matcher = walk(tiny_compiler, GrammarSpec.any_text(ReasoningPrefix(budget=2)), "<think>ab")
+    assert not matcher.accept_token(ord("c"))
+    assert "the thinking budget is spent" in matcher.error
+    matcher.reset()
+    assert matcher.error is None and matcher.accept_tokens(list(b"<think>ab</think>done"))
