@@ -225,3 +225,30 @@ def test_an_unknown_parser_stops_start_up_in_one_line(capsys, core_starts):
     assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1"
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert core_starts == []
+
+
+def test_each_choice_of_n_is_split(qwen3):
+    choices = ask(qwen3, THOUGHT, n=2).choices
+    assert [(c.message.reasoning_content, c.message.content) for c in choices] == \
+        [('Let me think {about} it, "carefully".', "Hello there!")] * 2
+
+
+JSON_SPEC = GrammarSpec.json_object()
+
+
+@pytest.mark.parametrize("parser, prompt, spec, budget, expected", [
+    ("qwen3", "<|im_start|>assistant\n", JSON_SPEC, None, ("json_object", "optional", None)),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", JSON_SPEC, 9, ("json_object", "open", 9)),
+    ("deepseek_r1", "<|Assistant|>", JSON_SPEC, None, ("json_object", "open", None)),
+    ("qwen3", "<|im_start|>assistant\n", None, 7, ("text", "optional", 7)),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", JSON_SPEC, 7, JSON_SPEC),  # thinking off
+    ("qwen3", "<|im_start|>assistant\n", None, None, None),
+])
+def test_where_the_constraint_starts(parser, prompt, spec, budget, expected):
+    from pagedllm.text.reasoning import reasoning_format
+
+    moved = constraint_after_reasoning(reasoning_format(parser), prompt, spec, budget)
+    if moved is None or moved.reasoning is None:
+        assert moved == expected
+    else:
+        assert (moved.kind, moved.reasoning.mode, moved.reasoning.budget) == expected
