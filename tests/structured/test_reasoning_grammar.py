@@ -180,3 +180,18 @@ def test_a_token_other_than_the_forced_marker_is_refused_with_a_reason(tiny_comp
     assert "the thinking budget is spent" in matcher.error
     matcher.reset()
     assert matcher.error is None and matcher.accept_tokens(list(b"<think>ab</think>done"))
+
+
+def test_a_real_vocabulary_forces_the_whole_marker(smol_compiler, smol_tokenizer):
+    """SmolLM2's BPE writes </think> in several tokens: the budget forces them all, in order, and
+    the answer follows under its grammar."""
+    spec = JSON.after_reasoning(ReasoningPrefix(budget=4))
+    matcher = smol_compiler.matcher(spec)
+    assert matcher.accept_tokens(smol_tokenizer.encode("<think> one two three four"))
+    forced = []
+    while matcher.fills_own_row:
+        (token,) = matcher.allowed_token_ids()
+        forced.append(token)
+        assert matcher.accept_token(token)
+    assert smol_tokenizer.decode(forced) == "</think>" and len(forced) > 1
+    assert matcher.accept_tokens(smol_tokenizer.encode('{"a": 5}')) and matcher.can_end
