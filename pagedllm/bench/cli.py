@@ -35,6 +35,9 @@ BENCHES = {
     "proposers": ("pagedllm.bench.proposers",
                   "speculative decoding's proposers alone: cost per call at 64 x 4k tokens, tokens "
                   "per step on the copy workload's reference answers"),
+    "moe": ("pagedllm.bench.moe",
+            "write a random-weight mixture-of-experts GGUF to race on; bytes a decoded token reads "
+            "against the dense equivalent"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }
