@@ -29,11 +29,13 @@ from pagedllm.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.server.streams import close_all, collect_or_abort
 from pagedllm.server.structured import read_constraint_async
 from pagedllm.structured.spec import GrammarSpec
 from pagedllm.structured.tools import Tool
 from pagedllm.text.chat_template import TemplateTimeout
+from pagedllm.text.reasoning import reasoning_format
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class Api:
     input workers (templates and tokenizing never run on the event loop)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 workers: InputWorkers) -> None:
+                 workers: InputWorkers, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.workers = workers
         self.model_name = model_name
@@ -51,6 +53,8 @@ class Api:
         self.processor = engine.input_processor
         self.max_model_len = self.processor.max_model_len
         self.extra_fields = ExtraFields()
+        # Chat answers split into reasoning and content (None: all content).
+        self.reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
@@ -77,9 +81,11 @@ class Api:
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
         prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
+        spec = constraint_after_reasoning(self.reasoning, prompt["prompt"], constraint.spec,
+                                          body.thinking_token_budget)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, constraint.spec)
+        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, spec)
         requests = await self.workers.run(self._process, response_id, body, [prompt], params,
                                           "messages")
         return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))

@@ -68,13 +68,15 @@ class Cors:
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
               cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+              allowed_hosts: tuple[str, ...] | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app over engine. chat_template: replaces the model's for every chat request;
-    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any)."""
+    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any); reasoning_parser:
+    splits chat answers into reasoning and content (pagedllm.text.reasoning)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
     workers = InputWorkers()
-    api = Api(engine, model_name, chat_template, workers)
+    api = Api(engine, model_name, chat_template, workers, reasoning_parser)
     stored_responses = responses.ResponseStore()
 
     @asynccontextmanager

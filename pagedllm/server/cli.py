@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = settings.served_model_name or (config.model or DEFAULT_MODEL_NAME)
         app = build_app(engine, name, api_key=api_key, max_body_bytes=settings.max_body_bytes,
                         chat_template=chat_template, cors=cors, body_timeout_s=settings.body_timeout_s,
-                        allowed_hosts=allowed_hosts)
+                        allowed_hosts=allowed_hosts, reasoning_parser=settings.reasoning_parser)
         limit_repeated_log_lines()
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
         # (bounded by the timeout), then runs the app's shutdown, which stops the core. A core

@@ -263,6 +263,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False  # the prompt ends inside the last message
     add_special_tokens: StrictBool = False  # the template writes BOS itself
     chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
+    # vLLM's: at most this many tokens of reasoning, then its end marker is forced (needs the
+    # server's --reasoning-parser; pagedllm.server.reasoning).
+    thinking_token_budget: Int | None = Field(None, ge=1, le=2**31 - 1)
     # Checked by pagedllm.structured.tools, whose messages name the tool and what is wrong.
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import llguidance.numpy
 
+from pagedllm.structured.reasoning_grammar import after_reasoning
 from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
 from pagedllm.text.tokenizer import Tokenizer
@@ -73,7 +74,17 @@ def llguidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON envelope) for a spec."""
+    """The llguidance grammar (its JSON envelope, or Lark text) for a spec: after the model's
+    reasoning, where the spec says so."""
+    if spec.reasoning is not None:
+        answer = None if spec.kind == "text" else _answer_grammar(spec)
+        return after_reasoning(spec.reasoning, answer)
+    return _answer_grammar(spec)
+
+
+def _answer_grammar(spec: GrammarSpec) -> str:
+    if spec.kind == "text":
+        return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     if spec.kind in ("json_schema", "json_object"):
         schema = grammar_schema(json.loads(spec.text)) if spec.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -96,16 +107,23 @@ def check_grammar(spec: GrammarSpec) -> None:
 class CompiledGrammar:
     """A spec compiled for one tokenizer: hands out fresh matchers."""
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int,
+                 tokenizer: llguidance.LLTokenizer | None = None):
         self.spec = spec
         self.vocab_size = vocab_size  # the tokenizer's; a bitmask row covers this many ids
         self._template = template  # never advanced: only copied
+        self._tokenizer = tokenizer  # for a thinking budget's matcher (the marker's tokens)
 
     def matcher(self) -> GrammarMatcher:
         # Here, not at the top: compiling needs no torch (the API process of `pagedllm serve`
         # compiles to check a request; only the engine core makes matchers).
         from pagedllm.structured.matcher import GrammarMatcher
 
+        prefix = self.spec.reasoning
+        if prefix is not None and prefix.budget is not None:
+            from pagedllm.structured.reasoning_budget import ReasoningBudgetMatcher
+
+            return ReasoningBudgetMatcher(self._template, self.vocab_size, prefix, self._tokenizer)
         return GrammarMatcher(self._template, self.vocab_size)
 
 
@@ -185,7 +203,7 @@ class GrammarCompiler:
         if template.is_error():
             raise GrammarError(_error_text(spec, template.get_error()))
         logger.debug("compiled %s in %.1f ms", spec.describe(), (time.perf_counter() - started) * 1e3)
-        return CompiledGrammar(spec, template, self.vocab_size)
+        return CompiledGrammar(spec, template, self.vocab_size, self._ll_tokenizer)
 
     def _remember_failure(self, spec: GrammarSpec, running: Future, error: GrammarError) -> None:
         failed: Future[CompiledGrammar] = Future()

@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# "text": any text; only with a reasoning prefix (a thinking budget with no constraint on the
+# answer), never from a request's constraint fields.
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "text"]
 # How JSON output may be spaced: "spaced" is json.dumps' own ", " and ": " (what models saw most
 # in training), "compact" is "," and ":", "flexible" allows any whitespace between tokens (the
 # JSON standard; a small model may then spend its whole budget on newlines).
@@ -47,14 +49,42 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 
 @dataclass(frozen=True)
+class ReasoningPrefix:
+    """The reasoning a thinking model writes before the constrained answer (vLLM's rule: the
+    grammar starts where the reasoning ends). The reasoning is free text up to the end marker;
+    with a budget, after that many tokens (the end marker counted when the model writes it) the
+    end marker is forced. mode "open": the answer starts inside the reasoning (the prompt opened
+    it, or the parser counts unopened text as reasoning); "optional": the answer may open it
+    with the start marker, or go straight to the constrained part."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    mode: Literal["open", "optional"] = "optional"
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            marker = getattr(self, name)
+            if not isinstance(marker, str) or not marker or len(marker) > 64:
+                raise ValueError(f"the reasoning {name} marker must be 1-64 characters; got {_short(marker)}")
+        if self.mode not in ("open", "optional"):
+            raise ValueError(f"reasoning mode must be 'open' or 'optional'; got {_short(self.mode)}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise ValueError(f"thinking_token_budget must be a positive integer; got {_short(self.budget)}")
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """A checked constraint. `text` is the schema's compact JSON (key order kept: it is the order
     properties are written in), the regex, the choices as a JSON list, or the grammar; empty for
-    json_object. `whitespace` applies to the JSON kinds only."""
+    json_object and text. `whitespace` applies to the JSON kinds only. `reasoning`: the
+    constraint applies after the model's reasoning (pagedllm.structured.reasoning_grammar)."""
 
     kind: GrammarKind
     text: str = ""
     whitespace: JsonWhitespace = "spaced"
+    reasoning: ReasoningPrefix | None = None
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str,
@@ -98,9 +128,19 @@ class GrammarSpec:
         _check_repeats(grammar, "the grammar")
         return cls("grammar", grammar)
 
+    @classmethod
+    def any_text(cls, reasoning: ReasoningPrefix) -> GrammarSpec:
+        """Any answer after the reasoning: what a thinking budget alone constrains."""
+        return cls("text", reasoning=reasoning)
+
+    def after_reasoning(self, reasoning: ReasoningPrefix) -> GrammarSpec:
+        """This constraint applied to the answer after the reasoning."""
+        return replace(self, reasoning=reasoning)
+
     def describe(self) -> str:
         """A short name for logs and error messages."""
-        return self.kind if not self.text else f"{self.kind} {_short(self.text)}"
+        name = self.kind if not self.text else f"{self.kind} {_short(self.text)}"
+        return name if self.reasoning is None else f"{name} after reasoning"
 
 
 def spec_from_request(
