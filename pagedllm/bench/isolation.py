@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ import httpx
 
 from pagedllm.bench.common import write_json
 
+REFUSED_PAUSE_S = 0.05
 ATTACKS = ("grammar", "big", "prompt-logprobs", "logit-bias", "sse")
 WATCH_BODY = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0, "stream": True}
 
@@ -49,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(attacks) - set(ATTACKS))
     if unknown:
         raise SystemExit(f"--attacks: unknown {unknown}; choose from {ATTACKS}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     results = asyncio.run(_run(args, attacks))
     for row in results:
         print(_line(row))
@@ -76,14 +79,16 @@ async def _measure(client: httpx.AsyncClient, watch: dict, attack, seconds: floa
     stop = asyncio.Event()
     gaps: list[float] = []
     attack_statuses: list[int] = []
-    tasks = [asyncio.create_task(_watch(client, watch, stop, gaps))]
-    if attack is not None:
-        tasks.append(asyncio.create_task(attack(client, stop, attack_statuses)))
+    watcher = asyncio.create_task(_watch(client, watch, stop, gaps))
+    attacker = asyncio.create_task(attack(client, stop, attack_statuses)) if attack else None
     await asyncio.sleep(seconds / 2)
     tiny = await _tiny(client)
     await asyncio.sleep(seconds / 2)
     stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if attacker is not None:  # its requests end now: closing their connections aborts them
+        attacker.cancel()
+        await asyncio.gather(attacker, return_exceptions=True)
+    await watcher
     ms = sorted(g * 1e3 for g in gaps)
     return {"gaps": len(ms), "gap_p50_ms": statistics.median(ms) if ms else None,
             "gap_p90_ms": ms[int(0.9 * (len(ms) - 1))] if ms else None, **tiny,
@@ -131,6 +136,8 @@ def _repeat(body_fn, concurrency: int, path: str = "/v1/completions", stream: bo
                     statuses.append((await client.post(path, content=body_fn(),
                                                        headers={"Content-Type": "application/json"}
                                                        )).status_code)
+                if statuses[-1] >= 400:  # refused: send again, but leave this machine's cores
+                    await asyncio.sleep(REFUSED_PAUSE_S)  # to the server, not to a client loop
             except httpx.HTTPError:
                 statuses.append(0)
                 await asyncio.sleep(0.1)
