@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import statistics
@@ -153,16 +154,19 @@ def _grammar_body(tokens: int) -> dict:
             "structured_outputs": {"regex": "(a{1000}){400}"}}
 
 
+@functools.cache
 def _big_body(tokens: int) -> bytes:
     return json.dumps({"prompt": ["Tell me a story"] * 64, "n": 4, "max_tokens": tokens,
                        "ignore_eos": True}).encode()
 
 
+@functools.cache  # built once: building it in the bench's event loop would delay the watcher
 def _prompt_logprobs_body() -> bytes:
     text = " ".join(f"word{i}" for i in range(300))
     return json.dumps({"prompt": [text] * 16, "max_tokens": 1, "prompt_logprobs": 20}).encode()
 
 
+@functools.cache
 def _logit_bias_body() -> bytes:
     return json.dumps({"prompt": "hi", "max_tokens": 1,
                        "logit_bias": {str(i): 1.0 for i in range(40_000)}}).encode()
