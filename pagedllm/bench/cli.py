@@ -38,6 +38,9 @@ BENCHES = {
     "isolation": ("pagedllm.bench.isolation",
                   "one hostile client against another: a stream's token gaps and a tiny request's "
                   "answer under each of issue 32's attacks (a running server)"),
+    "moe": ("pagedllm.bench.moe",
+            "write a random-weight mixture-of-experts GGUF to race on; bytes a decoded token reads "
+            "against the dense equivalent"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

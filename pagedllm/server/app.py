@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
+from pagedllm.server import anthropic, responses, responses_stream
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
@@ -74,6 +75,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     engine.on_finished = metrics.observe_finished
     workers = InputWorkers()
     api = Api(engine, model_name, chat_template, workers)
+    stored_responses = responses.ResponseStore()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -129,6 +131,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
+
+    @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
+    async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):
+        return await anthropic.messages(api, raw, body)
+
+    @app.post("/v1/responses", responses=_GENERATE_RESPONSES)
+    async def create_response(body: responses.ResponsesRequest, raw: Request):
+        return await responses_stream.respond(api, raw, body, stored_responses)
+
+    @app.get("/v1/responses/{response_id}", responses=_TOKENIZE_RESPONSES)
+    async def get_response(response_id: str):
+        return stored_responses.response(response_id)
 
     @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
