@@ -20,7 +20,9 @@ from pagedllm.server.errors import short_repr
 from pagedllm.server.formats import ChatFormat, CompletionFormat
 from pagedllm.server.limits import InputWorkers
 from pagedllm.server.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,
+    MAX_SEQUENCES_PER_REQUEST,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +67,7 @@ class Api:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         prompts = _completion_prompts(body.prompt)
+        _check_sequences(len(prompts), body.n)
         # echo with logprobs: the prompt's tokens get theirs too (vLLM's rule).
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
@@ -194,6 +197,7 @@ class Api:
     # -- running -------------------------------------------------------------------------------
     async def _respond(self, body, raw: Request, response_id: str,
                        requests: list[tuple[str | None, EngineCoreRequest]], fmt):
+        _check_prompt_logprobs_work([request for _, request in requests])
         streams = await self._start(requests)
         prompts = [(text, request.prompt_token_ids) for text, request in requests]
         if body.stream:
@@ -218,6 +222,28 @@ class Api:
             await close_all(streams)
             raise APIError(str(exc), 503) from exc
         return streams
+
+
+def _check_sequences(num_prompts: int, n: int) -> None:
+    """A 400 for a request that would start more than MAX_SEQUENCES_PER_REQUEST sequences."""
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences; one "
+                       f"request may ask for at most {MAX_SEQUENCES_PER_REQUEST} (prompts x n): "
+                       "split it into several requests", param="n")
+
+
+def _check_prompt_logprobs_work(requests: Sequence[EngineCoreRequest]) -> None:
+    """A 400 for prompt logprobs past MAX_PROMPT_LOGPROB_ENTRIES (prompt tokens x (k + 1), summed
+    over the request's prompts), before any of it runs."""
+    k = requests[0].sampling_params.prompt_logprobs if requests else None
+    if k is None:
+        return
+    num_tokens = sum(len(request.prompt_token_ids) for request in requests)
+    if num_tokens * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError(f"prompt logprobs for {num_tokens} prompt tokens with {k} alternatives each "
+                       f"would build {num_tokens * (k + 1)} entries; one request may ask for at most "
+                       f"{MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (k + 1)): ask for fewer "
+                       "alternatives, or send fewer or shorter prompts", param="prompt_logprobs")
 
 
 def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

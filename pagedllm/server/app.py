@@ -104,10 +104,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
-        503: {**_ERROR, "description": "The engine is dead: restart the server"}})
+        503: {**_ERROR, "description": "The engine is dead (restart the server) or not answering"}})
     async def health():
-        if engine.healthy:
+        if await engine.responsive():
             return Response(status_code=200)
+        if engine.healthy:  # alive, but silent past its limit
+            return error_response(APIError(f"the engine core has not answered for {engine.stall_s:g} s "
+                                           "(stopped or hung)", 503))
         return error_response(APIError(engine.dead_reason or "engine not running", 503))
 
     @app.get("/version")

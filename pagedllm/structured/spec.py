@@ -40,6 +40,11 @@ MAX_CHOICES = 1024
 # 25 ms a step at 20,000 and 250 ms at 200,000 with SmolLM2's vocabulary, measured. Character
 # classes ([a-z]{100000}) and JSON lengths (maxLength) are cheap and not limited by this.
 MAX_REPEAT_COUNT = 1000
+# Nested counted repetitions multiply: (a{1000}){400} is a literal of 400,000, whose masks took
+# 1.3 s a step (issue 32, finding 3; SmolLM2's vocabulary, measured: the mask's cost follows the
+# product, 23 ms at (a{1000}){10}, 0.3 ms at a{1000}). The product along any nesting is bounded
+# like one count, so no grammar's mask makes everyone's steps slower.
+MAX_REPEAT_PRODUCT = MAX_REPEAT_COUNT
 
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -206,7 +211,10 @@ def spec_from_structured_outputs(params: Mapping[str, Any]) -> GrammarSpec:
     allowed = set(_STRUCTURED_OUTPUT_KINDS) | {"disable_any_whitespace"}
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ValueError(f"structured_outputs does not support {', '.join(unknown)}; "
+        named = ", ".join(str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+                          for key in unknown[:5])  # a key may be megabytes
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(f"structured_outputs does not support {named}{more}; "
                          f"allowed: {', '.join(sorted(allowed))}")
     chosen = [key for key in _STRUCTURED_OUTPUT_KINDS
               if params.get(key) is not None and params.get(key) is not False]
@@ -309,6 +317,53 @@ def _check_repeats(text: str, what: str) -> None:
         if max(counts) > MAX_REPEAT_COUNT:
             raise ValueError(f"{what} repeats {match.group(0)} times; counted repetitions are "
                              f"limited to {MAX_REPEAT_COUNT}")
+    product = _max_repeat_product(text)
+    if product > MAX_REPEAT_PRODUCT:
+        raise ValueError(f"{what} nests counted repetitions that repeat {product} times in all; "
+                         f"nested counts multiply, and their product is limited to "
+                         f"{MAX_REPEAT_PRODUCT} (each step's mask walks every repetition)")
+
+
+def _max_repeat_product(text: str) -> int:
+    """The largest product of counted repetitions ({n} or {n,m}, by their upper count) along any
+    nesting of groups in a regex: (a{10}|b){20} gives 200. A scan, not a parser: escapes and
+    character classes are skipped, unbalanced text is judged as far as it goes (llguidance
+    refuses what does not parse)."""
+    groups = [1]  # the largest product inside each open group
+    atom = 1  # the product of the atom just read (a group's when it just closed)
+    i = 0
+    while i < len(text):
+        char = text[i]
+        repeat = _REPEAT.match(text, i) if char == "{" else None
+        if repeat is not None:
+            count = max(int(n) for n in repeat.groups() if n)
+            groups[-1] = max(groups[-1], atom * count)
+            atom, i = 1, repeat.end()
+            continue
+        groups[-1] = max(groups[-1], atom)
+        atom = 1
+        if char == "\\":
+            i += 1
+        elif char == "[":
+            i = _class_end(text, i)
+        elif char == "(":
+            groups.append(1)
+        elif char == ")" and len(groups) > 1:
+            atom = groups.pop()
+        i += 1
+    return max(max(groups), atom)
+
+
+def _class_end(text: str, start: int) -> int:
+    """The index of the ']' that closes the character class opened at start (or the end)."""
+    i = start + 1
+    if i < len(text) and text[i] == "^":
+        i += 1
+    if i < len(text) and text[i] == "]":  # a ']' first is a literal
+        i += 1
+    while i < len(text) and text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i
 
 
 def _parse_json(text: str, what: str) -> Any:
