@@ -9,7 +9,8 @@ and the translation is the only code here. The mapping:
   the history are dropped (the template re-thinks); image and document blocks -> a 400;
 - tools {name, description, input_schema} -> functions; tool_choice auto/any/tool/none ->
   auto/required/{function}/none; stop_sequences -> stop; thinking enabled/adaptive ->
-  chat_template_kwargs enable_thinking (disabled -> false); output_config.format's JSON schema ->
+  chat_template_kwargs enable_thinking (disabled -> false), budget_tokens -> thinking_token_budget
+  (which needs --reasoning-parser); output_config.format's JSON schema ->
   response_format (effort has no meaning here: accepted, no effect);
 - the answer's reasoning_content -> a thinking block, content -> a text block, tool_calls ->
   tool_use blocks; finish reasons stop/length/tool_calls -> end_turn (stop_sequence when a stop
@@ -160,6 +161,9 @@ def chat_body(body: MessagesRequest) -> ChatCompletionRequest:
             fields["parallel_tool_calls"] = False
     if body.thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
+        if body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
+            # The reasoning parser's budget (server/reasoning.py): without --reasoning-parser, a 400.
+            fields["thinking_token_budget"] = body.thinking.budget_tokens
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
