@@ -658,7 +658,7 @@ def _decode_one(args, mode: str, eager: bool) -> dict:
         kv_cache_memory="1GiB" if args.device == "cuda" else "64MiB", max_num_seqs=8,
         max_model_len=args.prompt_tokens + args.tokens + 64))
     serve_one(engine)
-    runner = engine.engine_core.runner
+    runner = engine.engine_core.executor.runner
     forward_times = _time_forward_passes(runner, args.device)
     prompt = engine.tokenizer.encode(corpus_text()[:20000], add_special_tokens=False)[:args.prompt_tokens]
     engine.add_request("decode", {"prompt_token_ids": prompt},
