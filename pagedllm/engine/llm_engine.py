@@ -1,7 +1,7 @@
 """LLMEngine: the three parts of the engine in one process, stepped by the caller.
 
   input processor  (pagedllm.engine.input_processor)   prompt checks, tokenization, chat templates
-  engine core      (pagedllm.engine.core)       scheduler, KV manager, model runner, sampler
+  engine core      (pagedllm.engine.core)       scheduler, KV manager, executor (runner), sampler
   output processor (pagedllm.engine.output_processor)  detokenization, stop strings, RequestOutputs
 
 A request goes in through the input processor as an EngineCoreRequest; each step() runs one
