@@ -1,4 +1,5 @@
-"""What one request asks for. Every field is checked here, so bad input fails before it runs."""
+"""What one request asks for. Every field is checked here, so bad input fails before it runs;
+the bounds are pagedllm.sampling_bounds' table (validated means runnable)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,19 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedllm.sampling_bounds import (  # noqa: F401  (the limits, importable from here too)
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    MIN_TOP_P,
+    check_list_length,
+    check_number,
+)
 from pagedllm.structured.spec import GrammarSpec, spec_from_structured_outputs
-
-MAX_LOGPROBS = 20
-MAX_N = 64
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-MAX_BAD_WORDS = 128  # each one is checked against the output after every token
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
-MIN_TOP_P = 1e-9  # smaller top_p values mean the same (the top token) and are raised to it
 
 
 class RequestOutputKind(enum.Enum):
@@ -69,7 +74,7 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
-        if self.top_k == 0:
+        if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
         if isinstance(self.structured_outputs, Mapping):
             self.structured_outputs = spec_from_structured_outputs(self.structured_outputs)
@@ -84,43 +89,26 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
-        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-               "a number in [0, 100]", self.temperature)
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-               "-1, 0 (all tokens) or a positive integer", self.top_k)
-        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_num(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
-        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-               "repetition_penalty", "a number in (0, 2]", self.repetition_penalty)
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                     and -(2**63) <= self.seed < 2**63),
-               "seed", "an integer or None", self.seed)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", "a positive integer or None", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               "a non-negative integer", self.min_tokens)
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens"):
+            check_number(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):  # None: unset
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name))
+        # Any top_k at or above the vocabulary means every token; past MAX_TOP_K (above every
+        # vocabulary) it would overflow the sampler's int64 tensor, so it is kept at MAX_TOP_K.
+        self.top_k = min(self.top_k, MAX_TOP_K)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"at most max_tokens ({self.max_tokens})", self.min_tokens)
-        logprobs_ok = self.logprobs is None or (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS)
-        _check(logprobs_ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None", self.logprobs)
-        prompt_logprobs_ok = self.prompt_logprobs is None or (
-            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS)
-        _check(prompt_logprobs_ok, "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None",
-               self.prompt_logprobs)
         self._validate_token_rules()
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
-               f"{len(self.stop)} strings")
+        check_list_length("stop", len(self.stop))
         for s in self.stop:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"non-empty strings of at most {MAX_STOP_STRING_LEN} characters", repr(s)[:40])
+        check_list_length("stop_token_ids", len(self.stop_token_ids))
         for t in self.stop_token_ids:
-            _check(isinstance(t, int) and t >= 0, "stop_token_ids", "non-negative integers", t)
+            _check(_is_int(t) and t >= 0, "stop_token_ids", "non-negative integers", t)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                "a RequestOutputKind", self.output_kind)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, GrammarSpec),
@@ -133,6 +121,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "a dict of token id -> bias",
                    type(self.logit_bias).__name__)
+            check_list_length("logit_bias", len(self.logit_bias))
             bad = [k for k in self.logit_bias if not (_is_int(k) and k >= 0)]
             _check(not bad, "logit_bias", "keyed by token ids (non-negative integers)", bad[:10])
             bad = {k: v for k, v in self.logit_bias.items()
@@ -140,12 +129,12 @@ class SamplingParams:
             _check(not bad, "logit_bias", f"numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                    dict(list(bad.items())[:10]))
         if self.allowed_token_ids is not None:
+            check_list_length("allowed_token_ids", len(self.allowed_token_ids))
             ok = self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
             _check(bool(ok), "allowed_token_ids", "a non-empty list of token ids (non-negative "
                    "integers)", self.allowed_token_ids[:10])
         if self.bad_words is not None:
-            _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words",
-                   f"{len(self.bad_words)} words")
+            check_list_length("bad_words", len(self.bad_words))
             for word in self.bad_words:
                 _check(isinstance(word, str) and 0 < len(word.strip()) <= MAX_STOP_STRING_LEN,
                        "bad_words", f"words of 1 to {MAX_STOP_STRING_LEN} characters (not only "
@@ -157,7 +146,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite number (NaN and the infinities are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value - value == 0
 
 
 def _check(ok: bool, name: str, allowed: str, got: object) -> None:

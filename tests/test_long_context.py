@@ -75,6 +75,23 @@ def test_a_sliding_window_model_holds_five_blocks_over_2000_tokens_and_generates
     assert tokens == kept_tokens
 
 
+def test_an_explicit_max_model_len_fits_a_window_model_by_window_plus_step(mistral_window_32):
+    """Issue 32, finding 2: 16 blocks of 8 hold a 32-token window plus one step, so
+    max_model_len=2100 starts (it used to need 263 blocks), a 100-token prompt is prefilled in
+    chunks the cache holds, and the tokens are those of a run with every block kept."""
+    prompt = [40 + i % 50 for i in range(100)]
+    tight = LLMEngine(model=str(mistral_window_32), dtype="float32", block_size=BLOCK_SIZE,
+                      num_kv_blocks=16, max_model_len=2100, max_num_batched_tokens=2100)
+    assert (tight.kv_plan.max_model_len, tight.kv_plan.blocks_per_request) == (2100, 16)
+    tokens, used = generate_tracking_blocks(tight, prompt)
+    assert len(tokens) == NUM_TOKENS and max(used) <= 16
+    roomy = LLM(str(mistral_window_32), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=300,
+                kv_layout="contiguous", max_model_len=2100)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    kept = roomy.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens == kept
+
+
 def test_two_window_requests_reuse_each_others_freed_blocks(mistral_window_32):
     """Ten blocks for two requests of over 300 tokens: they only fit because each gives blocks
     back, which the other then takes and overwrites."""

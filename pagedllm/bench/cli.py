@@ -35,11 +35,17 @@ BENCHES = {
     "proposers": ("pagedllm.bench.proposers",
                   "speculative decoding's proposers alone: cost per call at 64 x 4k tokens, tokens "
                   "per step on the copy workload's reference answers"),
+    "isolation": ("pagedllm.bench.isolation",
+                  "one hostile client against another: a stream's token gaps and a tiny request's "
+                  "answer under each of issue 32's attacks (a running server)"),
+    "moe": ("pagedllm.bench.moe",
+            "write a random-weight mixture-of-experts GGUF to race on; bytes a decoded token reads "
+            "against the dense equivalent"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }
 # Benches that talk to a server take no engine flags.
-CLIENT_ONLY = {"serve"}
+CLIENT_ONLY = {"serve", "isolation"}
 
 
 class _BenchParser(argparse.ArgumentParser):

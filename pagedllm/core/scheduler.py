@@ -6,6 +6,10 @@ a prompt), then waiting requests, first come first served, while blocks and budg
 A request is only "tokens known" and "tokens computed", so chunked prefill, prefix-cache
 hits and recompute after preemption need no code paths of their own.
 
+Waiting requests are admitted least-served first and preemption takes from the largest group
+(pagedllm.core.shares says the rule), so one user request of thousands of sequences cannot hold
+the queue; with one sequence per request this is first come first served, as described here.
+
 When a running request cannot get blocks, the most recently admitted running request is
 preempted (recompute: its blocks are freed and it goes back to the front of the waiting
 queue with every token it has, to be prefilled again). The oldest running request thus
@@ -23,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core import shares
 from pagedllm.core.kv.manager import NO_HIT, PrefixHit
 from pagedllm.core.kv.stats import KVStats
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.sampling_bounds import check_runnable
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,8 @@ class KVManager(Protocol):
 
     block_size: int
 
+    # New tokens one request may take in a step (None: no limit of the cache's).
+    max_step_tokens: int | None
     # The longest request that runs alone in the empty cache, in steps of at most max_chunk_tokens.
     def max_tokens_per_request(self, max_chunk_tokens: int) -> int: ...
     def find_cached_prefix(self, request: Request) -> PrefixHit: ...
@@ -86,6 +94,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_since_schedule: list[Request] = []
         self._num_preemptions = 0
+        # A group left waiting with none running last step for want of blocks or a seat
+        # (pagedllm.core.shares): the next step preempts one sequence of the largest group for it.
+        self._starved: str | None = None
 
     # -- queues ------------------------------------------------------------------------------
 
@@ -123,6 +134,12 @@ class Scheduler:
         if not 0 < request.num_prompt_tokens <= max_model_len:
             raise ValueError(f"request {request.request_id!r} has {request.num_prompt_tokens} prompt "
                              f"tokens; the scheduler takes 1 to max_model_len={max_model_len}")
+        # Validated means runnable: a request decoded from another process skipped SamplingParams'
+        # checks, and a value no step can run would fail every request in its step.
+        try:
+            check_runnable(request.sampling_params)
+        except ValueError as exc:
+            raise ValueError(f"request {request.request_id!r}: {exc}") from None
         # Anything that could not run alone in an empty cache would wait (or preempt) forever.
         max_tokens = request.sampling_params.max_tokens or max_model_len
         needed = min(request.num_prompt_tokens + max_tokens, max_model_len)
@@ -138,8 +155,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        self._preempt_for_share(preempted)
+        num_share_preempted = len(preempted)
         budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:  # a step short of blocks has none to give new requests
+        if len(preempted) == num_share_preempted:  # a step short of blocks has none to give
             budget = self._schedule_waiting(budget, scheduled)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
@@ -150,30 +169,46 @@ class Scheduler:
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
                           preempted: list[Request]) -> int:
         i = 0
+        counts = shares.running_counts(self.running)
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self._step_limit(budget))
             if num_new <= 0:  # nothing to compute (cannot happen after a normal update)
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            if not self._allocate_or_preempt(request, num_new, preempted, i, counts):
                 break  # it preempted itself: it was the last running request
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[Request]) -> bool:
-        """Blocks for request, preempting the newest running requests until they fit.
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request],
+                             index: int, counts) -> bool:
+        """Blocks for request (self.running[index]), preempting running requests not yet
+        scheduled this step until they fit: the newest of the largest group (shares.pick_victim).
         False if request itself had to go."""
         while not self.kv_manager.allocate_slots(request, num_new):
-            victim = self.running.pop()
+            victim = shares.pick_victim(self.running[index:], counts)
+            self.running.remove(victim)
+            counts[shares.share_key(victim.request_id)] -= 1
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _preempt_for_share(self, preempted: list[Request]) -> None:
+        """One sequence of the largest group preempted for a group that last step waited with
+        none running and could not be admitted (pagedllm.core.shares' rule)."""
+        starved, self._starved = self._starved, None
+        if starved is None:
+            return
+        victim = shares.share_victim(self.running, shares.running_counts(self.running), starved)
+        if victim is not None and any(shares.share_key(r.request_id) == starved for r in self.waiting):
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
@@ -188,17 +223,24 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         max_num_seqs = self.config.max_num_seqs
-        while (self.waiting and budget > 0 and len(self.running) < max_num_seqs
-               and len(scheduled) < max_num_seqs):
-            request = self.waiting[0]
+        counts = shares.running_counts(self.running)
+        admitted: set[int] = set()
+        while len(admitted) < len(self.waiting) and budget > 0 and len(scheduled) < max_num_seqs:
+            request = shares.least_served(self.waiting, counts, admitted)
+            key = shares.share_key(request.request_id)
+            if len(self.running) >= max_num_seqs:
+                self._starve(key, counts)
+                break
             # Prompt logprobs need every prompt position run: no cache read (its blocks are
             # still written, and hashed, for others to hit).
             hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
                    else self.kv_manager.find_cached_prefix(request))
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            num_new = min(request.num_tokens - hit.num_tokens, self._step_limit(budget))
             if not self.kv_manager.allocate_slots(request, num_new, hit):
-                break  # first come first served: no one overtakes the head of the queue
-            self.waiting.popleft()
+                self._starve(key, counts)
+                break  # no one overtakes the request whose turn it is
+            admitted.add(id(request))
+            counts[key] += 1
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:  # its first admission, not a resume
                 request.num_cached_tokens = hit.num_tokens
@@ -207,7 +249,20 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return budget
+
+    def _starve(self, key: str, counts) -> None:
+        """Note a group that could not be admitted with none of its sequences running."""
+        if counts[key] == 0:
+            self._starved = key
+
+    def _step_limit(self, budget: int) -> int:
+        """New tokens one request may take this step: the budget left, and on a windowed cache
+        what keeps it within the whole cache (its window plus this step's tokens)."""
+        cap = getattr(self.kv_manager, "max_step_tokens", None)
+        return budget if cap is None else min(budget, cap)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, request.num_computed_tokens,

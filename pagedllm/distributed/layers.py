@@ -32,6 +32,21 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class ReducedOutput(nn.Module):
+    """A module over this rank's share whose partial outputs the ranks sum (a mixture-of-experts
+    layer: each rank runs every picked expert over its own intermediate columns)."""
+
+    def __init__(self, inner: nn.Module, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        self.group.all_reduce(out)
+        return out
+
+
 class VocabParallelEmbedding(nn.Module):
     """The embedding rows of this rank's vocabulary [start, end): a token outside it gets zeros
     here, and the all-reduce brings every token the row of the one rank that holds it."""
@@ -76,7 +91,10 @@ def parallelize(model: nn.Module, plan: ShardPlan, rank: int, group: TensorParal
     """Wrap a loaded shard's row-parallel layers, embedding and LM head in their collectives."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+        if hasattr(layer.mlp, "down_proj"):
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+        else:
+            layer.mlp = ReducedOutput(layer.mlp, group)
     start, end = plan.shares[rank].vocab
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, group)
     model.vocab_gather = VocabGather(group, [e - s for s, e in (sh.vocab for sh in plan.shares)])

@@ -13,6 +13,9 @@ Each rank holds a share of every layer:
   (the others give zeros, an all-reduce sums them), and each rank's logits cover its rows, gathered
   on rank 0, which samples.
 Norms (and per-head q/k norms) are whole on every rank.
+- a mixture-of-experts layer (model/moe.py) like its MLP: every expert's intermediate columns cut
+  the same way (gate/up rows, down columns), the router whole on every rank so each rank routes
+  each token alike; the layer's partial output summed by one all-reduce.
 
 Shares that do not divide evenly are as even as they can be, the larger first (rank 0 holds the
 largest, so its KV cache is the largest any rank needs). The MLP's columns split at multiples of
@@ -58,6 +61,7 @@ class RankShare:
     kv_heads: Span
     intermediate: Span
     vocab: Span
+    moe_intermediate: Span = (0, 0)  # each expert's columns, on a mixture-of-experts model
 
 
 class ShardPlan:
@@ -69,6 +73,9 @@ class ShardPlan:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         intermediate, vocab = config.intermediate_size, config.vocab_size
         what = f"tensor_parallel_size={size}"
+        if config.kv_lora_rank and size > 1:
+            raise ValueError(f"{what}: latent attention ({config.architecture}) is not split over "
+                             "ranks yet; use tensor_parallel_size=1")
         if kv_heads >= size:
             kv_spans = split(kv_heads, size)
             group = heads // kv_heads
@@ -92,8 +99,11 @@ class ShardPlan:
         unit = next(u for u in MLP_SPLIT_UNITS if intermediate % u == 0 and intermediate // u >= size)
         if vocab < size:
             raise ValueError(f"{what}: the model's vocabulary of {vocab} is too small to split")
-        self.shares = [RankShare(q, kv, i, v) for q, kv, i, v in zip(
-            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size))]
+        moe_spans = [(0, 0)] * size
+        if config.num_experts:
+            moe_spans = _mlp_split(config.moe_intermediate_size, size, f"{what}: the experts'")
+        self.shares = [RankShare(q, kv, i, v, m) for q, kv, i, v, m in zip(
+            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size), moe_spans)]
 
     def describe(self) -> str:
         """The split in one line, for the start-up log."""
@@ -112,7 +122,8 @@ class ShardPlan:
         return dataclasses.replace(
             self.config, num_attention_heads=_length(share.q_heads),
             num_key_value_heads=_length(share.kv_heads),
-            intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab))
+            intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab),
+            moe_intermediate_size=_length(share.moe_intermediate))
 
     def shard_parameter(self, rank: int, name: str, value):
         """Rank's part of one of the model's parameters (our names, fused as LlamaForCausalLM
@@ -127,6 +138,11 @@ class ShardPlan:
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
             columns = share.intermediate
             return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
+        if ".mlp.experts." in name:  # one expert of a mixture: its own columns, as an MLP's
+            columns, width = share.moe_intermediate, config.moe_intermediate_size
+            if name.endswith("gate_up_proj.weight"):
+                return _take_rows(value, [columns, _shifted(columns, width)])
+            return self._take_columns(name, value, [s.moe_intermediate for s in self.shares], rank)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return _take_rows(value, [share.vocab])
         if name.endswith("self_attn.o_proj.weight"):
@@ -151,6 +167,14 @@ class ShardPlan:
                     f"{part.shape[1]} inputs) cannot be split at input {boundary}: {why}; "
                     f"load it dequantized (quantization='none') or use another size")
         return [part.columns(start, end)]
+
+
+def _mlp_split(width: int, size: int, what: str) -> list[Span]:
+    """An MLP's intermediate columns over size ranks, at quantization-group multiples where it can."""
+    if width < size:
+        raise ValueError(f"{what} intermediate size {width} is too small to split over {size} ranks")
+    unit = next(u for u in MLP_SPLIT_UNITS if width % u == 0 and width // u >= size)
+    return split(width, size, unit)
 
 
 def _length(span: Span) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.sampling_bounds import LIST_BOUNDS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.spec import GrammarSpec
@@ -111,6 +112,8 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
                                         add_special_tokens=add_special_tokens)
         self._check_sampling_token_ids(params)
+        if params.top_k >= self.vocab_size:  # every token: the same as no top-k, and cheaper
+            params = dataclasses.replace(params, top_k=-1)
         self.check_grammar(params.structured_outputs)
         if max_tokens_must_fit:
             params = self._fit_max_tokens(params, len(token_ids))
@@ -163,6 +166,7 @@ class InputProcessor:
         characters or max_model_len token ids; at most max_prompts prompts."""
         if not isinstance(body, dict):
             return
+        self._check_sampling_lists_size(body)
         messages, prompt = body.get("messages"), body.get("prompt")
         if isinstance(messages, list):
             self._check_messages_size(messages)
@@ -179,6 +183,15 @@ class InputProcessor:
                     self._check_text_length(len(item), "prompt")
                 elif isinstance(item, list):
                     self._check_prompt_length(len(item))
+
+    def _check_sampling_lists_size(self, body: dict) -> None:
+        """The sampling fields' lists and dicts (logit_bias, allowed_token_ids, ...) past
+        pagedllm.sampling_bounds' bounds: a 0.6 MB logit_bias is refused here, by its length,
+        before the schema parses it on the server's event loop."""
+        for name, limit in LIST_BOUNDS.items():
+            value = body.get(name)
+            if isinstance(value, (list, dict)) and len(value) > limit:
+                raise InvalidInput(f"{name} must have at most {limit} entries; got {len(value)}", name)
 
     def _check_messages_size(self, messages: list) -> None:
         if len(messages) > self.max_model_len:

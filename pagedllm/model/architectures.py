@@ -46,6 +46,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(),
     "Qwen2ForCausalLM": Architecture(gguf_name="qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": Architecture(gguf_name="qwen3", qk_norm=True),
+    # Mixtures of experts (model/moe.py); Mixtral's GGUF files say "llama" with expert tensors.
+    "Qwen3MoeForCausalLM": Architecture(gguf_name="qwen3moe", qk_norm=True),
+    "MixtralForCausalLM": Architecture(),
+    # Multi-head latent attention (model/mla.py) and mixtures of experts with shared experts.
+    "DeepseekV2ForCausalLM": Architecture(sliding_window=False),
+    "DeepseekV3ForCausalLM": Architecture(sliding_window=False),
     "Gemma2ForCausalLM": Architecture(gguf_name="gemma2", sliding_period=2, **_GEMMA),
     "Gemma3ForCausalLM": Architecture(gguf_name="gemma3", qk_norm=True, sliding_period=6,
                                       local_rope_theta=10000.0, **_GEMMA),

@@ -14,6 +14,7 @@ from pagedllm.model.architectures import (
     GGUF_ARCHITECTURES,
     Architecture,
 )
+from pagedllm.model.config_parts import gguf_moe_fields, hf_sparse_and_latent_fields
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -62,6 +63,32 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # The share of each head's dimensions that rotary turns; the rest pass through unchanged.
     partial_rotary_factor: float = 1.0
+    # Mixture of experts (model/moe.py): num_experts > 0 makes the MLP of the layers in moe_layers
+    # (every layer when None) a router over that many experts of moe_intermediate_size, each
+    # token taking num_experts_per_tok of them, their scores renormalized where norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] | None = None
+    # DeepSeek's experts: shared experts (one MLP this wide, every token), the routed weights'
+    # factor, and how experts are picked (model/moe.py's route says each way).
+    shared_expert_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): a token's keys and values are one
+    # latent of kv_lora_rank values and one rotary key of qk_rope_head_dim shared by every head, so
+    # the cache holds one "KV head" of head_dim = kv_lora_rank + qk_rope_head_dim (and
+    # num_key_value_heads is 1). 0: ordinary attention.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary over interleaved pairs of dimensions (DeepSeek)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +104,11 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        if self.num_experts and not (isinstance(self.num_experts_per_tok, int)
+                                     and 0 < self.num_experts_per_tok <= self.num_experts):
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}")
 
     @property
     def rope_type(self) -> str:
@@ -107,6 +139,9 @@ class ModelConfig:
         windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
         return None if None in windows else max(windows)
 
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer_index in self.moe_layers)
+
     def uses_local_rope(self, layer_index: int) -> bool:
         return self.local_rope_theta is not None and self.uses_sliding_window(layer_index)
 
@@ -133,7 +168,7 @@ class ModelConfig:
         if generation_config:
             eos_ids += [i for i in _as_id_list(generation_config.get("eos_token_id"))
                         if i not in eos_ids]
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -163,6 +198,8 @@ class ModelConfig:
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=_hf_partial_rotary_factor(config),
         )
+        # A latent-attention model's cache geometry replaces the heads' (config_parts.py).
+        return cls(**{**fields, **hf_sparse_and_latent_fields(config, architecture)})
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -173,6 +210,8 @@ class ModelConfig:
                 f"unsupported GGUF architecture {gguf_arch!r}; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}")
         architecture = GGUF_ARCHITECTURES[gguf_arch]
+        if gguf_arch == "llama" and metadata.get("llama.expert_count"):
+            architecture = "MixtralForCausalLM"  # llama.cpp writes Mixtral as a Llama with experts
         arch = ARCHITECTURES[architecture]
 
         def key(name: str, default: Any = None) -> Any:
@@ -221,6 +260,7 @@ class ModelConfig:
             final_logit_softcapping=key("final_logit_softcapping"),
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
+            **gguf_moe_fields(key, tensor_names, layers),
         )
 
 

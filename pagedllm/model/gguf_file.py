@@ -56,6 +56,14 @@ _ARCH_LAYER_NAMES = {
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
+# projection; transformers names each expert's own. Where each GGUF architecture's live, and the
+# Hugging Face names of its router and of an expert's gate, up and down projections.
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_MOE_NAMES = {
+    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
+}
 
 
 class GGUFCheckpoint:
@@ -76,9 +84,15 @@ class GGUFCheckpoint:
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()}
         self.architecture = self.metadata.get("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
-        # Hugging Face name -> GGUF name, for the tensors we know.
+        # Hugging Face name -> GGUF name, for the tensors we know; an expert's names -> the
+        # stacked tensor it is cut from, and its index there.
         self.hf_names = {hf: name for name in self.tensors
                          if (hf := hf_name(name, self.architecture)) is not None}
+        self.expert_index: dict[str, int] = {}
+        for name, tensor in self.tensors.items():
+            for expert, hf in enumerate(expert_hf_names(name, self.architecture, int(tensor.shape[-1]))):
+                self.hf_names[hf] = name
+                self.expert_index[hf] = expert
 
     def _check_complete(self) -> None:
         file_size = self.path.stat().st_size
@@ -122,27 +136,34 @@ class GGUFCheckpoint:
     def get_hf_tensor(self, hf: str, keep_quantized: bool = False) -> torch.Tensor | QuantizedWeight:
         """The tensor stored for Hugging Face name hf, in the row order transformers uses:
         dequantized to float32, or (keep_quantized) repacked quantized where gguf_repack can."""
-        name = self.hf_names[hf]
-        weights = self.get_repacked(name) if keep_quantized and self.can_repack(name) else self.get_raw(name)
+        name, expert = self.hf_names[hf], self.expert_index.get(hf)
+        if keep_quantized and self.can_repack(name):
+            weights = self.get_repacked(name, expert)
+        else:
+            weights = self.get_raw(name, expert)
         undo = _CONVERTER_CHANGES.get(self.architecture)
         return weights if undo is None else undo(weights, name, self.metadata)
 
     def can_repack(self, name: str) -> bool:
         tensor = self.tensors[name]
-        return tensor.tensor_type in REPACKERS and len(tensor.shape) == 2
+        return tensor.tensor_type in REPACKERS and len(tensor.shape) in (2, 3)
 
-    def get_repacked(self, name: str) -> QuantizedWeight:
+    def get_repacked(self, name: str, expert: int | None = None) -> QuantizedWeight:
+        """The weight kept quantized; of a stacked experts tensor, expert's own rows only."""
         tensor = self.tensors[name]
-        in_features, out_features = (int(d) for d in tensor.shape)
-        return repack(tensor.tensor_type, tensor.data, (out_features, in_features))
+        in_features, out_features = (int(d) for d in tensor.shape[:2])
+        data = tensor.data if expert is None else tensor.data[expert]
+        return repack(tensor.tensor_type, data, (out_features, in_features))
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Llama 3.1 files carry their rope scaling as per-frequency divisors, not metadata."""
         return self.get_raw("rope_freqs.weight") if "rope_freqs.weight" in self.tensors else None
 
-    def get_raw(self, name: str) -> torch.Tensor:
+    def get_raw(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Dequantized to float32; of a stacked experts tensor, expert's own rows only."""
         tensor = self.tensors[name]
-        data = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        data = tensor.data if expert is None else tensor.data[expert]
+        data = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), np.float32)
         if not data.flags.writeable:  # float32 tensors come back as views of the memory map
             data = data.copy()
         return torch.from_numpy(np.ascontiguousarray(data))
@@ -152,10 +173,22 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
+    if architecture in _MOE_NAMES:  # the router of a mixture of experts
+        layer_names = {**layer_names, "ffn_gate_inp": f"{_MOE_NAMES[architecture][0]}.gate"}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match[2] not in layer_names:
         return None
     return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
+
+
+def expert_hf_names(gguf_name: str, architecture: str | None, num_experts: int) -> list[str]:
+    """The Hugging Face names of each expert cut from a stacked experts tensor ([] otherwise)."""
+    match = _EXPERT_TENSOR.fullmatch(gguf_name)
+    if match is None or architecture not in _MOE_NAMES:
+        return []
+    prefix, projections = _MOE_NAMES[architecture]
+    layer, projection = match[1], projections[match[2]]
+    return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.weight" for e in range(num_experts)]
 
 
 def _undo_rotary_permutation(

@@ -27,6 +27,8 @@ from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attenti
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.mla import MLAttention
+from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight
@@ -119,15 +121,15 @@ class MLP(nn.Module):
     """A gated MLP, down(act(gate(x)) * up(x)), with gate and up as one matmul: SwiGLU (SiLU) for
     most families, GeGLU (tanh-approximated GELU) for Gemma."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size  # an expert's own
         self.act = ACTIVATIONS[config.hidden_act]
         self.fused_silu = config.hidden_act == "silu"  # the compiled kernel does SiLU-and-mul
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -143,10 +145,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = (MLAttention(config, layer_index, RMSNorm) if config.kv_lora_rank
+                          else Attention(config, layer_index))
         # The norm before the MLP, under Llama's name (Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        if config.is_moe_layer(layer_index):
+            shared = config.shared_expert_intermediate_size
+            self.mlp = SparseMoE(config, [MLP(config, config.moe_intermediate_size)
+                                          for _ in range(config.num_experts)],
+                                 MLP(config, shared) if shared else None)
         self.attn_output_norm = self.mlp_output_norm = None
         if config.arch.sandwich_norms:
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

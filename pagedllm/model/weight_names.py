@@ -29,6 +29,12 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         f"{ours}.input_layernorm.weight": [f"{layer}.input_layernorm.weight"],
         f"{ours}.post_attention_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
     }
+    if config.is_moe_layer(i):
+        del names[f"{ours}.mlp.gate_up_proj.weight"], names[f"{ours}.mlp.down_proj.weight"]
+        names.update(_expert_names(config, i))
+    if config.kv_lora_rank:
+        del names[f"{ours}.self_attn.qkv_proj.weight"]
+        names.update(_latent_attention_names(config, i))
     if arch.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention output
         names[f"{ours}.post_attention_layernorm.weight"] = [
             f"{layer}.pre_feedforward_layernorm.weight"]
@@ -45,6 +51,38 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         names[f"{ours}.mlp.gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
         names[f"{ours}.mlp.down_proj.bias"] = [f"{mlp}.down_proj.bias"]
     return names
+
+
+def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """A mixture-of-experts layer's router and stacked experts (model/moe.py), from Qwen3-MoE's
+    per-expert names or Mixtral's (w1 gate, w3 up, w2 down)."""
+    ours = f"layers.{i}.mlp"
+    if config.architecture == "MixtralForCausalLM":
+        moe, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = f"model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
+    names = {f"{ours}.gate.weight": [f"{moe}.gate.weight"]}
+    if config.topk_method == "noaux_tc":
+        names[f"{ours}.score_bias"] = [f"{moe}.gate.e_score_correction_bias"]
+    if config.shared_expert_intermediate_size:
+        shared = f"{moe}.shared_experts"
+        names[f"{ours}.shared_experts.gate_up_proj.weight"] = [f"{shared}.gate_proj.weight",
+                                                               f"{shared}.up_proj.weight"]
+        names[f"{ours}.shared_experts.down_proj.weight"] = [f"{shared}.down_proj.weight"]
+    for e in range(config.num_experts):
+        theirs = f"{moe}.experts.{e}"
+        names[f"{ours}.experts.{e}.gate_up_proj.weight"] = [f"{theirs}.{p}.weight" for p in (gate, up)]
+        names[f"{ours}.experts.{e}.down_proj.weight"] = [f"{theirs}.{down}.weight"]
+    return names
+
+
+def _latent_attention_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """DeepSeek's latent attention (model/mla.py), under its own names, nothing fused."""
+    projections = ["kv_a_proj_with_mqa", "kv_b_proj"]
+    projections += ["q_a_proj", "q_b_proj"] if config.q_lora_rank else ["q_proj"]
+    norms = ["kv_a_layernorm"] + (["q_a_layernorm"] if config.q_lora_rank else [])
+    attn = f"model.layers.{i}.self_attn"
+    return {f"layers.{i}.self_attn.{name}.weight": [f"{attn}.{name}.weight"] for name in projections + norms}
 
 
 def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -20,7 +20,9 @@ from pagedllm.server.errors import short_repr
 from pagedllm.server.formats import ChatFormat, CompletionFormat
 from pagedllm.server.limits import InputWorkers
 from pagedllm.server.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,
+    MAX_SEQUENCES_PER_REQUEST,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,11 +31,13 @@ from pagedllm.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.server.streams import close_all, collect_or_abort
 from pagedllm.server.structured import read_constraint_async
 from pagedllm.structured.spec import GrammarSpec
 from pagedllm.structured.tools import Tool
 from pagedllm.text.chat_template import TemplateTimeout
+from pagedllm.text.reasoning import reasoning_format
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ class Api:
     input workers (templates and tokenizing never run on the event loop)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 workers: InputWorkers) -> None:
+                 workers: InputWorkers, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.workers = workers
         self.model_name = model_name
@@ -51,6 +55,8 @@ class Api:
         self.processor = engine.input_processor
         self.max_model_len = self.processor.max_model_len
         self.extra_fields = ExtraFields()
+        # Chat answers split into reasoning and content (None: all content).
+        self.reasoning = reasoning_format(reasoning_parser) if reasoning_parser else None
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
@@ -61,6 +67,7 @@ class Api:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         prompts = _completion_prompts(body.prompt)
+        _check_sequences(len(prompts), body.n)
         # echo with logprobs: the prompt's tokens get theirs too (vLLM's rule).
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
@@ -77,9 +84,11 @@ class Api:
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
         prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
+        spec = constraint_after_reasoning(self.reasoning, prompt["prompt"], constraint.spec,
+                                          body.thinking_token_budget)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, constraint.spec)
+        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, spec)
         requests = await self.workers.run(self._process, response_id, body, [prompt], params,
                                           "messages")
         return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
@@ -188,6 +197,7 @@ class Api:
     # -- running -------------------------------------------------------------------------------
     async def _respond(self, body, raw: Request, response_id: str,
                        requests: list[tuple[str | None, EngineCoreRequest]], fmt):
+        _check_prompt_logprobs_work([request for _, request in requests])
         streams = await self._start(requests)
         prompts = [(text, request.prompt_token_ids) for text, request in requests]
         if body.stream:
@@ -212,6 +222,28 @@ class Api:
             await close_all(streams)
             raise APIError(str(exc), 503) from exc
         return streams
+
+
+def _check_sequences(num_prompts: int, n: int) -> None:
+    """A 400 for a request that would start more than MAX_SEQUENCES_PER_REQUEST sequences."""
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(f"{num_prompts} prompts x n={n} asks for {num_prompts * n} sequences; one "
+                       f"request may ask for at most {MAX_SEQUENCES_PER_REQUEST} (prompts x n): "
+                       "split it into several requests", param="n")
+
+
+def _check_prompt_logprobs_work(requests: Sequence[EngineCoreRequest]) -> None:
+    """A 400 for prompt logprobs past MAX_PROMPT_LOGPROB_ENTRIES (prompt tokens x (k + 1), summed
+    over the request's prompts), before any of it runs."""
+    k = requests[0].sampling_params.prompt_logprobs if requests else None
+    if k is None:
+        return
+    num_tokens = sum(len(request.prompt_token_ids) for request in requests)
+    if num_tokens * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError(f"prompt logprobs for {num_tokens} prompt tokens with {k} alternatives each "
+                       f"would build {num_tokens * (k + 1)} entries; one request may ask for at most "
+                       f"{MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (k + 1)): ask for fewer "
+                       "alternatives, or send fewer or shorter prompts", param="prompt_logprobs")
 
 
 def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
+from pagedllm.server import anthropic, responses, responses_stream
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
@@ -67,13 +68,16 @@ class Cors:
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
               cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+              allowed_hosts: tuple[str, ...] | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app over engine. chat_template: replaces the model's for every chat request;
-    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any)."""
+    allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any); reasoning_parser:
+    splits chat answers into reasoning and content (pagedllm.text.reasoning)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
     workers = InputWorkers()
-    api = Api(engine, model_name, chat_template, workers)
+    api = Api(engine, model_name, chat_template, workers, reasoning_parser)
+    stored_responses = responses.ResponseStore()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,10 +104,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
-        503: {**_ERROR, "description": "The engine is dead: restart the server"}})
+        503: {**_ERROR, "description": "The engine is dead (restart the server) or not answering"}})
     async def health():
-        if engine.healthy:
+        if await engine.responsive():
             return Response(status_code=200)
+        if engine.healthy:  # alive, but silent past its limit
+            return error_response(APIError(f"the engine core has not answered for {engine.stall_s:g} s "
+                                           "(stopped or hung)", 503))
         return error_response(APIError(engine.dead_reason or "engine not running", 503))
 
     @app.get("/version")
@@ -126,6 +133,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
+
+    @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
+    async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):
+        return await anthropic.messages(api, raw, body)
+
+    @app.post("/v1/responses", responses=_GENERATE_RESPONSES)
+    async def create_response(body: responses.ResponsesRequest, raw: Request):
+        return await responses_stream.respond(api, raw, body, stored_responses)
+
+    @app.get("/v1/responses/{response_id}", responses=_TOKENIZE_RESPONSES)
+    async def get_response(response_id: str):
+        return stored_responses.response(response_id)
 
     @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):

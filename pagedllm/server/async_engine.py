@@ -15,6 +15,8 @@ killed is dead: every request fails (EngineDeadError), /health says 503, and `on
 once with the reason (`pagedllm serve` then shuts the server down with one clear line).
 Overload: at most max_waiting_requests requests wait for the engine; past that, new ones are
 refused at once (QueueFullError, a 503 with Retry-After) instead of queueing without bound.
+A core that stops answering (stopped, hung) fails /health (responsive()): with requests in flight
+when it has sent nothing for stall_s, idle when a snapshot is not answered within that long.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -58,6 +61,11 @@ _EXIT_GRACE_S = 0.5
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
+# /health's limit on the core's silence (AsyncEngine.responsive): far past any step of a model
+# this engine serves on a CPU, so only a stopped or hung core fails it.
+DEFAULT_STALL_S = 30.0
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -73,7 +81,7 @@ class RequestFailed(RuntimeError):
 class AsyncEngine:
     def __init__(self, core: CoreProcess, tokenizer: Tokenizer, on_finished=None,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, stall_s: float = DEFAULT_STALL_S) -> None:
         self.check_args(max_waiting_requests)
         if core.ready is None:
             raise ValueError("the engine core has not said Ready yet: call core.wait_ready() first")
@@ -98,6 +106,8 @@ class AsyncEngine:
         self._reader: asyncio.Task | None = None
         self._closed = False
         self.dead_reason: str | None = None
+        self.stall_s = stall_s
+        self._last_heard = time.monotonic()  # when the core last sent anything
         self.num_rejected_requests = 0  # refused because the waiting queue was full
         self.max_batch_requests = 0  # the most requests one step has run: evidence of batching
 
@@ -136,6 +146,20 @@ class AsyncEngine:
         return (self._reader is not None and not self._closed and self.dead_reason is None
                 and self.core.process.poll() is None)
 
+    async def responsive(self) -> bool:
+        """Healthy, and the core answering: with requests in flight it sent something within
+        stall_s (a step report at least; a step longer than that on this model is a hang), idle
+        it answers a snapshot within stall_s. A stopped (SIGSTOP) or hung core fails this."""
+        if not self.healthy:
+            return False
+        if self.has_unfinished_requests():
+            return time.monotonic() - self._last_heard < self.stall_s
+        try:
+            await asyncio.wait_for(self.snapshot(), self.stall_s)
+        except (TimeoutError, EngineDeadError):
+            return False
+        return True
+
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: sent but not yet taken by the core, plus the scheduler's
@@ -166,6 +190,8 @@ class AsyncEngine:
         self._check_alive()
         self.check_room()
         request_id = request.request_id
+        if not self.has_unfinished_requests():  # the core's silence until now was idleness
+            self._last_heard = time.monotonic()
         self.output_processor.add_request(request, prompt)  # ValueError if the id is in use
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -244,6 +270,7 @@ class AsyncEngine:
             self._die(f"lost the channel to the engine core: {exc!r}")
 
     def _on_message(self, message) -> None:
+        self._last_heard = time.monotonic()
         if isinstance(message, StepReport):
             self._on_report(message)
         elif isinstance(message, AddsTaken):

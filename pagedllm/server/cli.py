@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limit_repeated_log_lines,
         uvicorn_settings,
     )
+    from pagedllm.server.stale_sockets import remove_stale_socket_dirs
     from pagedllm.text.chat_template import load_chat_template
 
     config, settings = serve_configs(args)
@@ -78,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                 settings.keep_alive_s))
     chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
     num_threads, why = choose_num_threads(settings.num_threads)
+    check_port_free(settings.host, settings.port)  # before the model load, not after it
+    remove_stale_socket_dirs()  # what servers killed before (SIGKILL runs no clean-up) left
     core = CoreProcess(config, num_threads)  # loads the model while this process reads the tokenizer
     try:
         import uvicorn
@@ -104,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = settings.served_model_name or (config.model or DEFAULT_MODEL_NAME)
         app = build_app(engine, name, api_key=api_key, max_body_bytes=settings.max_body_bytes,
                         chat_template=chat_template, cors=cors, body_timeout_s=settings.body_timeout_s,
-                        allowed_hosts=allowed_hosts)
+                        allowed_hosts=allowed_hosts, reasoning_parser=settings.reasoning_parser)
         limit_repeated_log_lines()
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
         # (bounded by the timeout), then runs the app's shutdown, which stops the core. A core
@@ -120,6 +123,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"pagedllm: error: {engine.dead_reason}; the server stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError (one line) if host:port cannot be bound: a second server on a used port used
+    to load the whole model before failing (issue 32, finding 8). Bound as uvicorn binds it
+    (SO_REUSEADDR), then closed; port 0 (any free one) always passes."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another "
+                             "server there?); choose another --port or --host") from None
 
 
 def _since_process_start() -> float:

@@ -18,6 +18,7 @@ from pagedllm.server.protocol import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_WAITING_REQUESTS,
 )
+from pagedllm.text.reasoning import REASONING_PARSER_NAMES, reasoning_format
 
 CONNECTIONS = "connections"
 CORS = "CORS (off unless --allowed-origins is given)"
@@ -41,6 +42,13 @@ def _port(name: str, value) -> None:
         raise ValueError(f"{name} must be a TCP port, 0 to 65535 (0: any free one); got {value!r}")
 
 
+def _reasoning_parser(name: str, value) -> None:
+    """One line naming the known parsers (not argparse's usage screen: the settings check it)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a parser's name; got {value!r}")
+    reasoning_format(value)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (loopback only by default; 0.0.0.0 exposes it)")
@@ -56,6 +64,11 @@ class ServerConfig:
     chat_template: str | None = setting(
         None, "a Jinja chat template, or a file holding one, for every chat request instead of the "
         "model's")
+    reasoning_parser: str | None = setting(
+        None, "return a thinking model's reasoning apart from its answer (message.reasoning_content "
+        "and .reasoning, and in stream deltas), by vLLM's parser names; also lets "
+        "response_format and tools apply after the reasoning and caps it with a request's "
+        f"thinking_token_budget: {', '.join(REASONING_PARSER_NAMES)}", check=_reasoning_parser)
     max_body_bytes: int = setting(
         DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413", check=check_positive_int)
     max_waiting_requests: int = setting(

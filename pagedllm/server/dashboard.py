@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.server.async_engine import EngineDeadError
 from pagedllm.server.dashboard_page import render_page
+from pagedllm.server.protocol import error_body
 
 if TYPE_CHECKING:
     from pagedllm.core.kv.snapshot import BlockMap
@@ -45,15 +46,22 @@ DEFAULT_INTERVAL_S = 0.25
 # Each event stream ends after this long and the page reconnects at once: uvicorn lets open
 # responses finish before it shuts down, so a watching page must never hold a stream for long.
 STREAM_LIFETIME_S = 5.0
+# Event streams open at once at most; more get a 503 with Retry-After (issue 32, finding 7: 150
+# readers, reconnecting every STREAM_LIFETIME_S, stretched another client's token gaps to 1.5 s).
+# A page per operator is the use; 16 leaves room for a team.
+MAX_EVENT_READERS = 16
 
 SnapshotFn = Callable[[], Awaitable[dict]]
 
 
 def dashboard_router(snapshot_fn: SnapshotFn, interval_s: float = DEFAULT_INTERVAL_S,
-                     stream_lifetime_s: float = STREAM_LIFETIME_S) -> APIRouter:
-    """The page and its events. Guard EVENTS_PATH with the API key where the app has one."""
+                     stream_lifetime_s: float = STREAM_LIFETIME_S,
+                     max_readers: int = MAX_EVENT_READERS) -> APIRouter:
+    """The page and its events (at most max_readers streams at once). Guard EVENTS_PATH with the
+    API key where the app has one."""
     page = render_page("KV cache", {"mode": "live", "events": EVENTS_PATH})
     latest = _SharedSnapshot(snapshot_fn, max_age_s=interval_s / 2)
+    readers = _Readers(max_readers)
     router = APIRouter()
 
     @router.get("/", include_in_schema=False)
@@ -62,11 +70,37 @@ def dashboard_router(snapshot_fn: SnapshotFn, interval_s: float = DEFAULT_INTERV
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @router.get(EVENTS_PATH, include_in_schema=False)
-    async def dashboard_events() -> StreamingResponse:
-        return StreamingResponse(_events(latest, interval_s, stream_lifetime_s),
+    async def dashboard_events() -> Response:
+        if not readers.enter():
+            return JSONResponse(
+                error_body(f"the dashboard has {readers.limit} event readers already; try again "
+                           "later", "service_unavailable"), 503, headers={"Retry-After": "5"})
+        return StreamingResponse(readers.counted(_events(latest, interval_s, stream_lifetime_s)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     return router
+
+
+class _Readers:
+    """The event streams open now, bounded (counted on the event loop: no lock needed)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def enter(self) -> bool:
+        if self.open >= self.limit:
+            return False
+        self.open += 1
+        return True
+
+    async def counted(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """events, the reader counted out when they end or the client leaves."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.open -= 1
 
 
 class _SharedSnapshot:

@@ -15,8 +15,10 @@ from pagedllm.server.async_engine import EngineDeadError, RequestFailed
 from pagedllm.server.protocol import (
     error_body,
 )
+from pagedllm.server.reasoning import ReasoningReader
 from pagedllm.server.streams import merge_streams
 from pagedllm.server.structured import OutputConstraint, ToolCallReader
+from pagedllm.text.reasoning import prompt_state
 
 if TYPE_CHECKING:
     from pagedllm.server.api import Api
@@ -208,13 +210,21 @@ class ChatFormat(Format):
     def __init__(self, api: Api, body, constraint: OutputConstraint) -> None:
         super().__init__(api, body)
         self.constraint = constraint
-        self._readers: dict[int, ToolCallReader | None] = {}  # by choice index
+        self._readers: dict[int, ToolCallReader | ReasoningReader | None] = {}  # by choice index
 
-    def _reader(self, index: int) -> ToolCallReader | None:
-        """The choice's tool-call reader (None: its text is all content)."""
+    def _reader(self, index: int, prompt) -> ToolCallReader | ReasoningReader | None:
+        """The choice's reader: of reasoning (with --reasoning-parser; where the answer starts
+        depends on the prompt), then of tool calls; None: its text is all content."""
         if index not in self._readers:
             parser = self.constraint.new_parser()
-            self._readers[index] = parser and ToolCallReader(self.constraint, parser)
+            reader = parser and ToolCallReader(self.constraint, parser)
+            fmt = self.api.reasoning
+            if fmt is not None:
+                text, token_ids = prompt
+                if text is None:
+                    text = self.api.processor.tokenizer.decode(token_ids, skip_special_tokens=False)
+                reader = ReasoningReader(fmt, prompt_state(fmt, text), reader)
+            self._readers[index] = reader
         return self._readers[index]
 
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
@@ -222,7 +232,7 @@ class ChatFormat(Format):
                   "finish_reason": None} for j in range(self.n)]]
 
     def full_choice(self, index, out, prompt, final) -> dict:
-        reader = self._reader(index)
+        reader = self._reader(index, prompt)
         if reader is None:
             message, finish_reason = {"role": "assistant", "content": out.text}, out.finish_reason
         else:
@@ -236,7 +246,7 @@ class ChatFormat(Format):
         return response
 
     def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
-        reader = self._reader(index)
+        reader = self._reader(index, prompt)
         if reader is None:
             fields, finish_reason = {"content": out.text} if out.text else {}, out.finish_reason
         else:

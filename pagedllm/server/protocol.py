@@ -16,19 +16,28 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from pydantic_core import PydanticCustomError
 
-from pagedllm.sampling_params import (
+from pagedllm.sampling_bounds import (
+    LIST_BOUNDS,
     MAX_BAD_WORDS,
-    MAX_LOGPROBS,
-    MAX_N,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    NUMBER_BOUNDS,
 )
 
 logger = logging.getLogger(__name__)
 
 # Limits on one request, past what SamplingParams checks (n, logprobs, stop strings).
 MAX_PROMPTS_PER_REQUEST = 64  # a completion's list of prompts
-MAX_STOP_TOKEN_IDS = 64  # each one is checked after every token
+# Fair shares (issue 32, finding 4): sequences one request may start, its prompts x n. 256 is the
+# engine's default max_num_seqs: one request may fill a step, but not queue thousands (64 prompts
+# x n=64 put 4,096 sequences ahead of every other client). The scheduler also admits least-served
+# first (pagedllm.core.shares), so even these 256 do not hold the queue.
+MAX_SEQUENCES_PER_REQUEST = 256
+# Prompt logprobs' work per request (finding 5): the entries they build, prompt tokens x (k + 1)
+# summed over its prompts (vLLM bounds k alone, with --max-logprobs). 65,536 entries are about
+# 4 MB of JSON; the probe's 16-32 prompts x 20 alternatives built 23-46 MB over minutes.
+MAX_PROMPT_LOGPROB_ENTRIES = 2**16
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
@@ -146,10 +155,16 @@ def _unicode(value: str) -> str:
 _UNICODE = AfterValidator(_unicode)
 Text = Annotated[str, _UNICODE]
 
-# The ranges below are SamplingParams' (which checks them again for library callers); here they
-# give a clear 400 before any work and document the limits in /openapi.json.
+# The ranges below are pagedllm.sampling_bounds' table (SamplingParams checks them again for
+# library callers, the core on arrival); here they give a clear 400 before any work and document
+# the limits in /openapi.json.
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN), _UNICODE]
 TokenId = Annotated[Int, Field(ge=0)]
+
+
+def bounded(name: str, default=None):
+    """A pydantic Field with the table's range for SamplingParams field `name`."""
+    return Field(default, **NUMBER_BOUNDS[name].pydantic())
 
 
 class StreamOptions(_Body):
@@ -158,33 +173,34 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: Text | None = None
-    n: Int = Field(1, ge=1, le=MAX_N)
-    temperature: Float | None = Field(None, ge=0, le=100)
-    top_p: Float | None = Field(None, gt=0, le=1)
+    n: Int = bounded("n", 1)
+    temperature: Float | None = bounded("temperature")
+    top_p: Float | None = bounded("top_p")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
-    presence_penalty: Float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    seed: Int | None = bounded("seed")
+    presence_penalty: Float = bounded("presence_penalty", 0.0)
+    frequency_penalty: Float = bounded("frequency_penalty", 0.0)
     user: Text | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Token ids (as JSON keys are, strings) -> a bias in [-100, 100] added to their logits.
-    logit_bias: dict[Text, Float] | None = None
+    logit_bias: Annotated[dict[Text, Float], Field(max_length=LIST_BOUNDS["logit_bias"])] | None = None
     # extras vLLM users rely on
-    top_k: Int | None = Field(None, ge=-1)
-    min_p: Float | None = Field(None, ge=0, le=1)
-    repetition_penalty: Float | None = Field(None, gt=0, le=2)
+    top_k: Int | None = bounded("top_k")  # above the vocabulary: every token
+    min_p: Float | None = bounded("min_p")
+    repetition_penalty: Float | None = bounded("repetition_penalty")
     ignore_eos: StrictBool = False
-    min_tokens: Int = Field(0, ge=0)
+    min_tokens: Int = bounded("min_tokens", 0)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1), _UNICODE] | None = None
-    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(
+        min_length=1, max_length=LIST_BOUNDS["allowed_token_ids"])] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN),
                                         _UNICODE]], Field(max_length=MAX_BAD_WORDS)] | None = None
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
-    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Int | None = bounded("prompt_logprobs")
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:N"
     # Structured outputs: one constraint, in any of these spellings (OpenAI's, vLLM's, vLLM's
     # older ones). Their insides are checked by pagedllm.structured.spec, whose messages name
@@ -199,8 +215,8 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Int | None = Field(16, ge=1)
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int | None = bounded("max_tokens", 16)
+    logprobs: Int | None = bounded("logprobs")
     echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too
     add_special_tokens: StrictBool = True  # the tokenizer's BOS/EOS around a text prompt
 
@@ -255,14 +271,17 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Int | None = Field(None, ge=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = bounded("max_tokens")
+    max_completion_tokens: Int | None = bounded("max_tokens")
     logprobs: StrictBool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = bounded("logprobs")
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the prompt ends inside the last message
     add_special_tokens: StrictBool = False  # the template writes BOS itself
     chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
+    # vLLM's: at most this many tokens of reasoning, then its end marker is forced (needs the
+    # server's --reasoning-parser; pagedllm.server.reasoning).
+    thinking_token_budget: Int | None = Field(None, ge=1, le=2**31 - 1)
     # Checked by pagedllm.structured.tools, whose messages name the tool and what is wrong.
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}

@@ -11,8 +11,11 @@ Bounds, so a pathological spec is a 400 and never a stuck server:
   and memory, failing with a message;
 - a wall-clock limit: compile() waits compile_timeout_s at most. The build runs on a small thread
   pool (llguidance releases the GIL while it builds), so a request that times out gets its error
-  at once while the build finishes in the background, and a spec that timed out is remembered as
-  failed. Measured worst cases inside the other bounds (2 cores, SmolLM2's 49k vocabulary): 2^7
+  at once while the build finishes in the background. Only the build's own CPU time decides
+  whether the spec is too costly (remembered as failed): a wait caused by other requests' builds
+  occupying the pool, or by a busy machine, is that request's error only, never the spec's
+  verdict, so an ordinary schema sent again after a busy period compiles (issue 32, finding 6).
+  Measured worst cases inside the other bounds (2 cores, SmolLM2's 49k vocabulary): 2^7
   inline-duplicated anyOf subschemas 35 ms, 3,000 required properties 0.2 s, an 8,000-way Lark
   alternative 0.14 s; a 20-deep version of the first took 10 s before llguidance refused it,
   which the depth bound and the wall-clock limit now stop.
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import llguidance.numpy
 
+from pagedllm.structured.reasoning_grammar import after_reasoning
 from pagedllm.structured.schema import grammar_schema
 from pagedllm.structured.spec import GrammarSpec, JsonWhitespace
 from pagedllm.text.tokenizer import Tokenizer
@@ -73,7 +77,17 @@ def llguidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON envelope) for a spec."""
+    """The llguidance grammar (its JSON envelope, or Lark text) for a spec: after the model's
+    reasoning, where the spec says so."""
+    if spec.reasoning is not None:
+        answer = None if spec.kind == "text" else _answer_grammar(spec)
+        return after_reasoning(spec.reasoning, answer)
+    return _answer_grammar(spec)
+
+
+def _answer_grammar(spec: GrammarSpec) -> str:
+    if spec.kind == "text":
+        return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     if spec.kind in ("json_schema", "json_object"):
         schema = grammar_schema(json.loads(spec.text)) if spec.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -96,16 +110,23 @@ def check_grammar(spec: GrammarSpec) -> None:
 class CompiledGrammar:
     """A spec compiled for one tokenizer: hands out fresh matchers."""
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, vocab_size: int,
+                 tokenizer: llguidance.LLTokenizer | None = None):
         self.spec = spec
         self.vocab_size = vocab_size  # the tokenizer's; a bitmask row covers this many ids
         self._template = template  # never advanced: only copied
+        self._tokenizer = tokenizer  # for a thinking budget's matcher (the marker's tokens)
 
     def matcher(self) -> GrammarMatcher:
         # Here, not at the top: compiling needs no torch (the API process of `pagedllm serve`
         # compiles to check a request; only the engine core makes matchers).
         from pagedllm.structured.matcher import GrammarMatcher
 
+        prefix = self.spec.reasoning
+        if prefix is not None and prefix.budget is not None:
+            from pagedllm.structured.reasoning_budget import ReasoningBudgetMatcher
+
+            return ReasoningBudgetMatcher(self._template, self.vocab_size, prefix, self._tokenizer)
         return GrammarMatcher(self._template, self.vocab_size)
 
 
@@ -137,11 +158,13 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
-            error = GrammarError(
-                f"compiling the {spec.kind} took longer than {self.compile_timeout_s:g} s; "
-                "simplify it (fewer alternatives, shallower nesting, shorter repetitions)")
-            self._remember_failure(spec, future, error)
-            raise error from None
+            # Not remembered: the build goes on, and its own CPU time gives the spec's verdict.
+            started = future.running() or future.done()
+            raise GrammarError(
+                f"compiling the {spec.kind} took longer than {self.compile_timeout_s:g} s; " + (
+                    "simplify it (fewer alternatives, shallower nesting, shorter repetitions)"
+                    if started else "it waited for the grammar compilers, busy with other "
+                    "requests: send it again")) from None
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached result) without waiting; for a caller that polls,
@@ -174,6 +197,7 @@ class GrammarCompiler:
 
     def _build(self, spec: GrammarSpec) -> CompiledGrammar:
         started = time.perf_counter()
+        cpu_started = time.thread_time()  # this thread's CPU: not the wait for a core or the pool
         template = llguidance.LLMatcher(self._ll_tokenizer, _grammar_or_raise(spec), log_level=0,
                                         limits=llguidance.LLParserLimits(**_LIMITS))
         if template.is_error():
@@ -184,15 +208,12 @@ class GrammarCompiler:
         llguidance.numpy.fill_next_token_bitmask(template, scratch)  # builds the lexer's start
         if template.is_error():
             raise GrammarError(_error_text(spec, template.get_error()))
+        if time.thread_time() - cpu_started > self.compile_timeout_s:  # the spec's own cost
+            raise GrammarError(
+                f"compiling the {spec.kind} took longer than {self.compile_timeout_s:g} s; "
+                "simplify it (fewer alternatives, shallower nesting, shorter repetitions)")
         logger.debug("compiled %s in %.1f ms", spec.describe(), (time.perf_counter() - started) * 1e3)
-        return CompiledGrammar(spec, template, self.vocab_size)
-
-    def _remember_failure(self, spec: GrammarSpec, running: Future, error: GrammarError) -> None:
-        failed: Future[CompiledGrammar] = Future()
-        failed.set_exception(error)
-        with self._lock:
-            if self._cache.get(spec) is running:
-                self._cache[spec] = failed
+        return CompiledGrammar(spec, template, self.vocab_size, self._ll_tokenizer)
 
 
 def _grammar_or_raise(spec: GrammarSpec) -> str:

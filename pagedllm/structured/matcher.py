@@ -98,6 +98,12 @@ class GrammarMatcher:
         return self._matcher.get_error() or None
 
     @property
+    def fills_own_row(self) -> bool:
+        """Its mask is its own now, not its llguidance matcher's (a thinking budget forcing the
+        end marker: reasoning_budget.py): the batched fill must ask it."""
+        return False
+
+    @property
     def handle(self) -> llguidance.LLMatcher:
         """The library's matcher, for the batched mask fill (bitmask.py)."""
         return self._matcher
@@ -122,6 +128,12 @@ class BitmaskFiller:
         if self._executor is None or len(matchers) < self.MIN_PARALLEL:
             for matcher, row in matchers:
                 matcher.fill_bitmask(bitmask, row)
+            return
+        for matcher, row in matchers:
+            if matcher.fills_own_row:
+                matcher.fill_bitmask(bitmask, row)
+        matchers = [(m, row) for m, row in matchers if not m.fills_own_row]
+        if not matchers:
             return
         # As llguidance.torch.fill_next_token_bitmask_par, without importing that module (see
         # GrammarMatcher.fill_bitmask).

@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# "text": any text; only with a reasoning prefix (a thinking budget with no constraint on the
+# answer), never from a request's constraint fields.
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "text"]
 # How JSON output may be spaced: "spaced" is json.dumps' own ", " and ": " (what models saw most
 # in training), "compact" is "," and ":", "flexible" allows any whitespace between tokens (the
 # JSON standard; a small model may then spend its whole budget on newlines).
@@ -38,6 +40,11 @@ MAX_CHOICES = 1024
 # 25 ms a step at 20,000 and 250 ms at 200,000 with SmolLM2's vocabulary, measured. Character
 # classes ([a-z]{100000}) and JSON lengths (maxLength) are cheap and not limited by this.
 MAX_REPEAT_COUNT = 1000
+# Nested counted repetitions multiply: (a{1000}){400} is a literal of 400,000, whose masks took
+# 1.3 s a step (issue 32, finding 3; SmolLM2's vocabulary, measured: the mask's cost follows the
+# product, 23 ms at (a{1000}){10}, 0.3 ms at a{1000}). The product along any nesting is bounded
+# like one count, so no grammar's mask makes everyone's steps slower.
+MAX_REPEAT_PRODUCT = MAX_REPEAT_COUNT
 
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -47,14 +54,42 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 
 @dataclass(frozen=True)
+class ReasoningPrefix:
+    """The reasoning a thinking model writes before the constrained answer (vLLM's rule: the
+    grammar starts where the reasoning ends). The reasoning is free text up to the end marker;
+    with a budget, after that many tokens (the end marker counted when the model writes it) the
+    end marker is forced. mode "open": the answer starts inside the reasoning (the prompt opened
+    it, or the parser counts unopened text as reasoning); "optional": the answer may open it
+    with the start marker, or go straight to the constrained part."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    mode: Literal["open", "optional"] = "optional"
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            marker = getattr(self, name)
+            if not isinstance(marker, str) or not marker or len(marker) > 64:
+                raise ValueError(f"the reasoning {name} marker must be 1-64 characters; got {_short(marker)}")
+        if self.mode not in ("open", "optional"):
+            raise ValueError(f"reasoning mode must be 'open' or 'optional'; got {_short(self.mode)}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise ValueError(f"thinking_token_budget must be a positive integer; got {_short(self.budget)}")
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """A checked constraint. `text` is the schema's compact JSON (key order kept: it is the order
     properties are written in), the regex, the choices as a JSON list, or the grammar; empty for
-    json_object. `whitespace` applies to the JSON kinds only."""
+    json_object and text. `whitespace` applies to the JSON kinds only. `reasoning`: the
+    constraint applies after the model's reasoning (pagedllm.structured.reasoning_grammar)."""
 
     kind: GrammarKind
     text: str = ""
     whitespace: JsonWhitespace = "spaced"
+    reasoning: ReasoningPrefix | None = None
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str,
@@ -98,9 +133,19 @@ class GrammarSpec:
         _check_repeats(grammar, "the grammar")
         return cls("grammar", grammar)
 
+    @classmethod
+    def any_text(cls, reasoning: ReasoningPrefix) -> GrammarSpec:
+        """Any answer after the reasoning: what a thinking budget alone constrains."""
+        return cls("text", reasoning=reasoning)
+
+    def after_reasoning(self, reasoning: ReasoningPrefix) -> GrammarSpec:
+        """This constraint applied to the answer after the reasoning."""
+        return replace(self, reasoning=reasoning)
+
     def describe(self) -> str:
         """A short name for logs and error messages."""
-        return self.kind if not self.text else f"{self.kind} {_short(self.text)}"
+        name = self.kind if not self.text else f"{self.kind} {_short(self.text)}"
+        return name if self.reasoning is None else f"{name} after reasoning"
 
 
 def spec_from_request(
@@ -166,7 +211,10 @@ def spec_from_structured_outputs(params: Mapping[str, Any]) -> GrammarSpec:
     allowed = set(_STRUCTURED_OUTPUT_KINDS) | {"disable_any_whitespace"}
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ValueError(f"structured_outputs does not support {', '.join(unknown)}; "
+        named = ", ".join(str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+                          for key in unknown[:5])  # a key may be megabytes
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(f"structured_outputs does not support {named}{more}; "
                          f"allowed: {', '.join(sorted(allowed))}")
     chosen = [key for key in _STRUCTURED_OUTPUT_KINDS
               if params.get(key) is not None and params.get(key) is not False]
@@ -269,6 +317,53 @@ def _check_repeats(text: str, what: str) -> None:
         if max(counts) > MAX_REPEAT_COUNT:
             raise ValueError(f"{what} repeats {match.group(0)} times; counted repetitions are "
                              f"limited to {MAX_REPEAT_COUNT}")
+    product = _max_repeat_product(text)
+    if product > MAX_REPEAT_PRODUCT:
+        raise ValueError(f"{what} nests counted repetitions that repeat {product} times in all; "
+                         f"nested counts multiply, and their product is limited to "
+                         f"{MAX_REPEAT_PRODUCT} (each step's mask walks every repetition)")
+
+
+def _max_repeat_product(text: str) -> int:
+    """The largest product of counted repetitions ({n} or {n,m}, by their upper count) along any
+    nesting of groups in a regex: (a{10}|b){20} gives 200. A scan, not a parser: escapes and
+    character classes are skipped, unbalanced text is judged as far as it goes (llguidance
+    refuses what does not parse)."""
+    groups = [1]  # the largest product inside each open group
+    atom = 1  # the product of the atom just read (a group's when it just closed)
+    i = 0
+    while i < len(text):
+        char = text[i]
+        repeat = _REPEAT.match(text, i) if char == "{" else None
+        if repeat is not None:
+            count = max(int(n) for n in repeat.groups() if n)
+            groups[-1] = max(groups[-1], atom * count)
+            atom, i = 1, repeat.end()
+            continue
+        groups[-1] = max(groups[-1], atom)
+        atom = 1
+        if char == "\\":
+            i += 1
+        elif char == "[":
+            i = _class_end(text, i)
+        elif char == "(":
+            groups.append(1)
+        elif char == ")" and len(groups) > 1:
+            atom = groups.pop()
+        i += 1
+    return max(max(groups), atom)
+
+
+def _class_end(text: str, start: int) -> int:
+    """The index of the ']' that closes the character class opened at start (or the end)."""
+    i = start + 1
+    if i < len(text) and text[i] == "^":
+        i += 1
+    if i < len(text) and text[i] == "]":  # a ']' first is a literal
+        i += 1
+    while i < len(text) and text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i
 
 
 def _parse_json(text: str, what: str) -> Any:

@@ -85,7 +85,8 @@ def _one_torch_thread():
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42]]
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+# Latent attention is refused under tensor parallelism (test_tensor_parallel.py checks the line).
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if not s.endswith("_mla")))
 @pytest.mark.parametrize("size", [2, 4])
 def test_shards_compute_the_whole_models_logits(tiny_checkpoint, shape, size):
     folder = tiny_checkpoint(shape).folder

@@ -1,9 +1,9 @@
 """Tensor parallelism end to end, with the workers the engine spawns (gloo on the CPU): in float32
 the greedy tokens at tensor_parallel_size 2 are those of size 1 (tiny Llama, Qwen2 with q/k/v
-bias, Mistral's window, one KV head replicated on both ranks, quantized GGUF weights, the default
-model); preemption, prefix caching, copy-on-write forks, prompt logprobs and aborts go through
-the workers; a killed or hung worker is a clear error, never a hang; sizes that do not split are
-refused before anything starts.
+bias, Mistral's window, mixtures of experts, one KV head replicated on both ranks, quantized GGUF
+weights, the default model); preemption, prefix caching, copy-on-write forks, prompt logprobs and
+aborts go through the workers; a killed or hung worker is a clear error, never a hang; sizes that
+do not split are refused before anything starts.
 
 Each engine spawns a worker process (seconds): engines are shared where the tests allow.
 """
@@ -63,6 +63,8 @@ def llama(tmp_path_factory) -> tuple[LLM, LLM]:
     ("mistral_linear_rope_window", {}),
     ("llama_gqa_untied", dict(num_key_value_heads=1)),  # one KV head, replicated on both ranks
     ("llama_mha_tied_bias", {}),  # o_proj and down_proj biases, added once after the all-reduce
+    ("qwen3_moe", {}),  # every expert's columns split, one dense layer among the sparse ones
+    ("mixtral_moe", {}),
 ])
 def test_greedy_tokens_equal_size_one(tmp_path, shape, overrides):
     folder = save_checkpoint(make_hf_model(shape, **overrides), tmp_path)
@@ -153,6 +155,9 @@ def test_sizes_that_do_not_split_are_refused_before_anything_starts(tmp_path, mo
     with pytest.raises(ValueError, match="tensor_parallel_size=8: each of the model's 2 KV heads "
                                          "would be replicated on 4 ranks, but has only 2"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=8)
+    mla = save_checkpoint(make_hf_model("deepseek_v2_mla"), tmp_path / "mla")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: latent attention .* not split"):
+        LLM(str(mla), **ENGINE, tensor_parallel_size=2)
     assert started == []  # no worker was spawned
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(folder), **ENGINE, tensor_parallel_size=0)

@@ -52,7 +52,12 @@ def write_tensors(path, tensors: dict[str, tuple[Q, np.ndarray]]) -> None:
 
 def quantized_blocks(weights: np.ndarray, qtype: Q) -> np.ndarray:
     """weights [rows, cols] in qtype: quantized by gguf where it has a quantizer for the type,
-    else random blocks of the type (the K-quants; a test then compares paths on the same file)."""
+    else random blocks of the type (the K-quants; a test then compares paths on the same file).
+    Stacked experts [E, rows, cols] are quantized as E * rows rows, and keep their leading shape."""
+    if weights.ndim == 3:
+        experts, rows, cols = weights.shape
+        flat = quantized_blocks(weights.reshape(experts * rows, cols), qtype)
+        return flat.reshape(experts, rows, -1)
     try:
         return gguf.quants.quantize(weights.astype(np.float32), qtype)
     except NotImplementedError:

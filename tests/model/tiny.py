@@ -62,6 +62,25 @@ SHAPES: dict[str, tuple[str, dict]] = {
     # Phi-4-mini's shape: rotary over part of each head, tied embeddings.
     "phi4_partial_rotary": ("Phi3Config", dict(
         partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0)),
+    # Mixtures of experts: top-2 of 4 experts, so a batch leaves some experts without tokens.
+    # Qwen3-MoE: layer 1 of 3 dense (mlp_only_layers), scores not renormalized.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    # Latent attention: q through its own low-rank projection (V3) or not (V2); DeepSeek's experts
+    # (a dense first layer, shared experts, grouped routing).
+    "deepseek_v2_mla": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    "deepseek_v3_mla": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "mixtral_moe": ("MixtralConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
 }
 
 
@@ -81,6 +100,9 @@ def make_hf_model(shape: str, seed: int = 0, **overrides):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer
+                buffer.copy_(0.5 * torch.randn_like(buffer))
     return model.eval()
 
 
@@ -112,7 +134,8 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3"}
+              "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+              "mixtral": "llama"}  # llama.cpp writes Mixtral as a Llama with experts
 
 
 def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
@@ -141,9 +164,9 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
         elif qtype is None:
             writer.add_tensor(name, array)
         else:
-            rows, cols = array.shape
+            *rows, cols = array.shape
             block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            raw = np.zeros((rows, cols // block_elems * block_bytes), dtype=np.uint8)
+            raw = np.zeros((*rows, cols // block_elems * block_bytes), dtype=np.uint8)
             writer.add_tensor(name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -171,6 +194,12 @@ def _add_hparams(writer, config, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -209,6 +238,16 @@ def _llama_cpp_permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weights.shape))
 
 
+def _stacked_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers holds a layer's experts as gate_up [E, 2I, H] and down [E, H, I]; llama.cpp's
+    files as ffn_gate_exps and ffn_up_exps [E, I, H] and ffn_down_exps [E, H, I]."""
+    layer = hf_name.split(".")[2]
+    if hf_name.endswith("gate_up_proj"):
+        gate, up = tensor.chunk(2, dim=1)
+        return {f"blk.{layer}.ffn_gate_exps.weight": gate, f"blk.{layer}.ffn_up_exps.weight": up}
+    return {f"blk.{layer}.ffn_down_exps.weight": tensor}
+
+
 def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     import gguf
 
@@ -218,6 +257,9 @@ def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     out = {}
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
+            out.update(_stacked_experts(hf_name, tensor))
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if arch == "llama" and ".attn_q." in name:

@@ -68,10 +68,11 @@ class RunningServer:
 
     def __init__(self, config: EngineConfig, api_key: str | None = None,
                  async_engine_kwargs: dict | None = None, core_log: Path | None = None,
-                 with_hooks: bool = True, **app_kwargs) -> None:
+                 with_hooks: bool = True, extensions: tuple[str, ...] = (), **app_kwargs) -> None:
+        """extensions: more core extensions than the test hooks (tests/server/scripted_core.py)."""
         self.core_log = open(core_log, "w") if core_log is not None else None
         self.core = CoreProcess(config, num_threads=1, stderr=self.core_log,
-                                extensions=[core_hooks.EXTENSION] if with_hooks else [])
+                                extensions=[*([core_hooks.EXTENSION] if with_hooks else []), *extensions])
         ready = self.core.wait_ready()
         self.async_engine = AsyncEngine(self.core, load_tokenizer(ready.model_path),
                                         **(async_engine_kwargs or {}))

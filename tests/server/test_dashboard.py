@@ -165,3 +165,19 @@ def test_a_stopped_engine_refuses_snapshots(tiny_model_dir):
         engine = server.async_engine
     with pytest.raises(EngineDeadError):
         asyncio.run(engine.snapshot())
+
+
+def test_event_readers_past_the_limit_get_a_503_and_a_slot_frees_when_one_leaves():
+    """Issue 32, finding 7: 150 readers stretched other clients' streams; past max_readers a
+    reader gets a 503 with Retry-After, and a reader that leaves gives its place back."""
+    async def snapshot():
+        return {"n": 1}
+
+    client = _app(snapshot, interval_s=0.01, stream_lifetime_s=30, max_readers=2)
+    with client.stream("GET", EVENTS_PATH) as first, client.stream("GET", EVENTS_PATH) as second:
+        assert first.status_code == second.status_code == 200
+        third = client.get(EVENTS_PATH)
+        assert third.status_code == 503 and third.headers["Retry-After"] == "5"
+        assert "2 event readers" in third.json()["error"]["message"]
+    with client.stream("GET", EVENTS_PATH) as again:
+        assert again.status_code == 200

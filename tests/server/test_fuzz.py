@@ -39,11 +39,12 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Every operation in /openapi.json (test_every_endpoint_is_fuzzed keeps this list honest).
 ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
              ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POST", "/tokenize"),
-             ("POST", "/detokenize")]
+             ("POST", "/detokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+             ("POST", "/v1/messages")]
 WITH_BODY = {path for method, path in ENDPOINTS if method == "POST"}
 # A key every 200 answer of a POST endpoint holds (non-streamed).
 ANSWER_KEY = {"/v1/completions": "choices", "/v1/chat/completions": "choices", "/tokenize": "max_model_len",
-              "/detokenize": "prompt"}
+              "/detokenize": "prompt", "/v1/responses": "output", "/v1/messages": "content"}
 
 
 @pytest.fixture(scope="module")

@@ -111,11 +111,17 @@ def test_hostile_bodies_do_not_stall_other_streams(hostile_server, monkeypatch):
 
 
 def test_body_with_too_many_values_is_refused_before_the_schema(hostile_server):
-    body = _compact({"prompt": "hi", "allowed_token_ids": [1] * 1_000_000})
+    # (a list the sampling bounds name, like allowed_token_ids, is refused by its length first)
+    body = _compact({"prompt": "hi", "metadata": [1] * 1_000_000})
     response = httpx.post(f"{hostile_server.base_url}/v1/completions", content=body,
                           headers={"Content-Type": "application/json"}, timeout=30)
     assert response.status_code == 400
     assert "JSON values" in response.json()["error"]["message"]
+    body = _compact({"prompt": "hi", "allowed_token_ids": [1] * 1_000_000})
+    response = httpx.post(f"{hostile_server.base_url}/v1/completions", content=body,
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "allowed_token_ids"
 
 
 def test_looping_template_is_cut_and_health_stays_up(hostile_server, monkeypatch):

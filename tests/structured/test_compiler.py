@@ -3,6 +3,7 @@ results and failures are cached per spec, and what cannot compile, or not in tim
 GrammarError (a ValueError) with the library's message."""
 
 import json
+import threading
 
 import pytest
 
@@ -86,6 +87,25 @@ def test_a_compile_over_the_time_limit_fails_and_is_remembered(tiny_tokenizer):
         with pytest.raises(GrammarError, match="took longer than 1e-06 s"):
             compiler.compile(spec)
         assert compiler.submit(spec).exception() is not None  # failed at once, not built again
+    finally:
+        compiler.close()
+
+
+def test_a_timeout_while_the_pool_was_busy_is_not_the_schemas_verdict(tiny_tokenizer):
+    """Issue 32, finding 6: while other builds occupy the compilers, an ordinary schema times
+    out waiting; that request gets its 400, and the same schema sent once the pool is free
+    compiles (it used to be refused for good, the wait cached as its failure)."""
+    compiler = GrammarCompiler(tiny_tokenizer, compile_timeout_s=0.5, max_threads=1)
+    try:
+        compiler.compile(GrammarSpec.json_schema({"type": "string"}))  # the tokenizer built
+        release = threading.Event()
+        blocker = compiler._pool.submit(release.wait)  # a long build holding the only thread
+        spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+        with pytest.raises(GrammarError, match="busy with other requests: send it again"):
+            compiler.compile(spec)
+        release.set()
+        blocker.result()
+        assert compiler.compile(spec).spec == spec
     finally:
         compiler.close()
 

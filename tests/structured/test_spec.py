@@ -144,3 +144,27 @@ def test_specs_are_hashable_keys():
     assert a == b and hash(a) == hash(b) and len({a, b, GrammarSpec.json_object()}) == 2
     with pytest.raises(ValueError, match="whitespace must be"):
         GrammarSpec.json_schema(SCHEMA, whitespace="tabs")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GrammarSpec.regex("(a{1000}){400}"),  # issue 32, finding 3: 1.3 s masks a step
+    lambda: GrammarSpec.regex("((a{10}){10}){11}"),
+    lambda: GrammarSpec.regex("x(b|(c{50}d){3,21})"),
+    lambda: GrammarSpec.json_schema({"type": "string", "pattern": "^(ab{40}){30}$"}),
+])
+def test_nested_counted_repetitions_are_bounded_by_their_product(build):
+    with pytest.raises(ValueError, match="their product is limited to 1000"):
+        build()
+
+
+@pytest.mark.parametrize("pattern", ["(a{100}){10}", "(a{10}|b){20}", r"\(a{999}\){999}",
+                                     "[(]{900}(x){900}", "(a{3})+(b{3})*", "[]a]{1000}"])
+def test_nested_repetitions_within_the_product_pass(pattern):
+    assert GrammarSpec.regex(pattern).text == pattern
+
+
+def test_an_unknown_key_of_megabytes_is_not_echoed_whole():
+    """Issue 32, finding 8: a 3 MB unknown key came back whole in the error."""
+    with pytest.raises(ValueError) as info:
+        spec_from_structured_outputs({"x" * 3_000_000: 1, "regex": "a"})
+    assert len(str(info.value)) < 300 and "does not support xxx" in str(info.value)

@@ -51,6 +51,9 @@ class ContiguousKVManager:
         self._used_slots = 0
         self._pending_copies = PendingCopies()
 
+    # A request reserves its whole length up front: no per-step limit of the cache's.
+    max_step_tokens: int | None = None
+
     def max_tokens_per_request(self, max_chunk_tokens: int) -> int:
         """Whatever the steps, a request reserves its whole length up front."""
         if self.reserve == "max" and cdiv(self.max_model_len, self.block_size) > self.num_blocks:

@@ -67,6 +67,17 @@ def peak_blocks(num_tokens: int, block_size: int, sliding_window: int | None,
     return min(whole, cdiv(chunk + sliding_window - 2, block_size) + 1)
 
 
+def window_step_cap(num_blocks: int, block_size: int, sliding_window: int | None) -> int | None:
+    """The most new tokens one request may take in a step on a windowed layout and still run
+    alone in num_blocks (peak_blocks' bound solved for the chunk): a request then holds its window
+    plus one step's tokens, never its length. None without a window, or when even one decode
+    does not fit (the plan refuses that)."""
+    if sliding_window is None:
+        return None
+    cap = (num_blocks - 1) * block_size - sliding_window + 2
+    return cap if cap >= 1 else None
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """The longest cached prefix of a new request: full blocks, fewer than all its tokens."""
@@ -130,6 +141,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks)
+        # With a window, the scheduler gives one request at most this many new tokens a step, so
+        # a request of any length runs alone in the cache (None: no limit of the cache's).
+        self.max_step_tokens = window_step_cap(num_blocks, block_size, sliding_window)
         self._tables: dict[str, _BlockTable] = {}
         self._pending_copies = PendingCopies()
         self._prefix_queries = 0
@@ -141,8 +155,9 @@ class KVCacheManager:
         whole = self.num_blocks * self.block_size
         if self.sliding_window is None:
             return whole
+        chunk = min(max_chunk_tokens, self.max_step_tokens or max_chunk_tokens)
         fits_any_length = peak_blocks(UNBOUNDED, self.block_size, self.sliding_window,
-                                      max_chunk_tokens) <= self.num_blocks
+                                      chunk) <= self.num_blocks
         return UNBOUNDED if fits_any_length else whole
 
     # -- prefix cache lookups -------------------------------------------------------------

@@ -13,7 +13,7 @@ import psutil
 
 from pagedllm.config import EngineConfig, parse_size
 from pagedllm.core.kv.contiguous import ContiguousKVManager
-from pagedllm.core.kv.manager import KVCacheManager, peak_blocks
+from pagedllm.core.kv.manager import KVCacheManager, peak_blocks, window_step_cap
 
 # With no budget given: a share of the RAM free at start-up, capped.
 DEFAULT_KV_SHARE_OF_FREE_RAM = 0.2
@@ -56,14 +56,21 @@ def plan_kv_cache(config: EngineConfig, bytes_per_block: int, model_max_len: int
     config.max_model_len that one request cannot fit is refused (ValueError); left unset, it is
     the model's limit, or the longest request the budget holds where that is less (a whole number
     of blocks). sliding_window: the model's (ModelConfig.kv_window); the paged layout frees what
-    falls out of it, so a request holds a bounded number of blocks however long it gets.
+    falls out of it, so a request holds a bounded number of blocks however long it gets: its
+    window plus one step's tokens, the step cut to what the budget holds where that is less.
     free_device_bytes: a GPU's free memory (None on the CPU), for the default budget."""
     budget = _budget_bytes(config, bytes_per_block, free_device_bytes)
     num_blocks, block_size = budget // bytes_per_block, config.block_size
     window = sliding_window if config.kv_layout == "paged" else None
 
+    # On a windowed layout a request holds its window plus one step's tokens; the scheduler keeps
+    # each request's step within what the whole cache holds (KVCacheManager.max_step_tokens), so
+    # any length the model allows fits, prefilled in shorter chunks where the cache is small.
+    step_cap = window_step_cap(max(num_blocks, 1), block_size, window)
+    max_chunk = min(config.max_num_batched_tokens, step_cap or config.max_num_batched_tokens)
+
     def blocks_for(num_tokens: int) -> int:
-        return peak_blocks(num_tokens, block_size, window, config.max_num_batched_tokens)
+        return peak_blocks(num_tokens, block_size, window, max_chunk)
 
     max_model_len = config.max_model_len
     if max_model_len is None:

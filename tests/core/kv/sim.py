@@ -191,6 +191,15 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
             held = len(item.block_ids) - item.block_ids.count(NULL_BLOCK)
             assert held <= peak_blocks(item.num_context_tokens, manager.block_size,
                                        manager.sliding_window, config.max_num_batched_tokens)
-    srcs = [src for src, _ in output.block_copies]
-    dsts = [dst for _, dst in output.block_copies]
-    assert len(set(dsts)) == len(dsts) and not set(srcs) & set(dsts), output.block_copies
+    assert_copies_commute(output.block_copies)
+
+
+def assert_copies_commute(copies: list[tuple[int, int]]) -> None:
+    """The runner does a step's copies at once (every source read, then every destination
+    written): that must give what doing them in order gives. So no block is written twice, and a
+    block both read and written (a freed source reused as a destination in the same step) is read
+    by every copy before the one that writes it."""
+    dsts = [dst for _, dst in copies]
+    assert len(set(dsts)) == len(dsts), copies
+    for written_at, (_, dst) in enumerate(copies):
+        assert all(src != dst for src, _ in copies[written_at:]), copies

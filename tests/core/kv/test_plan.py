@@ -70,6 +70,21 @@ def test_a_sliding_window_fits_the_model_limit_in_a_few_blocks_on_the_paged_layo
                               kv_layout="contiguous")
     plan = plan_kv_cache(contiguous, 100, model_max_len=1_000_000, sliding_window=32)
     assert (plan.max_model_len, plan.sliding_window) == (56, None)  # it cannot free
+    # Four blocks cannot hold even one decode's window (31 keys before it span 5 blocks).
     with pytest.raises(ValueError, match="max_model_len=57 needs 8 blocks"):
-        plan_kv_cache(EngineConfig(num_kv_blocks=7, block_size=8, max_model_len=57,
+        plan_kv_cache(EngineConfig(num_kv_blocks=4, block_size=8, max_model_len=57,
                                    max_num_batched_tokens=64), 100, 1000, sliding_window=32)
+
+
+def test_a_window_plan_sizes_a_request_by_window_plus_step_not_by_length():
+    """Issue 32, finding 2: 16 blocks of 8 and a 32-token window hold any length once a request's
+    step is cut to what they hold: 90 new tokens + 31 older keys span cdiv(120, 8) + 1 = 16."""
+    config = EngineConfig(num_kv_blocks=16, block_size=8, max_model_len=2100, max_num_batched_tokens=2100)
+    plan = plan_kv_cache(config, 100, model_max_len=4096, sliding_window=32)
+    assert (plan.max_model_len, plan.blocks_per_request) == (2100, 16)
+    manager = make_kv_manager(config, plan)
+    assert manager.max_step_tokens == 90
+    assert manager.max_tokens_per_request(2100) > 2100  # any length runs alone
+    # Mixed-window models (no kv_window) are sized by their length, as before.
+    with pytest.raises(ValueError, match="max_model_len=2100 needs 263 blocks"):
+        plan_kv_cache(config, 100, model_max_len=4096, sliding_window=None)

@@ -142,7 +142,12 @@ def test_a_window_keeps_any_length_within_a_cache_that_holds_a_chunk_and_the_win
     manager = KVCacheManager(num_blocks=7, block_size=4, sliding_window=8)
     assert peak_blocks(UNBOUNDED, 4, 8, 18) == cdiv(18 + 8 - 2, 4) + 1 == 7
     assert manager.max_tokens_per_request(max_chunk_tokens=18) == UNBOUNDED
-    assert manager.max_tokens_per_request(max_chunk_tokens=19) == 28  # chunks too wide
+    # Wider chunks are cut to what the cache holds (the scheduler asks max_step_tokens), so any
+    # length still fits; a cache that cannot hold one decode's window has no such cut.
+    assert manager.max_step_tokens == 18
+    assert manager.max_tokens_per_request(max_chunk_tokens=19) == UNBOUNDED
+    small = KVCacheManager(num_blocks=2, block_size=4, sliding_window=8)
+    assert small.max_step_tokens is None and small.max_tokens_per_request(max_chunk_tokens=1) == 8
     assert KVCacheManager(7, 4).max_tokens_per_request(max_chunk_tokens=1) == 28
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheManager(7, 4, sliding_window=0)

@@ -1,0 +1,69 @@
+"""Fair shares: one request (or client) cannot hold the whole queue.
+
+The rule. Sequences are grouped by share key: the user request they belong to (a completion of 64
+prompts x n=64 is one group of 4,096 sequences; see share_key). The scheduler then
+- admits waiting sequences least-served first: the waiting sequence whose group has the fewest
+  running sequences goes next (queue order among equals, so with one sequence per group this is
+  first come first served);
+- when it must preempt for blocks, takes the newest sequence of the group with the most running
+  ones (with one sequence per group: the newest, as before), never one already scheduled this step;
+- when a group has sequences waiting and none running while another group runs two or more, and
+  the waiting one could not get blocks or a seat, it preempts one sequence of the largest group at
+  the start of the next step (one per step), so the newcomer is admitted within a few steps
+  instead of after the whole large request.
+A group never loses its last running sequence to another, so every group keeps making progress,
+and the oldest running sequence is still never preempted while anything newer runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from pagedllm.core.request import Request
+
+
+def share_key(request_id: str) -> str:
+    """The group a sequence's id belongs to, by the engine's id rules: the n outputs of one prompt
+    are "<id>#<i>" (pagedllm.engine.request_group), and the prompts of one server request are
+    "<response id>-<i>" (pagedllm.server.api). Other ids are a group of their own."""
+    base = request_id.split("#", 1)[0]
+    head, sep, tail = base.rpartition("-")
+    return head if sep and head and tail.isdigit() else base
+
+
+def running_counts(running: Iterable[Request]) -> Counter:
+    return Counter(share_key(r.request_id) for r in running)
+
+
+def least_served(waiting: Sequence[Request], counts: Counter, skip: set[int]) -> Request | None:
+    """The waiting sequence to admit next: of the group with the fewest running sequences, its
+    first in queue order (ids in skip already taken this step). None when all are taken."""
+    best, best_count = None, None
+    for request in waiting:
+        if id(request) in skip:
+            continue
+        count = counts[share_key(request.request_id)]
+        if best_count is None or count < best_count:
+            best, best_count = request, count
+            if count == 0:
+                break
+    return best
+
+
+def pick_victim(candidates: Sequence[Request], counts: Counter) -> Request:
+    """Whom to preempt among candidates (running sequences not yet scheduled this step, in
+    admission order): the newest of the group with the most running sequences."""
+    top = max(counts[share_key(r.request_id)] for r in candidates)
+    return next(r for r in reversed(candidates) if counts[share_key(r.request_id)] == top)
+
+
+def share_victim(running: Sequence[Request], counts: Counter, starved: str) -> Request | None:
+    """A sequence to preempt for group `starved` (waiting, none running): the newest of the
+    largest group, if that group runs at least two (None otherwise, or if starved runs one)."""
+    if counts[starved] > 0 or not counts:
+        return None
+    key, top = counts.most_common(1)[0]
+    if top < 2:
+        return None
+    return next(r for r in reversed(running) if share_key(r.request_id) == key)

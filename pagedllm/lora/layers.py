@@ -1,0 +1,109 @@
+"""Many LoRA adapters in one batch: each target projection is wrapped once at load, and every step
+adds each token's own adapter's low-rank update to the base projection's output.
+
+A wrapped projection holds room for max_loras adapters of rank up to max_rank, in the model's
+dtype: A [max_loras, P * R, in] and B [max_loras, out, P * R], P being the projections fused into
+it (3 for q/k/v, 2 for gate/up, 1 for o and down). Part p's A rows are [p * R, p * R + r) and its B
+block covers the part's own output rows and those columns, scaled by alpha / r at load; the rest
+is zeros. So one adapter is two matmuls per projection over exactly its tokens, fused parts and
+smaller ranks included, and an empty slot or part adds nothing.
+
+Which token uses which slot is the model's LoRAState, set by the runner before each forward (one
+per model, not global): tokens are grouped by slot once per step, and each projection runs one
+pair of matmuls per adapter present in the batch. Tokens of the base model cost one Python check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model.config import ModelConfig
+
+
+class LoRAState:
+    """The current batch's tokens grouped by adapter slot: [(slot, row indices)]."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor]] = []
+
+    def set_batch(self, token_slots: list[int], device: torch.device | str = "cpu") -> None:
+        """token_slots[t]: the slot of token t's adapter, -1 for the base model."""
+        self.groups = []
+        if not any(slot >= 0 for slot in token_slots):
+            return
+        slots = torch.tensor(token_slots, device=device)
+        for slot in sorted(set(token_slots) - {-1}):
+            self.groups.append((slot, (slots == slot).nonzero().squeeze(1)))
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, part_rows: list[int], in_features: int, state: LoRAState,
+                 max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        if getattr(base, "gated_silu", False):  # its SiLU-and-mul would come before our update
+            raise ValueError("a LoRA projection cannot wrap a gated, prepacked gate/up projection")
+        self.base = base
+        self.state = state
+        self.part_rows = part_rows  # the output rows of each fused part, in order
+        self.max_rank = max_rank
+        weight = next(t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point())
+        parts, out_features = len(part_rows), sum(part_rows)
+        dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            else torch.float32
+        self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, in_features,
+                                                   dtype=dtype, device=weight.device))
+        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, parts * max_rank,
+                                                   dtype=dtype, device=weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for slot, rows in self.state.groups:
+            xs = x.index_select(0, rows).to(self.lora_a.dtype)
+            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            y.index_add_(0, rows, delta.to(y.dtype))
+        return y
+
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 scaling: float) -> None:
+        """Write one adapter into slot: parts maps a part's index to its (A [r, in], B [out_p, r])."""
+        self.clear_slot(slot)
+        rank_room = self.max_rank
+        for part, (a, b) in parts.items():
+            rows_start = sum(self.part_rows[:part])
+            r = a.shape[0]
+            cols = slice(part * rank_room, part * rank_room + r)
+            self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, rows_start:rows_start + b.shape[0], cols] = (b * scaling).to(self.lora_b.dtype)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+
+def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAState, dict]:
+    """Wrap every LoRA target of model (before prepacking); (its state, {(layer, our module name):
+    LoRALinear}). A mixture-of-experts layer's experts are not targets."""
+    config: ModelConfig = model.config
+    state = LoRAState()
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    targets = {"self_attn.qkv_proj": ([q_size, kv_size, kv_size], hidden),
+               "self_attn.o_proj": ([hidden], q_size)}
+    wrapped = {}
+    for i, layer in enumerate(model.layers):
+        layer_targets = dict(targets)
+        if not config.is_moe_layer(i):
+            layer_targets.update({"mlp.gate_up_proj": ([inter, inter], hidden),
+                                  "mlp.down_proj": ([hidden], inter)})
+        for name, (part_rows, in_features) in layer_targets.items():
+            parent_name, attr = name.split(".")
+            parent = getattr(layer, parent_name)
+            module = LoRALinear(getattr(parent, attr), part_rows, in_features, state, max_loras, max_rank)
+            setattr(parent, attr, module)
+            wrapped[(i, name)] = module
+    return state, wrapped

@@ -1,0 +1,84 @@
+"""The config fields of the families that go beyond a Llama's shape, read from config.json and GGUF
+metadata: mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek) and multi-head latent attention
+(DeepSeek-V2/V3). model/config.py's ModelConfig declares the fields; this says where they come from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.model.errors import UnsupportedModelError
+
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def hf_sparse_and_latent_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    fields = _hf_moe(config, architecture)
+    if architecture in _DEEPSEEK:
+        fields.update(_hf_mla(config, architecture))
+    return fields
+
+
+def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Mixtral's experts are intermediate_size wide, on every layer, their top-k scores always
+    renormalized; Qwen3-MoE's are moe_intermediate_size wide, on every decoder_sparse_step-th layer
+    (counting from 1) not in mlp_only_layers; DeepSeek's on every layer from first_k_dense_replace
+    on, beside shared experts."""
+    experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if config.get(k)), 0)
+    if not experts:
+        return {}
+    top_k = config.get("num_experts_per_tok")
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True)
+    layers = range(config["num_hidden_layers"])
+    fields = dict(num_experts=experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+                  norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    if architecture in _DEEPSEEK:
+        first, freq = config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)
+        v3 = architecture == "DeepseekV3ForCausalLM"
+        return {**fields, "moe_layers": tuple(i for i in layers if i >= first and i % freq == 0),
+                "shared_expert_intermediate_size":
+                    fields["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+                "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+                "topk_method": "noaux_tc" if v3 else config.get("topk_method", "greedy"),
+                "scoring_func": "sigmoid" if v3 else "softmax",
+                "n_group": config.get("n_group") or 1, "topk_group": config.get("topk_group") or 1}
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    return {**fields, "moe_layers": tuple(i for i in layers
+                                          if i not in dense and step > 0 and (i + 1) % step == 0)}
+
+
+def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The latent attention's sizes; the cache's geometry (one head of the latent and the rotary
+    key) in num_key_value_heads and head_dim, and rotary over the rotary key's dimensions only."""
+    kv_lora, rope = config.get("kv_lora_rank"), config.get("qk_rope_head_dim")
+    if not kv_lora or not rope:
+        raise UnsupportedModelError(f"{architecture} without kv_lora_rank and qk_rope_head_dim "
+                                    "(latent attention) is not supported")
+    if config.get("attention_bias"):
+        raise UnsupportedModelError(f"{architecture} with attention_bias is not supported")
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if scaling.get("mscale_all_dim"):
+        raise UnsupportedModelError(f"{architecture}: YaRN rope scaling with mscale_all_dim is not "
+                                    "supported yet")
+    interleave = architecture == "DeepseekV2ForCausalLM" or config.get("rope_interleave", True)
+    return dict(kv_lora_rank=kv_lora, q_lora_rank=config.get("q_lora_rank"),
+                qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=rope,
+                v_head_dim=config["v_head_dim"], rope_interleave=bool(interleave),
+                num_key_value_heads=1, head_dim=kv_lora + rope,
+                partial_rotary_factor=rope / (kv_lora + rope))
+
+
+def gguf_moe_fields(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
+    """From llama.cpp's keys; the sparse layers are those with a router tensor. llama.cpp
+    renormalizes the top-k scores unless the file says otherwise."""
+    experts = key("expert_count", 0)
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
+                moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
+                norm_topk_prob=bool(key("expert_weights_norm", True)),
+                moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names))

@@ -1,0 +1,99 @@
+"""Fair shares (issue 32, finding 4): one request of many sequences cannot hold the queue. A
+newcomer is admitted within a few steps while a large request runs, preemption takes from the
+largest group, and with any mix of groups every request still finishes (property test)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.shares import share_key
+from tests.core.kv.sim import SimRunner
+from tests.core.test_scheduler import make, req, step
+
+
+def test_share_keys_follow_the_engines_id_rules():
+    assert share_key("cmpl-ab12-3") == share_key("cmpl-ab12-0#5") == "cmpl-ab12"
+    assert share_key("7") == "7" and share_key("7#2") == "7"
+    assert share_key("r-x") == "r-x" and share_key("-3") == "-3"
+
+
+def hog(scheduler, count: int, prompt: int = 6, max_tokens: int = 40) -> list:
+    """One user request of `count` sequences (ids as the server gives a list of prompts)."""
+    requests = [req(f"hog-{i}", prompt, max_tokens=max_tokens, ignore_eos=True, first=10 + i)
+                for i in range(count)]
+    for r in requests:
+        scheduler.add_request(r)
+    return requests
+
+
+def test_a_newcomer_is_admitted_within_a_few_steps_of_a_large_request():
+    # 24 blocks of 4 tokens; each hog sequence grows to 46 tokens (12 blocks): two fill the cache.
+    scheduler = make(num_blocks=24, block_size=4, max_num_seqs=8, max_model_len=64)
+    runner = SimRunner(24, 4)
+    hogs = hog(scheduler, 64)
+    for _ in range(30):  # the hog holds the cache, 60 sequences still waiting
+        step(scheduler, runner=runner)
+    assert scheduler.num_waiting > 50
+    scheduler.add_request(tiny := req("tiny-0", 3, max_tokens=1))
+    steps = 0
+    while not tiny.is_finished and steps < 10:
+        step(scheduler, runner=runner)
+        steps += 1
+    assert tiny.is_finished, "the newcomer still waits behind the large request"
+    assert steps <= 4
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner=runner)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in hogs)
+
+
+def test_with_one_sequence_per_request_admission_stays_first_come_first_served():
+    scheduler = make(num_blocks=64, max_num_seqs=2)
+    for i in range(4):
+        scheduler.add_request(req(f"r{i}", 2))
+    out = step(scheduler)
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1"]
+
+
+def test_preemption_takes_from_the_largest_group_not_the_newest_request():
+    # 12 blocks of 2: group g (two sequences) and a single newer request s, all growing.
+    scheduler = make(num_blocks=12, block_size=2, max_model_len=24)
+    runner = SimRunner(12, 2)
+    scheduler.add_request(req("g-0", 3, max_tokens=20, ignore_eos=True))
+    scheduler.add_request(req("g-1", 3, max_tokens=20, ignore_eos=True, first=20))
+    scheduler.add_request(req("s", 3, max_tokens=20, ignore_eos=True, first=40))
+    while True:
+        out = step(scheduler, runner=runner)
+        if out.preempted:
+            break
+    assert [r.request_id for r in out.preempted] == ["g-1"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 9), st.integers(1, 12)),
+                       min_size=1, max_size=5),
+       arrivals=st.lists(st.integers(0, 8), min_size=5, max_size=5),
+       num_blocks=st.integers(12, 40), max_num_seqs=st.integers(1, 8))
+def test_every_group_finishes_whatever_the_mix(groups, arrivals, num_blocks, max_num_seqs):
+    """Groups of (sequences, prompt length, max_tokens) arriving at various steps: every request
+    finishes with all its tokens, the scheduler's invariants hold at every step (checked by
+    step()), and nothing runs forever."""
+    scheduler = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=32, max_model_len=32)
+    runner = SimRunner(num_blocks, 4)
+    pending = sorted((arrivals[g], g, spec) for g, spec in enumerate(groups))
+    added = []
+    for steps in range(3000):
+        while pending and pending[0][0] <= steps:
+            _, g, (count, prompt, max_tokens) = pending.pop(0)
+            for i in range(count):
+                r = req(f"g{g}-{i}", prompt, max_tokens=max_tokens, ignore_eos=True, first=1 + i)
+                scheduler.add_request(r)
+                added.append((r, max_tokens))
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner=runner)
+    assert not scheduler.has_unfinished_requests() and not pending
+    for r, max_tokens in added:
+        assert r.is_finished and r.num_output_tokens == min(max_tokens, 32 - r.num_prompt_tokens)

@@ -1,0 +1,121 @@
+"""LoRA adapters in the model: one batch mixing the base model and several adapters gives, for each
+sequence, the logits of transformers with PEFT's merged weights for its adapter (float32); slots
+are freed to nothing; bad adapters are refused in one line naming them."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pagedllm.lora.adapter import LoRAAdapter, LoRAError
+from pagedllm.lora.layers import wrap_model
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.model.loader import load_model
+from tests.model.paged import PagedSequences
+from tests.model.tiny import make_hf_model, save_checkpoint
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {
+    "attn": (["q_proj", "v_proj", "o_proj"], 4, False),
+    "mlp": (["gate_proj", "up_proj", "down_proj", "k_proj"], 8, True),  # rsLoRA scaling
+}
+
+
+def make_adapter(hf_model, folder, targets, rank, rslora, seed):
+    """A PEFT adapter with random (not zero) B, so that it changes the logits."""
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf_model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    merged = model.merge_and_unload()
+    return folder, merged
+
+
+@pytest.fixture(scope="module")
+def base_and_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = save_checkpoint(make_hf_model("llama_gqa_untied", seed=3), root / "base")
+    merged = {}
+    for i, (name, (targets, rank, rslora)) in enumerate(TARGETS.items()):
+        folder, model = make_adapter(make_hf_model("llama_gqa_untied", seed=3), root / name, targets,
+                                     rank, rslora, seed=10 + i)
+        merged[name] = (folder, model.eval())
+    return base, merged, make_hf_model("llama_gqa_untied", seed=3).eval()
+
+
+def ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+@torch.inference_mode()
+def test_a_batch_mixing_adapters_gives_each_its_merged_logits(base_and_adapters):
+    base, merged, hf_base = base_and_adapters
+    model = load_model(base, dtype="float32").model
+    state, wrapped = wrap_model(model, max_loras=3, max_rank=8)
+    manager = LoRAManager(state, wrapped, max_loras=3, max_rank=8)
+    slots = {name: manager.add(LoRAAdapter.load(name, folder, model.config, 8))
+             for name, (folder, _) in merged.items()}
+    sequences = {0: (ids(9, 1), -1), 1: (ids(7, 2), slots["attn"]), 2: (ids(11, 3), slots["mlp"]),
+                 3: (ids(5, 4), slots["attn"])}
+    paged = PagedSequences(model, num_blocks=24, block_size=4)
+    token_slots = [slot for tokens, slot in sequences.values() for _ in tokens]
+    state.set_batch(token_slots)
+    ours = paged.step({seq: tokens for seq, (tokens, _) in sequences.items()})
+    for seq, (tokens, slot) in sequences.items():
+        reference = hf_base if slot < 0 else merged[next(n for n, s in slots.items() if s == slot)][1]
+        expected = reference(torch.tensor([tokens])).logits[0]
+        torch.testing.assert_close(ours[seq], expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_an_unloaded_slot_adds_nothing_and_is_reused(base_and_adapters):
+    base, merged, hf_base = base_and_adapters
+    model = load_model(base, dtype="float32").model
+    state, wrapped = wrap_model(model, max_loras=1, max_rank=8)
+    manager = LoRAManager(state, wrapped, max_loras=1, max_rank=8)
+    slot = manager.add(LoRAAdapter.load("attn", merged["attn"][0], model.config, 8))
+    with pytest.raises(LoRAError, match="all 1 slots are taken"):
+        manager.add(LoRAAdapter.load("mlp", merged["mlp"][0], model.config, 8))
+    manager.remove("attn")
+    assert all(not m.lora_a.any() and not m.lora_b.any() for m in wrapped.values())
+    tokens = ids(6, 5)
+    state.set_batch([slot] * len(tokens))  # a stale mapping to the freed slot: the base's logits
+    logits = PagedSequences(model, num_blocks=4, block_size=4).step({0: tokens})[0]
+    torch.testing.assert_close(logits, hf_base(torch.tensor([tokens])).logits[0], atol=1e-4, rtol=1e-4)
+    assert manager.add(LoRAAdapter.load("mlp", merged["mlp"][0], model.config, 8)) == slot
+
+
+def test_bad_adapters_are_refused_naming_them(base_and_adapters, tmp_path):
+    base, merged, _ = base_and_adapters
+    config = load_model(base, dtype="float32").config
+    folder = merged["mlp"][0]
+    with pytest.raises(LoRAError, match="'big': rank 8 exceeds --max-lora-rank 4"):
+        LoRAAdapter.load("big", folder, config, 4)
+    other = make_hf_model("llama_gqa_untied", hidden_size=32, intermediate_size=48)
+    wrong_base, _ = make_adapter(other, tmp_path / "other", ["q_proj"], 4, False, seed=1)
+    with pytest.raises(LoRAError, match="'other': tensor .* has shape .* another base model"):
+        LoRAAdapter.load("other", wrong_base, config, 8)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(LoRAError, match="'corrupt': cannot read .* damaged"):
+        LoRAAdapter.load("corrupt", corrupt, config, 8)
+    strange = tmp_path / "strange"
+    strange.mkdir()
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (strange / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["lm_head"]}))
+    from safetensors.torch import save_file
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)},
+              strange / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="'strange': tensor base_model.model.lm_head.lora_A.weight targets"):
+        LoRAAdapter.load("strange", strange, config, 8)

@@ -1,0 +1,75 @@
+"""A scripted model for server tests: an extension of the engine core (core_process --extension)
+that makes the tiny byte-tokenizer model say what the prompt tells it to.
+
+A prompt holding `SAY[text]END` gets `text` as its greedy answer, then EOS: every sampled row's
+logits are replaced by a script's, the next byte of `text` far ahead of the rest and the rest in
+falling order by id (so a grammar that refuses the script's byte gets its lowest allowed id, a
+choice the test can predict). The script's logits go through everything the engine does to
+logits (the grammar's mask above all, which is what the reasoning tests look at): only the
+model's numbers are replaced.
+
+Where a grammar forced the reasoning's end marker early (a thinking budget), the answer follows
+the script again from the script's own end marker on: the byte after the answer's last
+`</think>` is the byte after the script's.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+EOS = 257  # the tiny tokenizer's (tests/model/tiny.py)
+END_MARKER = "</think>"
+_SCRIPT = re.compile(r"SAY\[(.*?)\]END", re.S)
+
+
+def script_of(prompt_ids: list[int]) -> str | None:
+    """The text a prompt asks to be said (its last SAY[...]END), or None."""
+    text = bytes(t for t in prompt_ids if t < 256).decode("latin-1")
+    found = _SCRIPT.findall(text)
+    return found[-1] if found else None
+
+
+def next_token(script: str, output_ids: list[int]) -> int:
+    """The script's next byte after this output, or EOS once it is all said."""
+    said = bytes(t for t in output_ids if t < 256).decode("latin-1")
+    position = len(said)
+    if END_MARKER in said and END_MARKER in script:
+        position = script.index(END_MARKER) + len(END_MARKER) + len(said.rsplit(END_MARKER, 1)[1])
+    return script.encode("latin-1")[position] if position < len(script) else EOS
+
+
+def scripted_logits(vocab_size: int, token: int) -> torch.Tensor:
+    logits = -0.01 * torch.arange(vocab_size, dtype=torch.float32)
+    logits[token] = 100.0
+    return logits
+
+
+def extend(loop) -> None:
+    """Called by the core process once the core is loaded: script the model's step."""
+    runner = loop.core.runner
+    real_execute = runner.execute
+
+    def execute(scheduled, argmax_only=False):
+        result = real_execute(scheduled, argmax_only)
+        if not result.sample_indices:
+            return result
+        rows = []
+        for i in result.sample_indices:
+            request = scheduled[i].request
+            script = script_of(request.prompt_token_ids)
+            rows.append(None if script is None else next_token(script, request.output_token_ids))
+        if argmax_only:  # the engine takes these as the tokens
+            tokens = result.logits.clone()
+            for row, token in enumerate(rows):
+                if token is not None:
+                    tokens[row] = token
+            return result._replace(logits=tokens)
+        logits = result.logits.clone()
+        for row, token in enumerate(rows):
+            if token is not None:
+                logits[row] = scripted_logits(logits.shape[1], token)
+        return result._replace(logits=logits)
+
+    runner.execute = execute

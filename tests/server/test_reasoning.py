@@ -1,0 +1,254 @@
+"""Reasoning output (--reasoning-parser) with the official openai client against a served model.
+
+The model is the tiny random Llama (byte tokenizer) with more positions, run as `pagedllm serve`
+runs it (the engine core in its own process), with a scripted step (tests/server/scripted_core.py):
+a prompt holding SAY[text]END makes the model's logits pick `text`, byte by byte, then EOS. The
+script only replaces the model's numbers: the engine's grammar masks still apply to them, so a
+JSON schema or a thinking budget shows in the answer exactly as it would with a real model.
+Chat templates: a Qwen3-style one (enable_thinking false closes the reasoning in the prompt) and a
+DeepSeek-R1-style one (the prompt opens it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pagedllm.server.protocol import APIError
+from pagedllm.server.reasoning import constraint_after_reasoning
+from pagedllm.structured.spec import GrammarSpec
+from tests.server.conftest import RunningServer, tiny_config
+
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}")
+R1_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}")
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def long_tiny_model(tmp_path_factory):
+    from tests.model.tiny import make_hf_model, save_checkpoint
+
+    model = make_hf_model("llama_gqa_untied", max_position_embeddings=2048)
+    return save_checkpoint(model, tmp_path_factory.mktemp("tiny-long"))
+
+
+def _server(model_dir, parser: str, template: str) -> RunningServer:
+    config = tiny_config(model_dir, max_model_len=2048, num_kv_blocks=512)
+    return RunningServer(config, with_hooks=False, extensions=("tests.server.scripted_core",),
+                         chat_template=template, reasoning_parser=parser)
+
+
+@pytest.fixture(scope="module")
+def qwen3(long_tiny_model):
+    with _server(long_tiny_model, "qwen3", QWEN3_TEMPLATE) as running:
+        yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def r1(long_tiny_model):
+    with _server(long_tiny_model, "deepseek_r1", R1_TEMPLATE) as running:
+        yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, script: str, stream: bool = False, max_tokens: int = 400, **kwargs):
+    return client.chat.completions.create(
+        model="smollm2-test", messages=[{"role": "user", "content": f"SAY[{script}]END"}],
+        max_tokens=max_tokens, temperature=0, stream=stream, **kwargs)
+
+
+def streamed(client, script: str, **kwargs) -> tuple[list[str], list[str], list, str | None]:
+    """The reasoning pieces, the content pieces, the tool-call deltas, the finish reason; checked
+    to come in that order (no reasoning after content)."""
+    reasoning, content, calls, finish, order = [], [], [], None, []
+    for chunk in ask(client, script, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            piece = getattr(delta, "reasoning_content", None)
+            if piece:
+                assert getattr(delta, "reasoning", None) == piece
+                reasoning.append(piece)
+                order.append("r")
+            if delta.content:
+                content.append(delta.content)
+                order.append("c")
+            calls += delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert "".join(order) == "r" * order.count("r") + "c" * order.count("c"), order
+    return reasoning, content, calls, finish
+
+
+THOUGHT = "<think>\nLet me think {about} it, \"carefully\".\n</think>\n\nHello there!"
+
+
+def test_the_reasoning_is_apart_from_the_content(qwen3):
+    message = ask(qwen3, THOUGHT).choices[0].message
+    assert message.reasoning_content == 'Let me think {about} it, "carefully".'
+    assert message.reasoning == message.reasoning_content  # vLLM's newer name
+    assert message.content == "Hello there!"
+
+
+def test_streamed_reasoning_comes_first_and_joins_to_the_same(qwen3):
+    reasoning, content, _, finish = streamed(qwen3, THOUGHT)
+    assert len(reasoning) > 1 and len(content) > 1  # streamed piece by piece, not at the end
+    assert "".join(reasoning) == 'Let me think {about} it, "carefully".'
+    assert "".join(content) == "Hello there!"
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize("script", ["Plain answer.", "<think>x</think>y"])
+def test_thinking_turned_off_by_the_template_gives_no_reasoning(qwen3, script):
+    kwargs = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    message = ask(qwen3, script, **kwargs).choices[0].message
+    assert message.reasoning_content is None and message.content == script
+    reasoning, content, _, _ = streamed(qwen3, script, **kwargs)
+    assert reasoning == [] and "".join(content) == script
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_applies_to_the_content_after_the_reasoning(qwen3, stream):
+    """The reasoning holds braces and quotes no JSON grammar would let through; the answer is
+    the schema's."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    script = '<think>The {answer} is "42".</think>\n\n{"answer": 42}'
+    if stream:
+        reasoning, content, _, _ = streamed(qwen3, script, response_format=fmt)
+        reasoning, content = "".join(reasoning), "".join(content)
+    else:
+        message = ask(qwen3, script, response_format=fmt).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert reasoning == 'The {answer} is "42".'
+    assert json.loads(content) == {"answer": 42}
+
+
+def test_the_schema_holds_an_answer_the_model_would_not_give(qwen3):
+    """The script wants plain text after its reasoning; the grammar makes it JSON of the schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    message = ask(qwen3, "<think>hmm</think>\n\nnot json at all", response_format=fmt).choices[0].message
+    assert message.reasoning_content == "hmm"
+    assert isinstance(json.loads(message.content)["answer"], int)
+
+
+TOOL_SCRIPT = ('<think>The user wants the weather; I call the tool.</think>\n\n<tool_call>\n'
+               '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def test_tool_calls_after_the_reasoning(qwen3):
+    choice = ask(qwen3, TOOL_SCRIPT, tools=[WEATHER], tool_choice="auto").choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "The user wants the weather; I call the tool."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert not choice.message.content
+
+
+def test_streamed_tool_calls_after_the_reasoning(qwen3):
+    reasoning, content, calls, finish = streamed(qwen3, TOOL_SCRIPT, tools=[WEATHER], tool_choice="auto")
+    assert "".join(reasoning) == "The user wants the weather; I call the tool."
+    assert finish == "tool_calls" and not "".join(content).strip()
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}
+
+
+LONG_THOUGHT = "<think>a long chain of thought that goes on and on</think>\n\nDone."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_thinking_budget_caps_the_reasoning(qwen3, stream):
+    """Byte tokens: a budget of 10 is 10 characters of reasoning, then </think> is forced and the
+    model goes on to its answer."""
+    kwargs = {"extra_body": {"thinking_token_budget": 10}}
+    if stream:
+        reasoning, content, _, _ = streamed(qwen3, LONG_THOUGHT, **kwargs)
+        reasoning, content = "".join(reasoning), "".join(content)
+    else:
+        response = ask(qwen3, LONG_THOUGHT, **kwargs)
+        message = response.choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+        # <think>, 10 of reasoning, </think> forced, \n\nDone., EOS
+        assert response.usage.completion_tokens == 7 + 10 + 8 + 7 + 1
+    assert reasoning == "a long cha"
+    assert content == "Done."
+    unbounded = ask(qwen3, LONG_THOUGHT, extra_body={"thinking_token_budget": 200}).choices[0].message
+    assert unbounded.reasoning_content == "a long chain of thought that goes on and on"
+
+
+def test_a_budget_and_a_schema_together(qwen3):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    script = '<think>thinking far too long about it</think>{"answer": 7}'
+    budget = {"thinking_token_budget": 5}
+    message = ask(qwen3, script, response_format=fmt, extra_body=budget).choices[0].message
+    assert message.reasoning_content == "think"
+    assert json.loads(message.content) == {"answer": 7}
+
+
+def test_r1_reasoning_opened_by_the_prompt(r1):
+    message = ask(r1, "I ponder.</think>\n\nThe answer.").choices[0].message
+    assert (message.reasoning_content, message.content) == ("I ponder.", "The answer.")
+    reasoning, content, _, _ = streamed(r1, "I ponder.</think>\n\nThe answer.")
+    assert ("".join(reasoning), "".join(content)) == ("I ponder.", "The answer.")
+    capped = ask(r1, "I ponder.</think>\n\nThe answer.", extra_body={"thinking_token_budget": 5})
+    assert (capped.choices[0].message.reasoning_content, capped.choices[0].message.content) == \
+        ("I pon", "The answer.")
+
+
+def test_r1_reasoning_cut_by_max_tokens_is_all_reasoning(r1):
+    choice = ask(r1, "still thinking when the tokens ran out", max_tokens=12).choices[0]
+    assert choice.finish_reason == "length"
+    assert (choice.message.reasoning_content, choice.message.content) == ("still thinki", None)
+
+
+def test_bad_input_is_one_line(qwen3):
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        ask(qwen3, "x", extra_body={"thinking_token_budget": 0})
+    with pytest.raises(APIError, match="needs a server started with --reasoning-parser"):
+        constraint_after_reasoning(None, "prompt", GrammarSpec.json_object(), 10)
+    assert constraint_after_reasoning(None, "prompt", None, None) is None
+
+
+def test_an_unknown_parser_stops_start_up_in_one_line(capsys, core_starts):
+    from pagedllm.cli import main
+
+    assert main(["serve", "--model", "/nowhere/at/all", "--reasoning-parser", "qwen9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1"
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert core_starts == []
+
+
+def test_each_choice_of_n_is_split(qwen3):
+    choices = ask(qwen3, THOUGHT, n=2).choices
+    assert [(c.message.reasoning_content, c.message.content) for c in choices] == \
+        [('Let me think {about} it, "carefully".', "Hello there!")] * 2
+
+
+JSON_SPEC = GrammarSpec.json_object()
+
+
+@pytest.mark.parametrize("parser, prompt, spec, budget, expected", [
+    ("qwen3", "<|im_start|>assistant\n", JSON_SPEC, None, ("json_object", "optional", None)),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", JSON_SPEC, 9, ("json_object", "open", 9)),
+    ("deepseek_r1", "<|Assistant|>", JSON_SPEC, None, ("json_object", "open", None)),
+    ("qwen3", "<|im_start|>assistant\n", None, 7, ("text", "optional", 7)),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", JSON_SPEC, 7, JSON_SPEC),  # thinking off
+    ("qwen3", "<|im_start|>assistant\n", None, None, None),
+])
+def test_where_the_constraint_starts(parser, prompt, spec, budget, expected):
+    from pagedllm.text.reasoning import reasoning_format
+
+    moved = constraint_after_reasoning(reasoning_format(parser), prompt, spec, budget)
+    if moved is None or moved.reasoning is None:
+        assert moved == expected
+    else:
+        assert (moved.kind, moved.reasoning.mode, moved.reasoning.budget) == expected
