@@ -51,7 +51,7 @@ def test_cli_device_cuda_without_cuda(monkeypatch, capsys):
     from pagedllm import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("pagedllm.engine.core.load_engine_model",
+    monkeypatch.setattr("pagedllm.engine.core_loader.load_engine_model",
                         lambda *a, **k: pytest.fail("loaded a model"))
     assert cli.main(["generate", "hello", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -142,7 +142,7 @@ def test_a_step_keeps_every_tensor_on_the_device_and_never_syncs(checkpoint, att
 def test_the_check_finds_a_tensor_left_on_the_host(checkpoint, attention_on_device, monkeypatch):
     """The harness above is not vacuous: step inputs left in host memory make the step fail."""
     runner = fake_device_runner(checkpoint)
-    monkeypatch.setattr(runner, "_upload", lambda length: runner._host_tensor[:length])
+    monkeypatch.setattr(runner.upload, "upload", lambda length: runner.upload.host_tensor[:length])
     with fake_device(), pytest.raises(Exception, match="device"):
         runner.execute(scheduled_step())
 

@@ -149,7 +149,7 @@ def shared_model_loads():
     one engine per setting (layout, block size) reuses the weights. The model holds no per-engine
     state; the KV cache belongs to each engine's runner. Tensor-parallel engines load their own
     (their workers belong to one engine)."""
-    import pagedllm.engine.core as engine_core_module
+    import pagedllm.engine.core_loader as engine_core_module
 
     original = engine_core_module.load_engine_model
     loaded: dict = {}

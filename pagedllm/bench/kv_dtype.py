@@ -125,7 +125,7 @@ def quality(engine: LLMEngine, args: argparse.Namespace, ppl_ids: list[int]) -> 
     caches = allocate_kv_cache(mc.num_hidden_layers, cdiv(args.ppl_context, args.block_size),
                                args.block_size, mc.num_key_value_heads, mc.head_dim, engine.dtype,
                                engine.device, kv_cache_dtype=engine.config.kv_cache_dtype)
-    result = perplexity(engine.engine_core.runner.model, caches, args.block_size, ppl_ids,
+    result = perplexity(engine.engine_core.executor.runner.model, caches, args.block_size, ppl_ids,
                         context_len=args.ppl_context)
     return {"perplexity": round(result.perplexity, 4), "ppl_scored_tokens": result.num_scored_tokens}
 

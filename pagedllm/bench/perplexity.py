@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args, max_model_len=args.context_len))
     token_ids = engine.tokenizer.encode(heldout_text(), add_special_tokens=False)[:args.max_tokens]
     started = time.perf_counter()
-    runner = engine.engine_core.runner
+    runner = engine.engine_core.executor.runner
     result = perplexity(runner.model, runner.kv_caches, engine.kv_plan.block_size, token_ids,
                         context_len=args.context_len, chunk_len=args.chunk_len)
     payload = {"model": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),

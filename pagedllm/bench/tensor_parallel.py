@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _measure(engine: LLMEngine, workload) -> dict:
     """One run of the workload; rank 0's collective counters read before and after."""
-    driver = engine.engine_core.runner.tp
+    driver = engine.engine_core.executor.driver
     group = driver.group if driver is not None else None
     before = (group.all_reduce_s, group.num_all_reduces, driver.bytes_sent) if group else (0.0, 0, 0)
     steps_before = driver.num_steps if driver else 0
@@ -108,7 +108,7 @@ def _measure(engine: LLMEngine, workload) -> dict:
 
 
 def _close(engine: LLMEngine) -> None:
-    driver = engine.engine_core.runner.tp
+    driver = engine.engine_core.executor.driver
     if driver is not None:
         driver.close()
 

@@ -10,6 +10,7 @@ run of requests the engine has served, its prefix cache is emptied: no rerun ski
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import psutil
@@ -35,6 +36,7 @@ from pagedllm.bench.scenarios import (
     summarize_streams,
 )
 from pagedllm.bench.workload import WORKLOADS, BenchRequest, load_workload, summarize
+from pagedllm.config import EngineConfig, add_engine_args, flag_name
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -179,7 +181,7 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
     if not hasattr(engine.config, field) or not value:
         raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
                          f"got {args.lockstep_with!r}")
-    twin = LLMEngine(engine_config(args, **{field: _setting(getattr(engine.config, field), value)}))
+    twin = LLMEngine(engine_config(args, **{field: _setting(field, getattr(engine.config, field), value)}))
     serve_one(twin)
     engines = {"this": engine, args.lockstep_with: twin}
     for e in engines.values():
@@ -201,13 +203,22 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
         "ratio_output_tokens_per_cpu_s": round(cpu[args.lockstep_with] / cpu["this"], 3)}
 
 
-def _setting(default, value: str):
-    """A --lockstep-with value in the type of the setting's default (true/false for a flag)."""
+def _setting(field: str, default, value: str):
+    """A --lockstep-with value in the type of the setting's default (true/false for a flag); a
+    setting left unset (None, such as block_size: the device's) is read as its flag reads it."""
     if isinstance(default, bool):
         if value.lower() not in ("true", "false"):
             raise ValueError(f"--lockstep-with: a true/false setting; got {value!r}")
         return value.lower() == "true"
-    return value if default is None else type(default)(value)
+    if default is not None:
+        return type(default)(value)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    (flag,) = [flag_name(f) for f in dataclasses.fields(EngineConfig) if f.name == field]
+    try:
+        return getattr(parser.parse_args([flag, value]), field)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"--lockstep-with {field}={value}: {exc}") from None
 
 
 def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summarize: bool = True):

@@ -4,7 +4,8 @@ each step to the workers.
 Rank 0 is the engine core as without tensor parallelism (scheduler, KV manager, sampler, output);
 ranks 1..N-1 are workers (pagedllm.distributed.worker) that run the same forward on their shards.
 `load_engine_model` is the one call the engine makes: with tensor_parallel_size 1 it is
-load_model; above it, it also starts the workers:
+load_model; above it, it also starts the workers and gives back their driver, which the
+tensor-parallel executor (pagedllm.distributed.executor) sends each step through:
 
 - distributed_executor_backend "mp": this process spawns them (`python -m
   pagedllm.distributed.worker`, a process each, meeting at a store this process serves on
@@ -47,7 +48,7 @@ from pagedllm.distributed.group import (
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
-from pagedllm.worker.runner import PacketLayout
+from pagedllm.worker.packet import PacketLayout
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,15 @@ class TensorParallelStartupError(RuntimeError):
     """A worker could not start (and was not refused for bad input, which is a ValueError)."""
 
 
-def load_engine_model(config: EngineConfig, device: torch.device) -> LoadedModel:
-    """The engine's model: whole, or with tensor_parallel_size > 1 rank 0's shard, its workers
-    started and ready once the runner gives them its arguments (model.tensor_parallel)."""
+def load_engine_model(config: EngineConfig,
+                      device: torch.device) -> tuple[LoadedModel, TensorParallelDriver | None]:
+    """The engine's model: whole (and no driver), or with tensor_parallel_size > 1 rank 0's shard
+    and the driver of its workers, started, and ready once they are given the runner's arguments
+    (TensorParallelDriver.start_workers)."""
     args = (config.model, config.dtype, device, config.quantization, config.quantization_group_size)
     size = config.tensor_parallel_size
     if size == 1:
-        return load_model(*args)
+        return load_model(*args), None
     backend = backend_for(device)  # ValueError for a device the collectives do not run on
     if device.type == "cuda" and config.distributed_executor_backend == "mp":
         last = rank_device(device, size - 1)
@@ -80,10 +83,9 @@ def load_engine_model(config: EngineConfig, device: torch.device) -> LoadedModel
     except BaseException:
         driver.close()
         raise
-    loaded.model.tensor_parallel = driver
     loaded.weights_note += (f"; tensor parallel over {size} ranks ({driver.launch}, {backend}): "
                             f"{plan.describe()}, {torch.get_num_threads()} torch threads each")
-    return loaded
+    return loaded, driver
 
 
 class TensorParallelDriver:

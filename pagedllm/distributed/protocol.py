@@ -6,7 +6,7 @@ uses; each worker says it is there (hello), loads its shard, waits for the runne
 (RUNNER_KEY, once rank 0 planned its KV cache) and says it is ready, or why it failed.
 
 Then, every step, over the group: one header of HEADER_LEN int64s broadcast from rank 0 (what
-comes next), and for a step the packet of its integers (runner.PacketLayout); then the step's
+comes next), and for a step the packet of its integers (pagedllm.worker.packet); then the step's
 collectives, the same on every rank.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
-from pagedllm.worker.runner import PacketLayout
+from pagedllm.worker.packet import PacketLayout
 
 HEADER_LEN = 8
 STEP, LOGITS, STOP = 1, 2, 3  # header[0]

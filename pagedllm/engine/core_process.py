@@ -143,7 +143,7 @@ def _start(args: argparse.Namespace, inbox: zmq.Socket, outbox: zmq.Socket) -> C
         return None
     plan = core.kv_plan
     outbox.send(codec.encode(Ready(
-        pid=os.getpid(), model_path=str(loaded.path), description=core.describe(loaded.weights_note),
+        pid=os.getpid(), model_path=str(loaded.path), description=core.facts.describe(loaded.weights_note),
         startup_s=time.time() - psutil.Process().create_time(), max_model_len=plan.max_model_len,
         vocab_size=loaded.config.vocab_size, num_threads=torch.get_num_threads(),
         device=str(core.device), dtype=str(core.dtype).removeprefix("torch."), stats=core.stats())))

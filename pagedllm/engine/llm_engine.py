@@ -1,7 +1,7 @@
 """LLMEngine: the three parts of the engine in one process, stepped by the caller.
 
   input processor  (pagedllm.engine.input_processor)   prompt checks, tokenization, chat templates
-  engine core      (pagedllm.engine.core)       scheduler, KV manager, model runner, sampler
+  engine core      (pagedllm.engine.core)       scheduler, KV manager, executor (runner), sampler
   output processor (pagedllm.engine.output_processor)  detokenization, stop strings, RequestOutputs
 
 A request goes in through the input processor as an EngineCoreRequest; each step() runs one
@@ -41,7 +41,7 @@ class LLMEngine:
         self.device = self.engine_core.device
         self.dtype = self.engine_core.dtype
         self.weights_note = loaded.weights_note  # what stayed quantized, what is float
-        self.weight_bytes = self.engine_core.weight_bytes
+        self.weight_bytes = self.engine_core.facts.weight_bytes
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
@@ -54,7 +54,7 @@ class LLMEngine:
             grammar_compiler=self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
-        logger.info("%s; start-up %.2fs", self.engine_core.describe(self.weights_note), self.startup_s)
+        logger.info("%s; start-up %.2fs", self.engine_core.facts.describe(self.weights_note), self.startup_s)
 
     @property
     def kv_plan(self) -> KVPlan:

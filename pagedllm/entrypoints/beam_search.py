@@ -82,7 +82,7 @@ class BeamSearch:
     # -- capacity: no preemption may split a prompt's beams ---------------------------------------
     def _waves(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         """Group prompts so each group's beams fit the cache and one step's budget together."""
-        cfg = self.core.scheduler_config
+        cfg = self.core.scheduler.config
         capacity_blocks = self.core.kv_plan.num_blocks
         waves, current, used = [], [], 0
         for ids in prompts:

@@ -112,6 +112,6 @@ def make_batch_invariant(model: nn.Module) -> None:
     if isinstance(head, QuantLinear):
         head.row_invariant = True
     elif model.lm_head is not None:
-        model._packed_lm_head = model.lm_head  # made invariant by the loop above
+        model.set_lm_head_kernel(model.lm_head)  # made invariant by the loop above
     else:
-        model._packed_lm_head = InvariantLinear(model.embed_tokens.weight, None)
+        model.set_lm_head_kernel(InvariantLinear(model.embed_tokens.weight, None))

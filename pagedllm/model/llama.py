@@ -198,10 +198,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Under tensor parallelism (pagedllm.distributed), set by the shard: the whole
-        # vocabulary's logits on rank 0 from every rank's share of the LM head (None elsewhere);
-        # and on rank 0, the driver of the other ranks, which the runner sends each step to.
+        # vocabulary's logits on rank 0 from every rank's share of the LM head (None elsewhere).
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-        self.tensor_parallel = None
 
     def forward(
         self,
@@ -266,6 +264,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             self._packed_lm_head = PackedLinear(self.embed_tokens.weight, None, max_num_tokens)
         return True
+
+    def set_lm_head_kernel(self, head: nn.Module) -> None:
+        """The module compute_logits runs the LM head with from now on (prepacked, quantized, or
+        batch_invariant.py's invariant one)."""
+        self._packed_lm_head = head
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the model holds (quantized, float, prepacked copies), each once."""

@@ -1,2 +1,3 @@
-"""One process's model work: the runner (a scheduler output into tensors, the model, the
-logits), the block tables it uploads, and the sampler."""
+"""One process's model work: the executor (a scheduler output in, logits and prompt logprobs out),
+the runner it drives (one rank's batch: tensors, the model, the logits), the packet and its upload
+to the device, the block tables, CUDA graphs, and the sampler."""

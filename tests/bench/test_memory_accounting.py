@@ -72,12 +72,12 @@ def test_simulation_of_a_tiny_workload_exactly():
 def test_simulation_matches_a_real_engine_run_step_by_step(default_model, monkeypatch):
     """With ignore_eos the model's tokens decide nothing, so the scheduler alone reproduces the
     engine's memory timeline: under preemption (paged) and reservation (contiguous)."""
-    import pagedllm.engine.core as engine_module
+    import pagedllm.engine.core_loader as loader_module
     from pagedllm.bench.common import run_workload
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
 
-    monkeypatch.setattr(engine_module, "load_engine_model", lambda *args, **kwargs: default_model)
+    monkeypatch.setattr(loader_module, "load_engine_model", lambda *args, **kwargs: (default_model, None))
     requests = random_workload(default_model.tokenizer, 8, "10-50", "3-12", seed=4)
     for layout in ("paged", "contiguous"):
         engine = LLMEngine(EngineConfig(dtype="float32", block_size=4, max_model_len=64,

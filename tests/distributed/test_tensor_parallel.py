@@ -168,7 +168,7 @@ def test_a_worker_that_dies_or_hangs_is_a_clear_error(tmp_path, fault):
     folder = save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path)
     llm = LLM(str(folder), **ENGINE, tensor_parallel_size=2, distributed_timeout_s=3)
     assert greedy_tokens(llm, ["warm"])
-    driver = llm.engine.engine_core.runner.tp
+    driver = llm.engine.engine_core.executor.driver
     (worker,) = driver._processes
     os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     try:
@@ -194,7 +194,7 @@ def test_a_worker_that_dies_or_hangs_is_a_clear_error(tmp_path, fault):
 def test_workers_stop_with_the_engine(tmp_path):
     folder = save_checkpoint(make_hf_model("llama_gqa_untied"), tmp_path)
     llm = LLM(str(folder), **ENGINE, tensor_parallel_size=2)
-    (worker,) = llm.engine.engine_core.runner.tp._processes
+    (worker,) = llm.engine.engine_core.executor.driver._processes
     del llm
     gc.collect()
     assert worker.wait(timeout=10) == 0  # told to stop, it stopped cleanly

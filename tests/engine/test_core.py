@@ -147,13 +147,13 @@ def test_a_failed_step_aborts_its_requests_and_the_core_goes_on(engine):
                      max_num_seqs=1).engine_core
     core.add_request(request("a", max_tokens=3))
     core.add_request(request("b", max_tokens=3))
-    real_execute = core.runner.execute
+    real_execute = core.executor.execute
 
-    def fail_once(scheduled, argmax_only=False):
-        core.runner.execute = real_execute
+    def fail_once(out, argmax_only=False, prompt_logprobs=None):
+        core.executor.execute = real_execute
         raise RuntimeError("injected")
 
-    core.runner.execute = fail_once
+    core.executor.execute = fail_once
     with pytest.raises(StepError) as failed:
         core.step()
     assert failed.value.request_ids == ["a"] and "injected" in str(failed.value.__cause__)
@@ -246,9 +246,9 @@ def test_greedy_steps_take_the_argmax_path_and_give_what_the_sampler_gives(engin
     def run_with(logprobs):
         core = LLMEngine(model=engine.model_path, dtype=dtype, block_size=4, num_kv_blocks=256).engine_core
         calls = []
-        real = core.runner.execute
-        core.runner.execute = lambda scheduled, argmax_only=False: calls.append(argmax_only) or real(
-            scheduled, argmax_only)
+        real = core.executor.execute
+        core.executor.execute = lambda out, argmax_only=False, wanted=None: (
+            out.scheduled and calls.append(argmax_only)) or real(out, argmax_only, wanted)
         for i in range(3):
             core.add_request(request(f"r{i}", prompt=[5 + i, 6, 7, 8, 9], max_tokens=6, ignore_eos=True,
                                      temperature=0, logprobs=logprobs if i == 2 else None))

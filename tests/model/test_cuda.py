@@ -94,7 +94,7 @@ def test_tiny_model_greedy_tokens_equal_transformers(shape, enforce_eager, tiny_
     llm = LLM(model=str(checkpoint.folder), dtype="float32", device="cuda", block_size=4, max_model_len=64,
               kv_cache_memory="1MiB", max_num_batched_tokens=24, max_num_seqs=4,
               enforce_eager=enforce_eager)
-    assert (llm.engine.engine_core.runner.decode_graphs is None) == enforce_eager
+    assert (llm.engine.engine_core.executor.runner.decode_graphs is None) == enforce_eager
     prompts = [token_ids(length, seed=20 + length) for length in ENGINE_PROMPTS.get(shape, (13, 3, 20))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -136,8 +136,8 @@ def test_default_model_fp32_greedy_equals_transformers(cuda_llm, hf_default_mode
 def test_engine_state_lives_on_the_gpu(cuda_llm):
     core = cuda_llm.engine.engine_core
     assert core.device.type == "cuda"
-    assert {p.device.type for p in core.runner.model.parameters()} == {"cuda"}
-    assert {t.device.type for pair in core.runner.kv_caches for t in pair} == {"cuda"}
+    assert {p.device.type for p in core.executor.runner.model.parameters()} == {"cuda"}
+    assert {t.device.type for pair in core.executor.runner.kv_caches for t in pair} == {"cuda"}
     assert core.sampler.generator.device.type == "cuda"
 
 
@@ -177,7 +177,7 @@ def test_gguf_weights_stay_quantized_on_the_gpu(cuda_llm, default_model_path):
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.model.quant_linear import QuantLinear
 
-    model = cuda_llm.engine.engine_core.runner.model
+    model = cuda_llm.engine.engine_core.executor.runner.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert quantized and {p.codes.device.type for m in quantized for p in m.parts} == {"cuda"}
     dequantized = LLM(model=str(default_model_path), dtype="float32", device="cuda",

@@ -141,7 +141,7 @@ def test_engine_reports_weight_bytes(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
         engine = LLMEngine(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=64)
     stats = engine.memory_stats()
-    assert stats["weight_bytes"] == engine.engine_core.runner.model.weight_bytes() > 0
+    assert stats["weight_bytes"] == engine.engine_core.executor.runner.model.weight_bytes() > 0
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache"))
     assert f"weights {stats['weight_bytes'] / 2**20:.1f} MiB" in line and "Q4_0 quantized" in line
 

@@ -2,7 +2,7 @@
 (pagedllm/engine/core_process.py, `--extension tests.server.core_hooks`, which RunningServer
 passes when it starts the core; HookClient, below, calls them from the test process).
 
-They wrap the core's model step (runner.execute) to fail, slow down or stall it, the way the
+They wrap the core's model step (executor.execute) to fail, slow down or stall it, the way the
 in-process tests used to monkeypatch it: the step still runs in the core, so a fault takes the
 same path through the core, the channel and the server as a real one would.
 
@@ -70,22 +70,23 @@ def extend(loop) -> None:
 def _wrap(core, before) -> None:
     """Run before(scheduled) ahead of every model step (it may raise or wait)."""
     restore(core)
-    real_execute = core.runner.execute
+    real_execute = core.executor.execute
     _state.update(failed=0, steps=0, real_execute=real_execute)
 
-    def execute(scheduled, argmax_only=False):
-        _state["steps"] += 1
-        before(scheduled)
-        return real_execute(scheduled, argmax_only)
+    def execute(out, argmax_only=False, prompt_logprobs=None):
+        if out.scheduled:
+            _state["steps"] += 1
+            before(out.scheduled)
+        return real_execute(out, argmax_only, prompt_logprobs)
 
-    core.runner.execute = execute
+    core.executor.execute = execute
 
 
 def restore(core) -> dict:
     """Back to the real step; how many steps the last hook failed."""
     real_execute = _state.pop("real_execute", None)
     if real_execute is not None:
-        core.runner.execute = real_execute
+        core.executor.execute = real_execute
     return {"failed": _state["failed"], "steps": _state["steps"]}
 
 

@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.kv.manager import NULL_BLOCK
+from pagedllm.utils import cdiv
 from pagedllm.worker.block_table import BlockTable
-from tests.worker.test_runner import make_runner
+from pagedllm.worker.packet import pack_changes
+from pagedllm.worker.upload import StepUpload
 
 
 def test_a_row_is_rewritten_from_its_last_synced_block_after_copy_on_write():
@@ -110,15 +112,15 @@ def test_the_table_and_a_copy_fed_only_its_changes_agree_with_every_block_list(d
             assert table.table[table.row_of(rid), :len(ids)].tolist() == ids
 
 
-def test_the_runner_scatters_the_changes_into_its_device_copy():
-    runner, _ = make_runner(max_model_len=400)
-    table = runner.block_table
-    table._track_changes = True
-    runner._device_table = torch.zeros(table.table.shape, dtype=torch.int32)
+def test_the_packed_changes_bring_a_device_copy_up_to_date():
+    """What a runner's device (or a tensor-parallel worker) does with a packet's changed entries:
+    packed from the host table, scattered into the copy, the copy grown where the table grew."""
+    table = BlockTable(cdiv(400, 4), track_changes=True)  # max_model_len 400 in blocks of 4
+    upload = StepUpload(torch.device("cpu"))
     for rid, ids in (("a", [1, 2, 3]), ("b", list(range(70))), ("a", [1, 9, 3, 4])):
         table.sync(rid, ids)
         changes = table.take_changes()
         packed = np.zeros(2 * sum(end - start for _, start, end in changes), dtype=np.int64)
-        runner._pack_changes(changes, packed)
-        device = runner._update_device_table(torch.from_numpy(packed), runner.block_table.table.shape)
+        pack_changes(table.table, changes, packed)
+        device = upload.update_table(torch.from_numpy(packed), table.table.shape)
         assert device.tolist() == table.table.tolist()

@@ -1,0 +1,139 @@
+"""What the engine core steps, loaded and planned before it starts: the loader's and the plan's
+half of the core, so that EngineCore itself is only the loop.
+
+In order: the model (whole, or rank 0's shard with its tensor-parallel workers started); on the
+CPU the compiled kernels, built or found now rather than inside the first request; the block size
+(the device's default where the config leaves it unset: the caller's config is not written to); the
+KV cache's plan (how many blocks the byte budget buys at this process's heads per rank, scales
+included, so a compressed cache gets proportionally more) and its manager; the scheduler over it;
+the runner with its KV cache and the executor that drives it (local, or tensor-parallel: the
+workers then build their runners from the same arguments); the sampler and the structured-output
+manager. Last, malloc is tuned for the steps: what loading and prepacking freed goes back to the
+OS, and from then on what a step frees is kept for the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig, SchedulerConfig, default_block_size
+from pagedllm.core.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_kv_cache
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.device import resolve_device
+from pagedllm.distributed.driver import TensorParallelDriver, load_engine_model
+from pagedllm.distributed.executor import TensorParallelExecutor
+from pagedllm.kernels import compiled
+from pagedllm.kernels.attention import kv_cache_bytes_per_block
+from pagedllm.kernels.attention.kv_quant import stored_dtype_name
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import LoadedModel, resolve_dtype
+from pagedllm.structured.compiler import GrammarCompiler
+from pagedllm.structured.manager import StructuredOutputManager
+from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
+from pagedllm.worker.executor import LocalExecutor
+from pagedllm.worker.runner import ModelRunner
+from pagedllm.worker.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class CoreFacts:
+    """What the core was built with, for the start-up line and the engine's callers."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_plan: KVPlan
+    kv_cache_dtype: str  # the stored one's name
+    kv_layout: str
+    choices: str  # EngineConfig.describe_choices
+    weight_bytes: int  # after the runner's prepacking
+
+    def describe(self, weights_note: str) -> str:
+        """The start-up line: every choice that changes which code runs. The KV cache's blocks,
+        bytes and what fits; the weights' bytes and weights_note (LoadedModel.weights_note: what
+        stayed quantized, what is float); the device and dtype; prefix caching, tensor
+        parallelism, batch invariance."""
+        return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
+                f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); "
+                f"{self.device}, {str(self.dtype).removeprefix('torch.')}, {self.choices}")
+
+
+@dataclass
+class CoreParts:
+    scheduler: Scheduler
+    executor: LocalExecutor
+    sampler: Sampler
+    structured: StructuredOutputManager
+    grammar_compiler: GrammarCompiler | None  # one process's input processor shares it
+    facts: CoreFacts
+
+
+def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
+    """The parts over config's model, loaded on config's device; and what the loader read (the
+    tokenizer among it, for whoever runs the core in its own process)."""
+    device = resolve_device(config.device)
+    loaded, driver = load_engine_model(config, device)
+    try:
+        parts = build_core_parts(config, loaded.model, loaded.config, resolve_dtype(config.dtype, device),
+                                 GrammarCompiler(loaded.tokenizer), driver)
+    except BaseException:
+        if driver is not None:
+            driver.close()
+        raise
+    return parts, loaded
+
+
+def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+                     dtype: torch.dtype, grammar_compiler: GrammarCompiler | None = None,
+                     driver: TensorParallelDriver | None = None) -> CoreParts:
+    """The parts over a loaded model. grammar_compiler: for requests with structured_outputs
+    (None: such requests are refused). driver: rank 0's, under tensor parallelism."""
+    device = next(model.parameters()).device  # where the loader put the weights
+    if device.type == "cpu":
+        compiled.available()  # build (or find) the kernels now, not in the first request
+    if config.block_size is None:  # the device's default, now that the device is known
+        config = dataclasses.replace(config, block_size=default_block_size(device.type))
+    # The heads are this process's (model.config): under tensor parallelism its share, the
+    # largest of any rank's, so the budget is what each rank's cache may take.
+    bytes_per_block = kv_cache_bytes_per_block(
+        model_config.num_hidden_layers, config.block_size, model.config.num_key_value_heads,
+        model_config.head_dim, dtype, config.kv_cache_dtype)
+    kv_plan = plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
+                            sliding_window=model_config.kv_window,
+                            free_device_bytes=_free_device_bytes(device))
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, kv_plan.max_model_len),
+        make_kv_manager(config, kv_plan))
+    executor = _make_executor(config, model, kv_plan, dtype, device, driver)
+    facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
+                      config.kv_layout, config.describe_choices(), model.weight_bytes())
+    release_freed_memory()  # what loading and prepacking the weights freed
+    keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
+    return CoreParts(scheduler, executor, Sampler(config.seed, device),
+                     StructuredOutputManager(grammar_compiler), grammar_compiler, facts)
+
+
+def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan, dtype: torch.dtype,
+                   device: torch.device, driver: TensorParallelDriver | None) -> LocalExecutor:
+    """The runner with its KV cache, and the executor over it (the workers' runners, under tensor
+    parallelism, are built from the same KV arguments)."""
+    kv_args = dict(num_blocks=kv_plan.num_blocks, block_size=config.block_size,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=kv_plan.max_model_len, kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(model, kv_dtype=dtype, device=device, batch_invariant=config.batch_invariant,
+                         enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                         mirrored=driver is not None, **kv_args)
+    if driver is None:
+        return LocalExecutor(runner)
+    return TensorParallelExecutor(runner, driver,
+                                  dict(kv_args, kv_dtype=str(dtype).removeprefix("torch.")))
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    """Memory still free on a GPU once the weights are loaded (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free

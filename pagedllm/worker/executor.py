@@ -1,0 +1,96 @@
+"""The executor: what stands between the engine core and the model runner (vLLM's Executor and
+Worker split).
+
+The core hands it each step's SchedulerOutput, and nothing else of the model's side is the core's
+to know. The executor drops the table rows of requests that finished or were preempted, makes the
+step's block copies, has the runner build and run this rank's batch, and gives back the logits of
+the rows that sample (or their argmax tokens) together with the prompt logprobs the step's prompt
+chunks yield for the requests that ask: each prompt position's logits rate the next prompt token,
+a slice of PROMPT_LOGPROB_ROWS positions at a time so that the [rows, vocab] tensor stays bounded.
+
+LocalExecutor runs this process's one runner. The tensor-parallel executor
+(pagedllm.distributed.executor) is the same with two more messages: each step's packet and each
+logits call's rows go to the workers first, so that every rank takes part in the same collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.outputs import TokenLogprobs
+from pagedllm.worker.runner import ModelRunner, StepInputs, StepOutput
+from pagedllm.worker.sampler import Sampler
+
+# Prompt positions turned into logits at once for prompt logprobs: bounds the [rows, vocab] tensor.
+PROMPT_LOGPROB_ROWS = 256
+
+
+class PromptLogprobs(NamedTuple):
+    """The log-probabilities of prompt tokens first .. first + len(values) - 1 (the first prompt
+    token has none: nothing comes before it)."""
+
+    first: int
+    values: list[TokenLogprobs]
+
+
+class ExecutorOutput(NamedTuple):
+    # [S, vocab] float32 logits of the rows that sample; with argmax_only, [S] int64 tokens.
+    logits: torch.Tensor
+    sample_indices: list[int]  # [S]: each row's request's index in the scheduled list
+    prompt_logprobs: dict[str, PromptLogprobs]  # by the scheduler's request id
+
+
+_NOTHING = ExecutorOutput(torch.empty(0), [], {})
+
+
+class LocalExecutor:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, out: SchedulerOutput, argmax_only: bool = False,
+                prompt_logprobs: Mapping[str, int] | None = None) -> ExecutorOutput:
+        """Run one scheduled step. argmax_only: every sampling row takes its argmax alone, so
+        only those tokens come back. prompt_logprobs: the number of top tokens each request
+        (scheduler's id) that wants its prompt's logprobs asks for."""
+        self.runner.drop_requests(out.finished + out.preempted)
+        if not out.scheduled:
+            return _NOTHING
+        self.runner.copy_blocks(out.block_copies)
+        step = self.runner.prepare_inputs(out.scheduled, out.block_copies)
+        result = self._run(step, argmax_only)
+        found = self._prompt_logprobs(out, step, result.hidden, prompt_logprobs) if prompt_logprobs else {}
+        return ExecutorOutput(result.logits, result.sample_indices, found)
+
+    def close(self) -> None:
+        """Nothing to stop in this process (the tensor-parallel executor stops its workers)."""
+
+    def _run(self, step: StepInputs, argmax_only: bool) -> StepOutput:
+        return self.runner.run(step, argmax_only)
+
+    def _logits(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return self.runner.compute_logits(hidden, start, end)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                         wanted: Mapping[str, int]) -> dict[str, PromptLogprobs]:
+        """What this step's prompt chunks give: position p's logits rate prompt token p + 1."""
+        found: dict[str, PromptLogprobs] = {}
+        starts = None
+        for index, s in enumerate(out.scheduled):
+            num_top = wanted.get(s.request.request_id)
+            first = s.num_computed_tokens
+            count = min(s.num_new_tokens, s.request.num_prompt_tokens - 1 - first)
+            if num_top is None or count <= 0:
+                continue
+            starts = starts or step.token_starts()  # the batch runs in block-table row order
+            row = starts[index]
+            values: list[TokenLogprobs] = []
+            for a in range(0, count, PROMPT_LOGPROB_ROWS):
+                n = min(PROMPT_LOGPROB_ROWS, count - a)
+                targets = s.request.prompt_token_ids[first + a + 1:first + a + n + 1]
+                values += Sampler.logprobs_of(self._logits(hidden, row + a, row + a + n), targets, num_top)
+            found[s.request.request_id] = PromptLogprobs(first + 1, values)
+        return found
