@@ -46,6 +46,7 @@ from pagedllm.distributed.group import (
 )
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
+from pagedllm.kernels import tiers
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
 from pagedllm.worker.runner import PacketLayout
 
@@ -62,6 +63,7 @@ class TensorParallelStartupError(RuntimeError):
 def load_engine_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     """The engine's model: whole, or with tensor_parallel_size > 1 rank 0's shard, its workers
     started and ready once the runner gives them its arguments (model.tensor_parallel)."""
+    tiers.select(config.cpu_isa, device.type)  # the CPU kernels every layer takes, chosen once
     args = (config.model, config.dtype, device, config.quantization, config.quantization_group_size)
     size = config.tensor_parallel_size
     if size == 1:

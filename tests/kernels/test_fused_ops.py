@@ -13,7 +13,7 @@ from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.rope import apply_rotary
 
 needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled._state.get('why')}")
+                                  reason=f"CPU kernels unavailable: {compiled.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -1139,7 +1139,7 @@ void touch_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block
 
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("attention_amx_available", &attention_amx_available);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale, "
         "Tensor? value_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
@@ -1152,7 +1152,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("touch_blocks(Tensor[] caches, Tensor block_ids) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_invariant", &paged_attention_invariant);
   m.impl("write_kv", &write_kv);
