@@ -48,8 +48,14 @@ _CSRC = Path(__file__).parent / "csrc"
 _AVX512_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp",
                    "dense_amx.cpp", "sample.cpp")
 _HEADERS = ("vec.h", "quant_packed.h", "amx.h")
-# The sources each tier builds (tiers.py says what a tier needs of the CPU).
-_TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": ()}
+# Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
+_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp")
+# The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
+# they compile (the others run portable torch under that tier; the start-up line says which).
+_TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": _GENERIC_SOURCES}
+_ALL_FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
+_TIER_FAMILIES = {"amx": _ALL_FAMILIES, "avx512": _ALL_FAMILIES,
+                  "avx2": ("quantized matmul", "norms/rotary")}
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
@@ -73,6 +79,11 @@ def namespace(tier: str) -> str:
 
 def _sources(tier: str) -> tuple[str, ...]:
     return _TIER_SOURCES[tier]
+
+
+def families(tier: str) -> tuple[str, ...]:
+    """The kernel families a tier's extension compiles (dense matmul: AMX's where it runs)."""
+    return _TIER_FAMILIES.get(tier, ())
 
 
 def _cflags(tier: str) -> list[str]:
@@ -115,11 +126,12 @@ def load(tier: str) -> tuple[object | None, str | None]:
 
 
 def available() -> bool:
-    """Whether the chosen tier's compiled kernels are loaded (tiers.current(): building them on
-    the first call where they can be)."""
+    """Whether the chosen tier (tiers.current(), building it on the first call where it can be)
+    runs every family's compiled kernel; a tier with some (avx2) says so per family instead
+    (KernelChoice.has), and callers that need all of them take the portable path there."""
     from pagedllm.kernels import tiers
 
-    return tiers.current().compiled
+    return tiers.current().complete
 
 
 def unavailable_reason() -> str | None:
@@ -127,8 +139,10 @@ def unavailable_reason() -> str | None:
     from pagedllm.kernels import tiers
 
     choice = tiers.current()
-    if choice.compiled:
+    if choice.complete:
         return None
+    if choice.compiled:
+        return f"the {choice.tier} tier compiles only {', '.join(families(choice.tier))}"
     return choice.why_portable or "the portable tier was chosen (cpu_isa, or PAGEDLLM_ATTENTION=torch)"
 
 

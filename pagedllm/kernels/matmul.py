@@ -17,7 +17,8 @@ def quant_support(x: torch.Tensor) -> bool:
 
 def quant_dtype_support(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the quantized-weight kernels work in this dtype on this device."""
-    return device.type == "cpu" and dtype in compiled.KERNEL_DTYPES and tiers.current().compiled
+    return (device.type == "cpu" and dtype in compiled.KERNEL_DTYPES
+            and tiers.current().has("quantized matmul"))
 
 
 def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ Tiers, best first (each needs the CPU flags of the ones below it too):
 - amx: AMX-BF16 tiles (Sapphire Rapids and later): bf16 matmuls, quantized matmuls over many rows
   and bf16 prefill attention on tiles; the rest as avx512.
 - avx512: AVX-512 F/BW/VL/DQ with FMA; AVX512-BF16 dot products compiled in where the CPU has them.
-- avx2: AVX2 with FMA and F16C (+AVX-VNNI where present).
+- avx2: AVX2 with FMA and F16C (+AVX-VNNI where present): compiled quantized matmuls and
+  norms/rotary (plain C++ the compiler vectorizes); attention and sampling run portable torch.
 - portable: torch alone, on any CPU (and the oracle every compiled kernel is tested against).
 
 `select(cpu_isa)` runs once when an engine loads its model (EngineConfig.cpu_isa; "auto" is the
@@ -31,6 +32,7 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 TIERS = ("portable", "avx2", "avx512", "amx")  # lowest first
+FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
 CPU_ISA_CHOICES = ("auto", "amx", "avx512", "avx2", "portable")
 
 # The CPU flags (as /proc/cpuinfo names them) each tier needs on top of the tier below it.
@@ -88,22 +90,33 @@ class KernelChoice:
     quant_amx: bool = False
     why_portable: str | None = None  # why a compiled tier runs portable instead (its build failed)
     device_type: str = "cpu"
+    kernel_families: tuple[str, ...] = ()  # the families that run the tier's compiled kernels
 
     @property
     def compiled(self) -> bool:
+        """Whether any family runs a compiled kernel."""
         return self.ops is not None
+
+    def has(self, family: str) -> bool:
+        """Whether this family (FAMILIES) runs the tier's compiled kernel."""
+        return family in self.kernel_families
+
+    @property
+    def complete(self) -> bool:
+        """Whether every family runs a compiled kernel."""
+        return all(family in self.kernel_families for family in FAMILIES)
 
     def families(self) -> dict[str, str]:
         """The kernel each family runs, by family name (the start-up line's words)."""
-        if not self.compiled:
-            return {"attention": "torch", "dense matmul": "torch (oneDNN)",
+        isa = "avx512" if self.tier == "amx" else self.tier
+        kernels = {"attention": f"{isa} + amx prefill" if self.attention_amx else isa,
+                   "dense matmul": "amx" if self.dense_amx else "torch (oneDNN)",
+                   "quantized matmul": f"{isa} + amx for many rows" if self.quant_amx else isa,
+                   "norms/rotary": isa, "sampling": isa}
+        portable = {"attention": "torch", "dense matmul": "torch (oneDNN)",
                     "quantized matmul": "torch (tiles dequantized)", "norms/rotary": "torch",
                     "sampling": "torch"}
-        isa = "avx512" if self.tier == "amx" else self.tier
-        return {"attention": f"{isa} + amx prefill" if self.attention_amx else isa,
-                "dense matmul": "amx" if self.dense_amx else "torch (oneDNN)",
-                "quantized matmul": f"{isa} + amx for many rows" if self.quant_amx else isa,
-                "norms/rotary": isa, "sampling": isa}
+        return {family: kernels[family] if self.has(family) else portable[family] for family in portable}
 
     def describe(self) -> str:
         """For the start-up line ("" off the CPU, where these kernels do not run)."""
@@ -131,7 +144,8 @@ def select(cpu_isa: str = "auto", device_type: str = "cpu") -> KernelChoice:
         # Off the CPU these kernels never run: nothing is built.
         building = tier != "portable" and device_type == "cpu"
         ops, why = compiled.load(tier) if building else (None, None)
-        choice = KernelChoice(tier, detected, ops, why_portable=why, device_type=device_type)
+        choice = KernelChoice(tier, detected, ops, why_portable=why, device_type=device_type,
+                              kernel_families=compiled.families(tier) if ops is not None else ())
         if ops is not None and tier == "amx":
             choice = dataclasses.replace(
                 choice, attention_amx=envs.PAGEDLLM_ATTENTION_AMX and ops.attention_amx_available(),

@@ -63,7 +63,7 @@ class QuantLinear(nn.Module):
         self._gpu_parts = None  # the parts as the GPU kernel takes them, made on its first call
         # The CPU kernels the tier chosen at load runs (tiers.py): no support checks per call.
         kernels = tiers.current()
-        self.cpu_kernel = kernels.compiled
+        self.cpu_kernel = kernels.has("quantized matmul")
         self.amx_kernel = kernels.quant_amx and self.in_features % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ class QuantEmbedding(nn.Module):
         self.weight_q = weight
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.cpu_kernel = tiers.current().compiled  # chosen at load (tiers.py)
+        self.cpu_kernel = tiers.current().has("quantized matmul")  # chosen at load (tiers.py)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         picked = self.weight_q.select_rows(input_ids.reshape(-1))

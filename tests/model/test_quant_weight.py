@@ -70,7 +70,6 @@ def sum_order_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.shape[1] * 2.0**-23 * (x.abs().double() @ weight.abs().double().T) + 1e-30
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, quant_linear.MAX_KERNEL_ROWS + 1, 70])
 def test_quantized_matmul_is_the_dequantized_matmul(tier, gguf_tensors, qtype, rows):
@@ -101,7 +100,6 @@ def kernel_paths(layer: QuantLinear) -> dict:
     return paths
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 40, 300])
 def test_bfloat16_activations(tier, gguf_tensors, qtype, rows):

@@ -34,7 +34,7 @@ def supports(query: torch.Tensor, key_cache: CacheSide) -> bool:
     return (query.device.type == "cpu" and query.dtype in compiled.KERNEL_DTYPES
             and _takes_cache(query.dtype, key_cache)
             and query.shape[-1] in _HEAD_DIMS and query.shape[1] % key_cache.shape[2] == 0
-            and tiers.current().compiled)
+            and tiers.current().has("attention"))
 
 
 def paged_attention(
@@ -80,7 +80,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: CacheSide, value
 def write_kv_supports(key: torch.Tensor, key_cache: CacheSide) -> bool:
     return (key.device.type == "cpu" and _takes_cache(key.dtype, key_cache)
             and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2]
-            and tiers.current().compiled)
+            and tiers.current().has("attention"))
 
 
 def touch_blocks(kv_caches: list[tuple[CacheSide, CacheSide]], block_ids: torch.Tensor) -> None:
