@@ -1,13 +1,14 @@
 """Building and loading pagedllm's compiled CPU kernels (csrc/): paged attention
-(paged_attention.cpp), the elementwise fusions around it in a layer (fused_ops.cpp: RMSNorm with the
-residual add, rotary in place, SiLU-and-mul), matmuls over quantized weights (quant_matmul.cpp,
-quant_amx.cpp) and over bf16 weights packed for AMX tiles (dense_amx.cpp); and random sampling of
-rows with a temperature alone (sample.cpp). Their Python faces live by family:
-attention/cpu_attention.py, matmul.py, elementwise.py, sampling.py. Built (or found) when an engine
-starts on the CPU, with the local C++ compiler, cached per machine kind, and skipped (with one log
-line) where they cannot be: callers then take the portable torch path. One extension per tier
-(tiers.py), each with its own -m flags and torch op namespace (torch.ops.pagedllm_<tier>), so a
-machine runs and tests every tier it has side by side; tiers.select loads the chosen one.
+(paged_attention.cpp and the files it names, a file per path), the elementwise fusions around it in
+a layer (fused_ops.cpp: RMSNorm with the residual add, rotary in place, SiLU-and-mul), matmuls over
+quantized weights (quant_matmul.cpp, quant_amx.cpp) and over bf16 weights packed for AMX tiles
+(dense_amx.cpp); and random sampling of rows with a temperature alone (sample.cpp). Their Python
+faces live by family: attention/cpu_attention.py, matmul.py, elementwise.py, sampling.py. Built (or
+found) when an engine starts on the CPU, with the local C++ compiler, cached per machine kind, and
+skipped (with one log line) where they cannot be: callers then take the portable torch path. One
+extension per tier (tiers.py), each with its own -m flags and torch op namespace
+(torch.ops.pagedllm_<tier>), so a machine runs and tests every tier it has side by side;
+tiers.select loads the chosen one.
 
 The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the tier, the
 sources, torch, Python and the CPU features compiled for, so a rebuild only happens when one of
@@ -45,9 +46,10 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_AVX512_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp",
-                   "dense_amx.cpp", "sample.cpp")
-_HEADERS = ("vec.h", "quant_packed.h", "amx.h")
+_AVX512_SOURCES = ("paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp", "fused_ops.cpp",
+                   "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp", "sample.cpp")
+_HEADERS = ("vec.h", "quant_packed.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
+            "attention_amx_prefill.h", "attention_amx_decode.h")
 # Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
 _GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp")
 # The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
