@@ -250,6 +250,15 @@ def default_block_size(device_type: str) -> int:
     return 64 if device_type == "cpu" else 16
 
 
+def _cpu_isa(name: str, value) -> None:
+    """One of CPU_ISA_CHOICES, at most the CPU's best tier (pagedllm.kernels.tiers)."""
+    from pagedllm.kernels import tiers  # torch-free; imported where the field is checked
+
+    if not isinstance(value, str):
+        raise _choice_error(name, value, tiers.CPU_ISA_CHOICES)
+    tiers.resolve(value)
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` and the engine flags of every command accept, named like vLLM's
@@ -328,6 +337,10 @@ class EngineConfig:
         "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "
         "key; default: off)", parse=str, check=_speculative_config)
 
+    cpu_isa: str = setting(
+        "auto", "the CPU kernel tier: auto (the best this CPU runs), amx, avx512, avx2 or portable "
+        "(torch alone); a tier above the CPU's is refused (docs/cpu-tiers.md)", check=_cpu_isa)
+
     def __post_init__(self) -> None:
         check_fields(self)
         # The scheduler's own checks, so every entry point rejects the same values.
@@ -353,6 +366,11 @@ class EngineConfig:
             parts[-1] += f" ({self.distributed_executor_backend})"
         if self.batch_invariant:
             parts.append("batch-invariant")
+        from pagedllm.kernels import tiers  # the choice tiers.select made when the model loaded
+
+        choice = tiers.chosen()
+        if choice is not None and choice.describe():
+            parts.append(choice.describe())
         return ", ".join(parts)
 
 

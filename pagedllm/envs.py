@@ -10,8 +10,9 @@ and the variables a launcher (torchrun) hands a tensor-parallel rank.
 `envs.PAGEDLLM_CACHE_DIR` reads the variable as it is now and parses it; a value it cannot parse
 raises ValueError naming the variable and what it takes, and an empty value counts as unset (but
 for a secret, where an empty key is an error of its own). A part reads what it needs once, when it
-starts (a kernel load, a server's start), not per call; PAGEDLLM_ATTENTION_AMX is still read per
-attention call (kernels/attention/cpu_attention.py) until the kernel layer chooses it at load.
+starts (a kernel load, a server's start), not per call: the kernel switches (PAGEDLLM_ATTENTION,
+PAGEDLLM_ATTENTION_AMX, PAGEDLLM_DENSE_AMX) are read once, when the kernel tier is chosen
+(kernels/tiers.py).
 """
 
 from __future__ import annotations

@@ -79,12 +79,16 @@ def after_nan_block(cache: torch.Tensor) -> torch.Tensor:
 
 
 def pytest_sessionstart(session) -> None:
-    """Build the CPU kernels (or find them built) before the first test: a first build takes a
-    minute or two on this kind of machine, which must not count against the per-test timeout
-    (pyproject.toml) of whichever test happens to start the first engine."""
-    from pagedllm.kernels import compiled
+    """Build the CPU kernels of every tier this CPU runs (or find them built) before the first
+    test: a first build takes a minute or two on this kind of machine, which must not count
+    against the per-test timeout (pyproject.toml) of whichever test first starts an engine or
+    asks for a tier (tests/kernel_tiers.py)."""
+    from pagedllm.kernels import compiled, tiers
 
     compiled.available()
+    for tier in tiers.runnable_tiers():
+        if tier != "portable":
+            compiled.load(tier)
 
 
 @pytest.fixture

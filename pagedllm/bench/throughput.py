@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
             "batch_invariant": engine.config.batch_invariant,
             "weights_mib": round(engine.weight_bytes / 2**20, 1),
             "startup_s": round(startup_s, 2), "engine_init_s": round(engine.startup_s, 2),
-            "rss_after_startup_mib": rss_mib}
+            "rss_after_startup_mib": rss_mib, **cpu_tier_fields(engine.device)}
     payload = {"workload": {**summarize(workload), "kind": args.workload, "temperature": args.temperature},
                "single_stream_len": args.single_stream_len, "pagedllm": ours}
     try:
@@ -230,8 +230,27 @@ def _interleaved(engine: LLMEngine, session, requests: list[BenchRequest], summa
     return (summarize_streams(mine), summarize_streams(rival)) if summarize else (mine, rival)
 
 
+def cpu_tier_fields(device) -> dict:
+    """The CPU kernel tier the engine chose, and each family's kernel (none off the CPU)."""
+    from pagedllm.kernels import tiers
+
+    choice = tiers.chosen()
+    if device.type != "cpu" or choice is None:
+        return {}
+    return {"cpu_tier": choice.tier if choice.why_portable is None else "portable",
+            "cpu_kernels": choice.describe()}
+
+
+def _label(system: dict) -> str:
+    """A system's name in the tables, with its CPU kernel tier where it has one."""
+    return f"{system['system']} ({system['cpu_tier']})" if "cpu_tier" in system else system["system"]
+
+
 def _report(payload: dict, rival: str | None) -> None:
     ours, theirs = payload["pagedllm"], payload.get(rival, {})
+    if "cpu_kernels" in ours:
+        print(f"pagedllm's CPU kernels: {ours['cpu_kernels']}")
+    ours = {**ours, "system": _label(ours)}
     columns = ("system", "device", "dtype", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                "elapsed_s", "cpu_s", "output_tokens_per_cpu_s", "startup_s", "peak_rss_mib")
     rows = [[ours.get(c, "-") for c in columns]]

@@ -47,6 +47,7 @@ from pagedllm.distributed.group import (
 )
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
+from pagedllm.kernels import tiers
 from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
 from pagedllm.worker.packet import PacketLayout
 
@@ -65,6 +66,7 @@ def load_engine_model(config: EngineConfig,
     """The engine's model: whole (and no driver), or with tensor_parallel_size > 1 rank 0's shard
     and the driver of its workers, started, and ready once they are given the runner's arguments
     (TensorParallelDriver.start_workers)."""
+    tiers.select(config.cpu_isa, device.type)  # the CPU kernels every layer takes, chosen once
     args = (config.model, config.dtype, device, config.quantization, config.quantization_group_size)
     size = config.tensor_parallel_size
     if size == 1:

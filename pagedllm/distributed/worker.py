@@ -32,6 +32,7 @@ from pagedllm.distributed import protocol
 from pagedllm.distributed.group import CONNECT_TIMEOUT, TensorParallelError, TensorParallelGroup, rank_device
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
+from pagedllm.kernels import tiers
 from pagedllm.model.config import parse_dtype_name
 from pagedllm.model.loader import load_model, read_model_config
 from pagedllm.utils import die_with_parent
@@ -81,6 +82,7 @@ def _start(store: dist.Store, rank: int, size: int, spawned: bool) -> tuple[Mode
     group = TensorParallelGroup(store, rank, size, config.distributed_timeout_s, device)
     torch.set_num_threads(int(store.get(protocol.THREADS_KEY)) if spawned else protocol.launched_threads())
     plan = ShardPlan(read_model_config(config.model), size)
+    tiers.select(config.cpu_isa, device.type)  # the CPU kernels every layer takes, chosen once
     loaded = load_model(config.model, config.dtype, device, config.quantization,
                         config.quantization_group_size, shard=RankShard(plan, rank, group))
     store.wait([protocol.RUNNER_KEY], timedelta(seconds=CONNECT_TIMEOUT.total_seconds()))

@@ -1,20 +1,24 @@
 """Building and loading pagedllm's compiled CPU kernels (csrc/): paged attention
-(paged_attention.cpp), the elementwise fusions around it in a layer (fused_ops.cpp: RMSNorm with
-the residual add, rotary in place, SiLU-and-mul), matmuls over quantized weights (quant_matmul.cpp,
-quant_amx.cpp) and over bf16 weights packed for AMX tiles (dense_amx.cpp); and random sampling of
-rows with a temperature alone (sample.cpp). Their Python faces live by family: attention/cpu.py,
-linear.py, elementwise.py, sampling.py. Built (or found) when an engine starts on the CPU, with the
-local C++ compiler, cached per machine kind, and skipped (with one log line) where they cannot be:
-callers then take the portable torch path.
+(paged_attention.cpp and the files it names, a file per path), the elementwise fusions around it in
+a layer (fused_ops.cpp: RMSNorm with the residual add, rotary in place, SiLU-and-mul), matmuls over
+quantized weights (quant_matmul.cpp, quant_amx.cpp) and over bf16 weights packed for AMX tiles
+(dense_amx.cpp); and random sampling of rows with a temperature alone (sample.cpp). Their Python
+faces live by family: attention/cpu_attention.py, matmul.py, elementwise.py, sampling.py. Built (or
+found) when an engine starts on the CPU, with the local C++ compiler, cached per machine kind, and
+skipped (with one log line) where they cannot be: callers then take the portable torch path. One
+extension per tier (tiers.py), each with its own -m flags and torch op namespace
+(torch.ops.pagedllm_<tier>), so a machine runs and tests every tier it has side by side;
+tiers.select loads the chosen one.
 
-The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the source,
-torch, Python and the CPU features compiled for, so a rebuild only happens when one of them changes,
-and every checkout with the same sources shares one build. It runs in a child process, so it is
+The build goes to $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm, in a folder named by the tier, the
+sources, torch, Python and the CPU features compiled for, so a rebuild only happens when one of
+them changes, and every checkout with the same sources shares one build. It runs in a child process, so it is
 bounded: one that has not finished within $PAGEDLLM_KERNEL_BUILD_TIMEOUT_S (default 900) is
 stopped and the engine takes the portable path, with one warning. A process stopped mid-build
 (Ctrl-C, a closed terminal) leaves no lock that blocks the next one (_build_lock), and a library
 counts as built only once its build finished (the BUILT marker), so the next start builds again.
-PAGEDLLM_ATTENTION=torch turns the kernels off (the portable torch path runs instead).
+PAGEDLLM_ATTENTION=torch (or cpu_isa=portable) turns the kernels off (the portable torch path
+runs instead).
 """
 
 from __future__ import annotations
@@ -42,50 +46,71 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp",
-            "sample.cpp")
-_HEADERS = ("vec.h", "quant_packed.h", "amx.h")
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+_AVX512_SOURCES = ("paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp", "fused_ops.cpp",
+                   "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp", "sample.cpp")
+_HEADERS = ("vec.h", "quant_packed.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
+            "attention_amx_prefill.h", "attention_amx_decode.h")
+# Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
+_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp")
+# The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
+# they compile (the others run portable torch under that tier; the start-up line says which).
+_TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": _GENERIC_SOURCES}
+_ALL_FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
+_TIER_FAMILIES = {"amx": _ALL_FAMILIES, "avx512": _ALL_FAMILIES,
+                  "avx2": ("quantized matmul", "norms/rotary")}
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
-_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-# Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls), AMX
-# tiles (bf16 matmuls, quantized matmuls over many rows, attention over prefill chunks).
-_OPTIONAL_CFLAGS = {"avx512_bf16": "-mavx512bf16", "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
+_BASE_CFLAGS = ["-O3", "-fopenmp"]
+_AVX512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+_TIER_CFLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "avx512": _AVX512_CFLAGS,
+                "amx": [*_AVX512_CFLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]}
+# Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls) on
+# AVX-512; AVX-VNNI's int8 dot products on AVX2.
+_TIER_OPTIONAL_CFLAGS = {"avx512": {"avx512_bf16": "-mavx512bf16"}, "avx2": {"avx_vnni": "-mavxvnni"}}
 # The activation dtypes the kernels are compiled for.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool once a load was tried; "why": the reason it failed
+_loaded: dict[str, tuple[object | None, str | None]] = {}  # tier -> (its ops, or None and why not)
 
 
-def _cflags() -> list[str]:
+def namespace(tier: str) -> str:
+    """The torch op namespace of a tier's extension (one per tier, so several load side by side)."""
+    return f"pagedllm_{tier}"
+
+
+def _sources(tier: str) -> tuple[str, ...]:
+    return _TIER_SOURCES[tier]
+
+
+def families(tier: str) -> tuple[str, ...]:
+    """The kernel families a tier's extension compiles (dense matmul: AMX's where it runs)."""
+    return _TIER_FAMILIES.get(tier, ())
+
+
+def _cflags(tier: str) -> list[str]:
     flags = cpu_flags()
-    return _CFLAGS + [opt for flag, opt in _OPTIONAL_CFLAGS.items() if flag in flags]
+    optional = [opt for flag, opt in _TIER_OPTIONAL_CFLAGS.get(tier, {}).items() if flag in flags]
+    return [*_BASE_CFLAGS, *_TIER_CFLAGS[tier], *optional, f"-DPAGEDLLM_NS={namespace(tier)}"]
 
 
 def cache_dir() -> Path:
     return envs.PAGEDLLM_CACHE_DIR / "torch_extensions"
 
 
-def _build_name() -> str:
+def _build_name(tier: str) -> str:
     key = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
+    for name in _sources(tier) + _HEADERS:
         key.update((_CSRC / name).read_bytes())
-    key.update(" ".join(_cflags()).encode())
+    key.update(" ".join(_cflags(tier)).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
-    return f"pagedllm_cpu_{key.hexdigest()[:16]}"
+    return f"{namespace(tier)}_{key.hexdigest()[:16]}"
 
 
-def _why_unavailable() -> str | None:
-    if envs.PAGEDLLM_ATTENTION == "torch":
-        return "PAGEDLLM_ATTENTION=torch"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the kernel is written for x86-64 with AVX-512; this is {platform.machine()}"
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    missing = [name for name in _SOURCES + _HEADERS if not (_CSRC / name).is_file()]
+def _why_unavailable(tier: str) -> str | None:
+    if not _sources(tier):
+        return f"no compiled kernels are written for the {tier} tier"
+    missing = [name for name in _sources(tier) + _HEADERS if not (_CSRC / name).is_file()]
     if missing:
         return f"{', '.join(missing)} missing from {_CSRC}"
     if shutil.which(envs.CXX) is None:
@@ -93,56 +118,72 @@ def _why_unavailable() -> str | None:
     return None
 
 
-def available() -> bool:
-    """Whether the kernel is loaded (building it on the first call where it can be; an engine
-    calls this at start-up)."""
-    if "ok" in _state:
-        return bool(_state["ok"])
+def load(tier: str) -> tuple[object | None, str | None]:
+    """A tier's compiled ops (torch.ops.pagedllm_<tier>), built or found on the first call; or
+    (None, why not). The caller (tiers.select) has checked that the CPU runs the tier."""
     with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _load()
-    return bool(_state["ok"])
+        if tier not in _loaded:
+            _loaded[tier] = _load(tier)
+    return _loaded[tier]
+
+
+def available() -> bool:
+    """Whether the chosen tier (tiers.current(), building it on the first call where it can be)
+    runs every family's compiled kernel; a tier with some (avx2) says so per family instead
+    (KernelChoice.has), and callers that need all of them take the portable path there."""
+    from pagedllm.kernels import tiers
+
+    return tiers.current().complete
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernels did not load (None where they did, or were not tried yet)."""
-    return _state.get("why")
+    """Why the chosen tier runs no compiled kernels (None where it does)."""
+    from pagedllm.kernels import tiers
+
+    choice = tiers.current()
+    if choice.complete:
+        return None
+    if choice.compiled:
+        return f"the {choice.tier} tier compiles only {', '.join(families(choice.tier))}"
+    return choice.why_portable or "the portable tier was chosen (cpu_isa, or PAGEDLLM_ATTENTION=torch)"
 
 
 _BUILT = "BUILT"  # written into the build folder once the library there is whole
 
 
-def _load() -> bool:
-    why = _why_unavailable()
+def _load(tier: str) -> tuple[object | None, str | None]:
+    why = _why_unavailable(tier)
     if why is None:
         try:
-            name = _build_name()
+            name = _build_name(tier)
             build_dir = cache_dir() / name
             if not (build_dir / _BUILT).is_file():
-                why = _build_in_child(build_dir, name)
+                why = _build_in_child(build_dir, name, tier)
             if why is None:
                 torch.ops.load_library(str(build_dir / f"{name}.so"))
-                logger.debug("CPU kernels loaded from %s", build_dir)
-                return True
+                logger.debug("CPU kernels (%s) loaded from %s", tier, build_dir)
+                return getattr(torch.ops, namespace(tier)), None
         except Exception as exc:  # a failed build must never stop the engine
             why = f"the build failed ({type(exc).__name__}: {str(exc).strip()[-500:]})"
-    _state["why"] = why
-    logger.warning("CPU kernels unavailable, using the portable torch path: %s", why)
-    return False
+    logger.warning("CPU kernels unavailable (%s tier), using the portable torch path: %s",
+                   tier, why)
+    return None, why
 
 
 def build_timeout_s() -> float:
     return envs.PAGEDLLM_KERNEL_BUILD_TIMEOUT_S
 
 
-def _build_in_child(build_dir: Path, name: str) -> str | None:
+def _build_in_child(build_dir: Path, name: str, tier: str) -> str | None:
     """Build the library in a child process (its own process group, so a stop takes the compiler
     with it), waiting at most build_timeout_s(). None once built; else why not."""
     timeout = build_timeout_s()
-    spec = {"name": name, "build_dir": str(build_dir), "cflags": _cflags(),
-            "files": {n: str(_CSRC / n) for n in _SOURCES + _HEADERS}, "sources": list(_SOURCES)}
-    logger.info("building pagedllm's CPU kernels in %s: once per version of their sources, about "
-                "1-2 minutes (at most %.0f s, PAGEDLLM_KERNEL_BUILD_TIMEOUT_S)", build_dir, timeout)
+    spec = {"name": name, "build_dir": str(build_dir), "cflags": _cflags(tier),
+            "files": {n: str(_CSRC / n) for n in _sources(tier) + _HEADERS},
+            "sources": list(_sources(tier))}
+    logger.info("building pagedllm's CPU kernels (%s tier) in %s: once per version of their sources, about "
+                "1-2 minutes (at most %.0f s, PAGEDLLM_KERNEL_BUILD_TIMEOUT_S)", tier, build_dir,
+                timeout)
     started = time.monotonic()
     env = envs.child_environ()
     child = subprocess.Popen(

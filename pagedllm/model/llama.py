@@ -6,10 +6,11 @@ One flat batch of T tokens from many requests goes through each layer together; 
 looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
 q/k/v projection, one gate/up projection): fewer, larger matmuls are faster on CPU.
 
-On CPUs where pagedllm's compiled kernels are built (pagedllm.kernels), the
-elementwise work between the matmuls runs fused: the residual add inside RMSNorm, rotary in place
-on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() packs bf16 matmul weights once for the
-CPU's matmul kernels (packed_linear.py). Elsewhere the plain torch code below runs.
+Where the chosen CPU kernel tier has compiled kernels (pagedllm.kernels.tiers: read once, when a
+layer is built), the elementwise work between the matmuls runs fused: the residual add inside
+RMSNorm, rotary in place on the q/k/v rows, SiLU-and-mul; and prepack_for_cpu() packs bf16 matmul
+weights once for the CPU's matmul kernels (packed_linear.py). Elsewhere the plain torch code below
+runs.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused_ops = elementwise.fused_ops_chosen()  # the kernel tier's choice, made at load
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
-        fused = (elementwise.fused_ops_support(x) and x.dim() == 2 and x.is_contiguous()
+        fused = (self.fused_ops and elementwise.takes(x) and x.dim() == 2 and x.is_contiguous()
                  and self.weight.dtype == x.dtype)
         if residual is None:
             return elementwise.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
@@ -83,7 +85,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # Rotary in place on the q/k/v rows needs q and k as projected, and whole heads rotated.
-        self.rotary_in_place = self.q_norm is None and config.rotary_dim == self.head_dim
+        self.rotary_in_place = (self.q_norm is None and config.rotary_dim == self.head_dim
+                                and elementwise.fused_ops_chosen())
 
     def forward(
         self,
@@ -95,7 +98,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if (self.rotary_in_place and elementwise.fused_ops_support(qkv) and qkv.stride(-1) == 1
+        if (self.rotary_in_place and elementwise.takes(qkv) and qkv.stride(-1) == 1
                 and cos.is_contiguous()):
             # Rotate q and k where they are, then take views: no copies.
             elementwise.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -125,7 +128,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size  # an expert's own
         self.act = ACTIVATIONS[config.hidden_act]
-        self.fused_silu = config.hidden_act == "silu"  # the compiled kernel does SiLU-and-mul
+        self.fused_silu = config.hidden_act == "silu"  # the compiled kernels do SiLU-and-mul
+        self.silu_kernel = self.fused_silu and elementwise.fused_ops_chosen()  # chosen at load
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(
@@ -135,7 +139,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if getattr(self.gate_up_proj, "gated_silu", False):  # SiLU-and-mul done (packed_linear.py)
             return self.down_proj(gate_up)
-        if self.fused_silu and elementwise.fused_ops_support(gate_up) and gate_up.stride(-1) == 1:
+        if self.silu_kernel and elementwise.takes(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(elementwise.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

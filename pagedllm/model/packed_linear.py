@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
-from pagedllm.kernels import matmul
+from pagedllm.kernels import matmul, tiers
 
 
 class PackedLinear(nn.Module):
@@ -34,14 +33,13 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.amx = (self.in_features % 32 == 0 and envs.PAGEDLLM_DENSE_AMX
-                    and matmul.dense_amx_available())
+        self.amx = self.in_features % 32 == 0 and matmul.dense_amx_available()  # the tier's choice
         self.gated_silu = gated_silu and self.amx
         if self.gated_silu:
             self.out_features //= 2
         if self.amx:
             self.packed_weight = matmul.dense_amx_pack(weight.detach(), self.gated_silu)
-            self._mm = torch.ops.pagedllm_cpu.dense_amx_mm.default  # looked up once, not per call
+            self._mm = tiers.current().ops.dense_amx_mm.default  # looked up once, not per call
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max_num_tokens)

@@ -10,8 +10,11 @@ A QuantLinear picks its kernel by the number of rows it multiplies:
 - more rows otherwise (float32, no AMX): the weight is dequantized a tile of output rows at a time
   into the activations' dtype and multiplied with torch's GEMM, so only one tile of float weights
   exists at a time;
-- without the compiled kernels (no AVX-512, no compiler, PAGEDLLM_ATTENTION=torch): the portable
-  torch path, dequantize then F.linear, which is also the reference the kernels are tested against.
+- without the compiled kernels (the portable tier, no compiler, PAGEDLLM_ATTENTION=torch): the
+  portable torch path, which dequantizes one tile of output rows at a time (never the whole
+  weight) and multiplies it with F.linear; it is also the oracle the kernels are tested against.
+The kernels are those of the tier chosen at load (pagedllm.kernels.tiers), read when a layer is
+built.
 On CUDA every row count goes to the Triton kernel (pagedllm.kernels.triton_quant_matmul), which
 dequantizes inside the matmul; the loader keeps GGUF weights quantized there only where Triton is.
 Weight-only: activations stay in the model's dtype and products are summed in float32 over the
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import matmul
+from pagedllm.kernels import compiled, matmul, tiers
 from pagedllm.model.quant_weight import QuantizedWeight, stack_rows
 
 # Up to this many rows the few-rows kernel runs; above it AMX where it can, else dequantized tiles
@@ -40,6 +43,9 @@ MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_BEFORE_AMX = 4
 # Output rows dequantized at once on the GEMM path: a tile of about 1 MiB of bf16 weights.
 TILE_ELEMENTS = 1 << 19
+# Weights the portable path dequantizes at once: its float32 tile (and the temporaries of
+# QuantizedWeight.dequantize, a few times the tile) stay within cache-sized buffers.
+PORTABLE_TILE_ELEMENTS = 1 << 16
 
 
 class QuantLinear(nn.Module):
@@ -55,16 +61,20 @@ class QuantLinear(nn.Module):
         # number of rows, whose sums run in one order per row.
         self.row_invariant = False
         self._gpu_parts = None  # the parts as the GPU kernel takes them, made on its first call
+        # The CPU kernels the tier chosen at load runs (tiers.py): no support checks per call.
+        kernels = tiers.current()
+        self.cpu_kernel = kernels.has("quantized matmul")
+        self.amx_kernel = kernels.quant_amx and self.in_features % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if on_gpu(rows):
             out = self._gpu_forward(rows)
-        elif not matmul.quant_support(rows) or rows.stride(-1) != 1:
-            out = F.linear(rows, self.dequantize(rows.dtype), self.bias)
+        elif not self.cpu_kernel or rows.dtype not in compiled.KERNEL_DTYPES or rows.stride(-1) != 1:
+            out = self.portable(rows)
         elif rows.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant:
             out = self._kernel(rows, matmul.quant_linear)
-        elif rows.dtype == torch.bfloat16 and self.in_features % 32 == 0 and matmul.quant_amx_available():
+        elif rows.dtype == torch.bfloat16 and self.amx_kernel:
             out = self._kernel(rows, matmul.quant_linear_amx)
         elif rows.shape[0] <= MAX_KERNEL_ROWS:
             out = self._kernel(rows, matmul.quant_linear)
@@ -76,14 +86,30 @@ class QuantLinear(nn.Module):
         from pagedllm.kernels import triton_quant_matmul  # Triton only where a GPU runs
 
         if not triton_quant_matmul.supports(rows, self.parts):
-            return F.linear(rows, self.dequantize(rows.dtype), self.bias)
+            return self.portable(rows)
         if self._gpu_parts is None:
             self._gpu_parts = triton_quant_matmul.prepare(self.parts)
         return triton_quant_matmul.linear(rows, self._gpu_parts, self.bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole float weight [out_features, in_features] (the portable path)."""
+        """The whole float weight [out_features, in_features] (tests, and the GPU without Triton)."""
         return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def portable(self, rows: torch.Tensor) -> torch.Tensor:
+        """The portable path, and the oracle of the kernels: torch alone, the weight dequantized
+        (QuantizedWeight.dequantize, gguf's values) one tile of output rows at a time, so only
+        one tile of float weights exists at a time whatever the layer's size."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype, device=rows.device)
+        tile_rows = portable_tile_rows(self.in_features)
+        start = 0
+        for part in self.parts:
+            for lo in range(0, part.shape[0], tile_rows):
+                hi = min(lo + tile_rows, part.shape[0])
+                weight = part.rows(lo, hi).dequantize(rows.dtype)
+                bias = None if self.bias is None else self.bias[start + lo:start + hi].to(rows.dtype)
+                out[:, start + lo:start + hi] = F.linear(rows, weight, bias)
+            start += part.shape[0]
+        return out
 
     def _kernel(self, rows: torch.Tensor, kernel) -> torch.Tensor:
         # A decode step calls this some hundred times: the Python around the kernel is kept short.
@@ -129,14 +155,21 @@ class QuantEmbedding(nn.Module):
         self.weight_q = weight
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
+        self.cpu_kernel = tiers.current().has("quantized matmul")  # chosen at load (tiers.py)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         picked = self.weight_q.select_rows(input_ids.reshape(-1))
-        if matmul.quant_dtype_support(self.dtype, picked.codes.device):
+        if self.cpu_kernel and picked.codes.device.type == "cpu" and self.dtype in compiled.KERNEL_DTYPES:
             rows = matmul.quant_dequantize(picked, self.dtype)
         else:
             rows = picked.dequantize(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def portable_tile_rows(in_features: int) -> int:
+    """Output rows the portable path dequantizes at once: about PORTABLE_TILE_ELEMENTS weights
+    (16 rows at least)."""
+    return max(16, PORTABLE_TILE_ELEMENTS // in_features)
 
 
 def on_gpu(rows: torch.Tensor) -> bool:

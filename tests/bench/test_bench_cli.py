@@ -33,3 +33,17 @@ def test_building_the_cli_imports_no_bench_and_a_bench_brings_its_own_flags():
     assert "pagedllm.bench.throughput" in seen["after"]
     assert "pagedllm.bench.structured" not in seen["after"]
     assert seen["num_prompts"] == 64 and seen["func"] == "pagedllm.bench.throughput"  # its defaults
+
+
+def test_throughput_reports_the_cpu_tier_with_its_figures():
+    import torch
+
+    from pagedllm.bench import throughput
+    from tests.kernel_tiers import kernel_tier
+
+    with kernel_tier("portable"):
+        fields = throughput.cpu_tier_fields(torch.device("cpu"))
+        assert throughput.cpu_tier_fields(torch.device("cuda")) == {}
+    assert fields["cpu_tier"] == "portable" and "attention torch" in fields["cpu_kernels"]
+    assert throughput._label({"system": "pagedllm", **fields}) == "pagedllm (portable)"
+    assert throughput._label({"system": "llama.cpp"}) == "llama.cpp"

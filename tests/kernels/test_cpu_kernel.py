@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from pagedllm.kernels import attention, compiled
+from pagedllm.kernels import attention, compiled, tiers
 from pagedllm.kernels.attention import allocate_kv_cache, cpu_attention, torch_ref, write_kv
 from pagedllm.utils import cdiv
 from tests.conftest import after_nan_block, build_attn_metadata, punch_window_holes
 
 needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernel unavailable: {compiled._state.get('why')}")
+                                  reason=f"CPU kernel unavailable: {compiled.unavailable_reason()}")
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -156,27 +156,29 @@ def test_unsupported_calls_take_the_torch_path():
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr(compiled, "_state", {})
-    monkeypatch.setattr(compiled, "_why_unavailable", lambda: None)
-    monkeypatch.setattr(compiled, "_build_name", lambda: "pagedllm_cpu_test_broken")
-    monkeypatch.setattr(compiled, "_SOURCES", ("does_not_exist.cpp",))
+    monkeypatch.setattr(compiled, "_loaded", {})
+    monkeypatch.setattr(tiers, "_choice", [])
+    monkeypatch.setattr(compiled, "_why_unavailable", lambda tier: None)
+    monkeypatch.setattr(compiled, "_build_name", lambda tier: "pagedllm_test_broken")
+    monkeypatch.setattr(compiled, "_TIER_SOURCES", {t: ("does_not_exist.cpp",) for t in tiers.TIERS})
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     query, key_cache, value_cache, meta = make_case(
         [(0, 6), (4, 1)], block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
         seed=3)
-    with caplog.at_level(logging.WARNING, logger="pagedllm.kernels.attention.cpu_kernel"):
+    with caplog.at_level(logging.WARNING, logger="pagedllm.kernels.compiled"):
         for _ in range(3):
             out = attention.paged_attention(query, key_cache, value_cache, meta, 0.25)
     torch.testing.assert_close(out, torch_ref.paged_attention(query, key_cache, value_cache, meta, 0.25))
     warnings = [r for r in caplog.records if "portable torch path" in r.getMessage()]
     assert len(warnings) == 1
+    assert "did not build" in tiers.current().describe()
 
 
 def test_env_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setattr(compiled, "_state", {})
+    monkeypatch.setattr(tiers, "_choice", [])
     monkeypatch.setenv("PAGEDLLM_ATTENTION", "torch")
     assert not compiled.available()
-    assert "PAGEDLLM_ATTENTION" in compiled._state["why"]
+    assert tiers.current().tier == "portable"
 
 
 @needs_kernel

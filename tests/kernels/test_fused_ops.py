@@ -1,5 +1,5 @@
-"""The fused elementwise CPU ops against the torch code they replace in model/llama.py, and the
-prepacked bf16 matmul weights against F.linear."""
+"""The fused elementwise CPU ops of every compiled tier this CPU runs against the torch code they
+replace in model/llama.py, and the prepacked bf16 matmul weights against F.linear."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.rope import apply_rotary
 
 needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled._state.get('why')}")
+                                  reason=f"CPU kernels unavailable: {compiled.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -23,19 +23,17 @@ def close(got, expected):
     torch.testing.assert_close(got, expected, **tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,features", [(1, 576), (37, 64), (300, 100), (5, 8)])
-def test_rms_norm(dtype, rows, features):
+def test_rms_norm(tier, dtype, rows, features):
     norm = RMSNorm(features, 1e-5).to(dtype)
     norm.weight.data = torch.randn(features).to(dtype)
     x = torch.randn(rows, features).to(dtype) * 3
     close(elementwise.rms_norm(x, norm.weight, 1e-5), norm._norm(x))
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_in_place(dtype):
+def test_add_rms_norm_in_place(tier, dtype):
     norm = RMSNorm(576, 1e-6).to(dtype)
     norm.weight.data = torch.randn(576).to(dtype)
     x, residual = torch.randn(70, 576).to(dtype), torch.randn(70, 576).to(dtype)
@@ -47,19 +45,17 @@ def test_add_rms_norm_in_place(dtype):
     close(out, expected)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 40), (200, 64)])
-def test_silu_and_mul(dtype, rows, inter):
+def test_silu_and_mul(tier, dtype, rows, inter):
     gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)
     gate, up = gate_up.split(inter, dim=-1)
     close(elementwise.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 1, 128), (3, 3, 8)])
-def test_rotary_in_place(dtype, heads, kv_heads, head_dim):
+def test_rotary_in_place(tier, dtype, heads, kv_heads, head_dim):
     tokens = 23
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 50

@@ -13,11 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pagedllm.kernels import compiled
+from pagedllm.kernels import compiled, tiers
 from tests.model.tiny import make_hf_model, save_checkpoint
 
 ROOT = Path(__file__).parents[2]
-needs_compiler = pytest.mark.skipif(compiled._why_unavailable() is not None,
+TIER = tiers.detect_tier()  # the one an engine builds by default
+needs_compiler = pytest.mark.skipif(TIER == "portable" or compiled._why_unavailable(TIER) is not None,
                                     reason="the CPU kernels cannot be built here")
 
 
@@ -67,15 +68,17 @@ def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
                 and p.status() != psutil.STATUS_ZOMBIE], "a build was left running"
 
 
-def test_two_checkouts_share_one_build(tmp_path, monkeypatch):
-    """The build folder is named by the sources' bytes, not where they are."""
-    here = compiled._build_name()
+@pytest.mark.parametrize("tier", ["avx2", "avx512", "amx"])
+def test_two_checkouts_share_one_build(tier, tmp_path, monkeypatch):
+    """The build folder is named by the tier and the sources' bytes, not where they are."""
+    here = compiled._build_name(tier)
     copy = tmp_path / "elsewhere" / "csrc"
     shutil.copytree(compiled._CSRC, copy)
     monkeypatch.setattr(compiled, "_CSRC", copy)
-    assert compiled._build_name() == here
+    assert compiled._build_name(tier) == here
+    assert here.startswith(compiled.namespace(tier))
     (copy / "vec.h").write_text((copy / "vec.h").read_text() + "\n// changed\n")
-    assert compiled._build_name() != here
+    assert compiled._build_name(tier) != here
 
 
 def test_a_bad_timeout_is_named(monkeypatch):

@@ -24,7 +24,7 @@ from pagedllm.kernels.attention.kv_quant import FORMATS, dequantize, kv_format, 
 from tests.kernels.test_cpu_kernel import MIXED, TOLERANCE, make_case
 
 needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernel unavailable: {compiled._state.get('why')}")
+                                  reason=f"CPU kernel unavailable: {compiled.unavailable_reason()}")
 COMPRESSED = list(FORMATS)
 
 

@@ -1,24 +1,20 @@
-"""A whole model, prefill then batched decodes through the paged cache, with the CPU kernels (paged
-attention and the fused elementwise ops) and with the portable torch path: the same logits (fp32:
-to float rounding; bf16: to bf16 rounding) and, in fp32, the same greedy tokens; on plain and on
-compressed KV caches."""
+"""A whole model, prefill then batched decodes through the paged cache, with the CPU kernels of each
+tier this CPU runs (paged attention and the fused elementwise ops) and with the portable tier: the
+same logits (fp32: to float rounding; bf16: to bf16 rounding) and, in fp32, the same greedy
+tokens; on plain and on compressed KV caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm.kernels import compiled, elementwise
-from pagedllm.kernels.attention import cpu_attention
 from pagedllm.model.loader import load_model
 
 pytest.importorskip("transformers")
 
+from tests.kernel_tiers import kernel_tier  # noqa: E402
 from tests.model.paged import PagedSequences  # noqa: E402
 from tests.model.tiny import make_hf_model, save_checkpoint  # noqa: E402
-
-needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled._state.get('why')}")
 
 PROMPTS = [[5, 9, 20, 33, 41, 7, 7, 100, 3, 18, 2], [77, 1, 250], [12] * 19]
 
@@ -37,21 +33,20 @@ def generate(model, steps: int, kv_cache_dtype: str) -> tuple[list[list[int]], l
     return tokens, all_logits
 
 
-@needs_kernel
 @pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "mistral_linear_rope_window",
                                    "qwen3_qk_norm", "gemma2_softcap_window", "phi3_longrope_window"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
-def test_kernels_and_torch_path_agree(shape, dtype, kv_cache_dtype, tmp_path, monkeypatch):
+def test_kernels_and_torch_path_agree(tier, shape, dtype, kv_cache_dtype, tmp_path):
+    """Each compiled tier this CPU runs against the portable tier, each model built under its tier."""
     folder = save_checkpoint(make_hf_model(shape), tmp_path / shape)
     model = load_model(folder, dtype=dtype).model
     assert model.config.head_dim in (16, 32, 64, 128, 256)  # a size the kernel takes
     fast_tokens, fast_logits = generate(model, steps=8, kv_cache_dtype=kv_cache_dtype)
 
-    for module, name in ((cpu_attention, "supports"), (cpu_attention, "write_kv_supports"),
-                         (elementwise, "fused_ops_support")):
-        monkeypatch.setattr(module, name, lambda *args: False)
-    slow_tokens, slow_logits = generate(model, steps=8, kv_cache_dtype=kv_cache_dtype)
+    with kernel_tier("portable"):
+        slow_model = load_model(folder, dtype=dtype).model
+        slow_tokens, slow_logits = generate(slow_model, steps=8, kv_cache_dtype=kv_cache_dtype)
 
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
     if dtype == "float32" and kv_cache_dtype != "auto":

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.kernel_tiers import tier  # noqa: F401  (the compiled kernel tiers this CPU runs)
+
 
 @pytest.fixture(autouse=True, scope="package")
 def _one_torch_thread():

@@ -15,10 +15,11 @@ from pagedllm.model import quant_linear
 from pagedllm.model.gguf_repack import REPACKERS, repack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from pagedllm.model.quant_weight import QuantizedWeight, check_quantizable, quantize
+from tests.kernel_tiers import kernel_tier
 from tests.model.quant_blocks import random_blocks, write_tensors
 
 needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled._state.get('why')}")
+                                  reason=f"CPU kernels unavailable: {compiled.unavailable_reason()}")
 TYPES = sorted(REPACKERS, key=lambda t: t.name)
 ROWS, COLS = 24, 512  # COLS: two K-quant super-blocks, sixteen 32-blocks
 
@@ -69,10 +70,9 @@ def sum_order_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.shape[1] * 2.0**-23 * (x.abs().double() @ weight.abs().double().T) + 1e-30
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, quant_linear.MAX_KERNEL_ROWS + 1, 70])
-def test_quantized_matmul_is_the_dequantized_matmul(gguf_tensors, qtype, rows):
+def test_quantized_matmul_is_the_dequantized_matmul(tier, gguf_tensors, qtype, rows):
     """Both kernel paths (few rows: in-register dequantization; many: dequantized tiles and a
     GEMM) against the float64 matmul of the dequantized weight, within fp32 summation error."""
     weight, reference = repacked(gguf_tensors, qtype)
@@ -100,10 +100,9 @@ def kernel_paths(layer: QuantLinear) -> dict:
     return paths
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 40, 300])
-def test_bfloat16_activations(gguf_tensors, qtype, rows):
+def test_bfloat16_activations(tier, gguf_tensors, qtype, rows):
     """bf16 activations through every path: few rows (4-bit codes: bf16 dot products; 8-bit: the
     fp32 kernel), AMX tiles (up to and past its 256-row chunks), dequantized tiles and a GEMM."""
     weight, reference = repacked(gguf_tensors, qtype)
@@ -152,15 +151,38 @@ def test_fused_parts_of_different_layouts(gguf_tensors):
                 <= sum_order_bound(x, reference) + 1e-6).all()
 
 
-def test_portable_path_without_kernels(gguf_tensors, monkeypatch):
-    """Where the kernels cannot run, the layer dequantizes and calls F.linear: the reference."""
+def test_portable_path_without_kernels(gguf_tensors):
+    """Under the portable tier the layer dequantizes tiles and calls F.linear: the reference."""
     weight, reference = repacked(gguf_tensors, gguf.GGMLQuantizationType.Q5_K)
-    monkeypatch.setattr(matmul, "quant_support", lambda x: False)
     x = torch.randn(3, COLS)
-    assert torch.equal(QuantLinear([weight])(x), F.linear(x, reference))
-    embedding = QuantEmbedding(weight, torch.float32)
+    with kernel_tier("portable"):
+        layer, embedding = QuantLinear([weight]), QuantEmbedding(weight, torch.float32)
+    assert not layer.cpu_kernel
+    torch.testing.assert_close(layer(x), F.linear(x, reference), atol=1e-6, rtol=1e-6)
     ids = torch.tensor([[3, 0], [23, 3]])
     assert torch.equal(embedding(ids), reference[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_the_portable_path_never_dequantizes_a_whole_weight(rows, monkeypatch):
+    """The portable path's float weights exist one tile of output rows at a time (measured at
+    QuantizedWeight.dequantize, where they are made), however large the layer; the tiles' products
+    are the whole dequantized weight's."""
+    out_features, in_features = 1000, 256
+    weight = quantize(torch.randn(out_features, in_features), bits=4, group_size=32)
+    parts = [weight.rows(0, 600), quantize(torch.randn(400, in_features), bits=8, group_size=32)]
+    monkeypatch.setattr(quant_linear, "PORTABLE_TILE_ELEMENTS", 64 * in_features)
+    with kernel_tier("portable"):
+        layer = QuantLinear(parts, bias=torch.randn(out_features))
+    x = torch.randn(rows, in_features)
+    reference = F.linear(x, layer.dequantize(torch.float32), layer.bias)
+    made: list[int] = []
+    real = QuantizedWeight.dequantize
+    monkeypatch.setattr(QuantizedWeight, "dequantize",
+                        lambda self, dtype=torch.float32: made.append(self.shape[0]) or real(self, dtype))
+    out = layer(x)
+    assert made and max(made) == 64 and sum(made) == out_features
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,13 +11,13 @@ import gguf
 import pytest
 import torch
 
-from pagedllm.kernels import matmul
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.gguf_file import SUPPORTED_TYPES
 from pagedllm.model.gguf_repack import REPACKERS
 from pagedllm.model.loader import load_model
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
 from tests.conftest import requires_default_model
+from tests.kernel_tiers import kernel_tier
 from tests.model.paged import greedy_generate
 from tests.model.tiny import make_hf_model, write_gguf
 
@@ -92,9 +92,9 @@ def _cache(model, num_tokens):
 
 
 @pytest.mark.parametrize("quantization,group_size", [("int8", 32), ("int4", 32), ("int4", 16)])
-def test_hf_folder_quantized_at_load(tiny_checkpoint, monkeypatch, quantization, group_size):
-    """int8 / int4 on a float checkpoint: every matmul weight quantized, the kernels' greedy
-    tokens equal the portable path's (dequantize, then F.linear) on the same weights."""
+def test_hf_folder_quantized_at_load(tiny_checkpoint, tier, quantization, group_size):
+    """int8 / int4 on a float checkpoint: every matmul weight quantized, each compiled tier's
+    greedy tokens equal the portable tier's (tiles dequantized, then F.linear) on the same weights."""
     folder = tiny_checkpoint("llama_mha_tied_bias").folder  # biases, tied head, head_dim 24
     loaded = load_model(folder, dtype="float32", quantization=quantization, group_size=group_size)
     full = load_model(folder, dtype="float32")
@@ -103,8 +103,9 @@ def test_hf_folder_quantized_at_load(tiny_checkpoint, monkeypatch, quantization,
     assert {p.source for m in layers for p in m.parts} == {quantization, "int8"}  # head: int8
     assert f"-> {quantization} g{group_size}" in loaded.weights_note
     with_kernels = greedy_generate(loaded.model, PROMPTS, max_new_tokens=10)
-    monkeypatch.setattr(matmul, "quant_support", lambda x: False)
-    assert with_kernels == greedy_generate(loaded.model, PROMPTS, max_new_tokens=10)
+    with kernel_tier("portable"):
+        portable = load_model(folder, dtype="float32", quantization=quantization, group_size=group_size)
+        assert with_kernels == greedy_generate(portable.model, PROMPTS, max_new_tokens=10)
 
 
 def test_weights_that_do_not_fit_the_group_stay_float(tiny_checkpoint):

@@ -456,14 +456,14 @@ at::Tensor dense_amx_argmax(const at::Tensor& x, const at::Tensor& packed, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("dense_amx_available", &dense_amx_available);
   m.def("dense_amx_pack(Tensor weight, bool gated) -> Tensor");
   m.def("dense_amx_mm(Tensor x, Tensor packed, Tensor? bias, int N, bool gated) -> Tensor");
   m.def("dense_amx_argmax(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("dense_amx_pack", &dense_amx_pack);
   m.impl("dense_amx_mm", &dense_amx_mm);
   m.impl("dense_amx_argmax", &dense_amx_argmax);

@@ -214,12 +214,12 @@ void quant_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_amx_available", &quant_amx_available);
   m.def("quant_linear_amx(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("quant_linear_amx", &quant_linear_amx);
 }

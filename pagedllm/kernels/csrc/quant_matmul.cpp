@@ -400,14 +400,14 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
 }

@@ -112,10 +112,10 @@ at::Tensor sample_plain(const at::Tensor& logits, const at::Tensor& rows, const 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("sample_plain(Tensor logits, Tensor rows, Tensor temperatures, Tensor uniforms) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("sample_plain", &sample_plain);
 }
