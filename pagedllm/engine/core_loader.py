@@ -99,7 +99,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     # largest of any rank's, so the budget is what each rank's cache may take.
     bytes_per_block = kv_cache_bytes_per_block(
         model_config.num_hidden_layers, config.block_size, model.config.num_key_value_heads,
-        model_config.head_dim, dtype, config.kv_cache_dtype)
+        model_config.head_dim, dtype, config.kv_cache_dtype, values_share_keys=model_config.kv_lora_rank > 0)
     kv_plan = plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
                             sliding_window=model_config.kv_window,
                             free_device_bytes=_free_device_bytes(device))

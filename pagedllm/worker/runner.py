@@ -101,7 +101,7 @@ class ModelRunner:
                       and (graph_capture is not None or self.device.type == "cuda"))
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks + int(use_graphs), block_size,
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
-                                           kv_cache_dtype)
+                                           kv_cache_dtype, values_share_keys=cfg.kv_lora_rank > 0)
         self.upload = StepUpload(self.device)
         # The packet carries the lengths and the table's changes where a copy of the table follows.
         self._packs_table = self.upload.uploads or mirrored

@@ -134,19 +134,25 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     kv_cache_dtype: str = "auto",
+    values_share_keys: bool = False,
 ) -> list[KVCache]:
     """One zeroed (key_cache, value_cache) pair per layer, in the model's dtype (kv_cache_dtype
-    "auto") or compressed: views into one allocation (two with scales)."""
+    "auto") or compressed: views into one allocation (two with scales). values_share_keys: one
+    cache per layer, given as both (latent attention reads its one latent as keys and values:
+    model/mla.py)."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    full_shape = (num_layers, 2, *shape)
+    sides = 1 if values_share_keys else 2
+    full_shape = (num_layers, sides, *shape)
     fmt = kv_format(kv_cache_dtype)
     if fmt is None:
         caches = _zeros(full_shape, dtype, device)
-        return [(caches[layer, 0], caches[layer, 1]) for layer in range(num_layers)]
-    codes = _zeros(full_shape, fmt.storage, device)
-    scales = _zeros(full_shape[:-1], kv_quant.SCALE_DTYPE, device)
-    return [tuple(QuantizedKV(codes[layer, side], scales[layer, side]) for side in (0, 1))
-            for layer in range(num_layers)]
+        layers = [[caches[layer, side] for side in range(sides)] for layer in range(num_layers)]
+    else:
+        codes = _zeros(full_shape, fmt.storage, device)
+        scales = _zeros(full_shape[:-1], kv_quant.SCALE_DTYPE, device)
+        layers = [[QuantizedKV(codes[layer, side], scales[layer, side]) for side in range(sides)]
+                  for layer in range(num_layers)]
+    return [(parts[0], parts[-1]) for parts in layers]  # one object as both where values share keys
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -168,13 +174,13 @@ _UNWRITTEN_ZEROS_BYTES = 48 * 2**20
 
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", values_share_keys: bool = False,
 ) -> int:
     """Bytes one physical block takes across all layers, keys and values together (codes and
-    their scales, for a compressed cache)."""
+    their scales, for a compressed cache; keys alone where values_share_keys)."""
     fmt = kv_format(kv_cache_dtype)
     per_head = head_dim * dtype.itemsize if fmt is None else fmt.bytes_per_head(head_dim)
-    return 2 * num_layers * block_size * num_kv_heads * per_head
+    return (1 if values_share_keys else 2) * num_layers * block_size * num_kv_heads * per_head
 
 
 def copy_blocks(kv_caches: list[KVCache], src: list[int], dst: list[int]) -> None:
@@ -183,6 +189,7 @@ def copy_blocks(kv_caches: list[KVCache], src: list[int], dst: list[int]) -> Non
         return
     device = kv_caches[0][0].device
     src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-    for layer in kv_caches:
-        for side in layer:
-            kv_quant.copy_blocks(side, src_ids, dst_ids)
+    for keys, values in kv_caches:
+        kv_quant.copy_blocks(keys, src_ids, dst_ids)
+        if values is not keys:  # latent attention's one cache serves as both
+            kv_quant.copy_blocks(values, src_ids, dst_ids)
