@@ -10,6 +10,8 @@ the start-up line: EngineCore.facts). Each part's own:
   its output (their requests read nothing from the prefix cache: the scheduler's rule).
 - sample: pagedllm.engine.token_choice (argmax, a chooser such as beam search, or the sampler;
   rows masked by their grammars first).
+- a failed step: the requests that fail the model alone end, the others run again without them
+  (pagedllm.engine.step_isolation).
 - update: a sequence's Choice continues it, forks children (RequestGroup.branch, sharing the
   prompt's blocks) or ends it; a grammar that completes or refuses a token finishes it. A request
   whose grammar still compiles waits outside the scheduler until it is ready.
@@ -28,24 +30,17 @@ from pagedllm.engine.core_loader import CoreParts, load_core_parts
 from pagedllm.engine.core_requests import CoreRequests
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
+from pagedllm.engine.step_isolation import StepError, StepIsolation
 from pagedllm.engine.token_choice import Chooser, choose_tokens
 from pagedllm.model.loader import LoadedModel
 
+__all__ = ["EngineCore", "StepError"]
 logger = logging.getLogger(__name__)
 ABORTED = RequestStatus.FINISHED_ABORTED
 _GRAMMAR_WAIT_S = 0.005  # a core with only compiling grammars to wait for sleeps this between looks
 
 
-class StepError(RuntimeError):
-    """A step failed. The requests it ran are finished (aborted, their blocks freed) already;
-    request_ids names them. The cause is chained (raise ... from)."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"the engine step failed: {cause!r}")
-        self.request_ids = request_ids
-
-
-class EngineCore:
+class EngineCore(StepIsolation):
     def __init__(self, parts: CoreParts) -> None:
         self.scheduler, self.executor, self.sampler = parts.scheduler, parts.executor, parts.sampler
         self.structured, self.grammar_compiler = parts.structured, parts.grammar_compiler
@@ -112,12 +107,12 @@ class EngineCore:
         counts.update(step_requests=len(out.scheduled), step_blocks=self.kv_manager.stats().num_used_blocks,
                       computed=counts["computed"] + out.num_batched_tokens)
         try:
-            outputs = self._run(out, choose)
+            outputs, failed, failure = self._run(out, choose), [], ""
         except Exception as exc:
-            raise StepError(self._fail(out), exc) from exc
+            outputs, failed, failure = self._run_without_culprits(out, choose, exc)
         if not out.scheduled:
             self.structured.wait(_GRAMMAR_WAIT_S)  # at once unless grammars compile
-        return EngineCoreOutputs(refused + outputs, self.stats())
+        return EngineCoreOutputs(refused + outputs, self.stats(), failed, failure)
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
         seqs_by_id = self.requests.seqs
@@ -173,15 +168,6 @@ class EngineCore:
 
     def _finish(self, request: Request, status: RequestStatus | None) -> list[Request]:
         return self.scheduler.finish_requests(request.request_id, status) if status else []
-
-    def _fail(self, out: SchedulerOutput) -> list[str]:
-        """Abort every request the failed step ran; their ids."""
-        seqs = self.requests.seqs
-        request_ids = list(dict.fromkeys(seqs[s.request.request_id].group.request_id
-                                         for s in out.scheduled if s.request.request_id in seqs))
-        logger.exception("engine step failed; aborting its %d requests", len(request_ids))
-        self.abort_requests(request_ids)
-        return request_ids
 
     # -- figures ------------------------------------------------------------------------------
     def block_map(self) -> BlockMap:

@@ -194,7 +194,11 @@ class CoreLoop:
                 try:
                     step = self.core.step()
                     outputs, stats = step.outputs, step.stats
-                    self.failures = 0
+                    self.failures = 0  # a step whose culprits were isolated ran: the engine works
+                    if step.failed:
+                        logger.error("requests %s failed the model step on their own: %s",
+                                     step.failed, step.failure)
+                        news.failed, news.failure = list(step.failed), step.failure
                 except StepError as exc:  # the core ended the step's requests and goes on
                     self._failed(news, exc.request_ids, exc.__cause__ or exc)
                 except Exception as exc:  # the core's state is unknown: end everything

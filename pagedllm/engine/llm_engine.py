@@ -97,6 +97,10 @@ class LLMEngine:
             for request_id in exc.request_ids:
                 self.output_processor.abort_request(request_id)
             raise
+        if core_outputs.failed:  # offline, a request that fails the model fails the call
+            for request_id in core_outputs.failed:
+                self.output_processor.abort_request(request_id)
+            raise StepError(core_outputs.failed, RuntimeError(core_outputs.failure))
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.sequences_to_abort:
             self.engine_core.abort_sequences(processed.sequences_to_abort)

@@ -85,3 +85,7 @@ class EngineCoreOutputs(msgspec.Struct):
 
     outputs: list[EngineCoreOutput]
     stats: EngineCoreStats
+    # Requests that failed the model on their own this step (engine/step_isolation.py), ended
+    # while the others went on, and the error.
+    failed: list[str] = msgspec.field(default_factory=list)
+    failure: str = ""

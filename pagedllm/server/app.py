@@ -75,6 +75,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     splits chat answers into reasoning and content (pagedllm.text.reasoning)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
+    metrics.count_failed_requests(lambda: engine.num_failed_requests)
     workers = InputWorkers()
     api = Api(engine, model_name, chat_template, workers, reasoning_parser)
     stored_responses = responses.ResponseStore()

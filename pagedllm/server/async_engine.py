@@ -93,6 +93,7 @@ class AsyncEngine:
                                                        Path(self.ready.model_path)))
         self.output_processor = OutputProcessor(tokenizer)
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
+        self.num_failed_requests = 0  # ended by a failed engine step (/metrics counts them)
         self.on_dead = on_dead  # called once in the event loop with the reason the core died
         self.max_waiting_requests = max_waiting_requests
         self.stats: EngineCoreStats = self.ready.stats  # the core's figures, as last reported
@@ -299,6 +300,7 @@ class AsyncEngine:
                         self.on_finished(output)
                 stream.put_nowait(output)
         if report.failed:
+            self.num_failed_requests += len(report.failed)
             self._fail_requests(report.failed, RequestFailed(
                 f"the engine failed while running this request: {report.failure}"))
 

@@ -75,5 +75,14 @@ class ServerMetrics:
             if m.first_token_time is not None and m.num_output_tokens > 1:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (m.num_output_tokens - 1))
 
+    def count_failed_requests(self, failed_fn: Callable[[], int]) -> None:
+        """pagedllm:engine_failed_requests_total: requests an engine step failed (a step's lone
+        culprits, or every request of a step where none could be pinned)."""
+        class _Failed:
+            def collect(self):
+                yield CounterMetricFamily("pagedllm:engine_failed_requests", "Requests ended by a failed "
+                                          "engine step", value=failed_fn())
+        self.registry.register(_Failed())
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -95,13 +95,16 @@ def _fail() -> None:
     raise InjectedFault("injected fault in the model step")
 
 
-def fail_steps(core, when: str, poison_ids: list[int] | None = None, nth: int = 0) -> None:
-    """Make the model step raise InjectedFault:
+def fail_steps(core, when: str, poison_ids: list[int] | None = None, nth: int = 0,
+               delay_s: float = 0.0) -> None:
+    """Make the model step raise InjectedFault (each step first waits delay_s, so that
+    requests sent one after another share steps):
     when="poison": a request whose prompt starts with poison_ids is in the batch;
     when="poison_while_another_waits": the same, but only once another request waits behind it
     (until then each such step is slowed down, so that the other can arrive);
     when="nth": on the nth step from now; when="always": every step."""
     def before(scheduled) -> None:
+        time.sleep(delay_s)
         if when == "always" or (when == "nth" and _state["steps"] == nth):
             _fail()
         poisoned = any(s.request.prompt_token_ids[:len(poison_ids or [])] == poison_ids for s in scheduled)

@@ -1,5 +1,7 @@
-"""Faults: a model step that raises fails the requests of that step (the client sees an error,
-the cause is logged, their blocks go back) and the server goes on; an engine that keeps failing
+"""Faults: a model step that raises fails the request that makes it fail (found by running each
+alone; the others run again without it and get their solo text) or, where none can be pinned, the
+requests of that step (the client sees an error, the cause is logged, their blocks go back), and
+the server goes on; an engine that keeps failing
 is marked dead and /health says 503; a damaged model file stops `pagedllm serve` at start with
 a clear message."""
 
@@ -18,7 +20,7 @@ import pytest
 
 from pagedllm.engine.core_process import MAX_CONSECUTIVE_STEP_FAILURES
 from tests.conftest import await_for
-from tests.server.conftest import RunningServer, free_port, tiny_config
+from tests.server.conftest import RunningServer, free_port, metric_value, tiny_config
 from tests.server.core_hooks import POISON
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,6 +73,29 @@ def test_failed_step_fails_its_request_and_the_server_goes_on(fault_server):
     assert httpx.get(f"{fault_server.base_url}/health").status_code == 200
     after = complete(fault_server, NORMAL)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == solo
+
+
+def test_a_failing_request_fails_alone_and_the_others_in_its_steps_go_on(fault_server):
+    solo = complete(fault_server, NORMAL, max_tokens=40, ignore_eos=True).json()["choices"][0]["text"]
+
+    async def both():
+        async with httpx.AsyncClient(base_url=fault_server.base_url, timeout=60) as client:
+            normal = asyncio.ensure_future(client.post("/v1/completions", json={
+                "prompt": NORMAL, "max_tokens": 40, "ignore_eos": True, "temperature": 0}))
+            await await_for(lambda: fault_server.async_engine.stats.num_running >= 1,
+                            "the normal request to run")
+            poisoned = await client.post("/v1/completions", json={
+                "prompt": POISON, "max_tokens": 8, "temperature": 0})
+            return poisoned, await normal
+
+    with failing_steps(fault_server, "poison", delay_s=0.02) as calls:
+        poisoned, normal = asyncio.run(both())
+    assert calls["failed"] >= 2  # the shared step, then the poisoned request's lone run
+    assert poisoned.status_code == 500 and "injected fault" in poisoned.json()["error"]["message"]
+    assert normal.status_code == 200 and normal.json()["choices"][0]["text"] == solo
+    assert fault_server.async_engine.healthy
+    assert_all_blocks_free(fault_server)
+    assert metric_value(fault_server.base_url, "engine_failed_requests_total") >= 1
 
 
 def test_failed_step_mid_stream_sends_an_error_event(fault_server):
