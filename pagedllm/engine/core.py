@@ -33,6 +33,7 @@ from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
 from pagedllm.engine.step_isolation import StepError, StepIsolation
 from pagedllm.engine.token_choice import Chooser, choose_tokens
 from pagedllm.model.loader import LoadedModel
+from pagedllm.sampling_bounds import check_runnable
 
 __all__ = ["EngineCore", "StepError"]
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class EngineCore(StepIsolation):
         """Queue a request; ValueError (nothing kept) if its id is in use or it cannot fit."""
         if request.request_id in self.requests.seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
         (first,) = RequestGroup.start(request, self.device).seqs
         spec = request.sampling_params.structured_outputs
         self.scheduler.check_admissible(first.request)

@@ -49,6 +49,7 @@ class CoreFacts:
     kv_layout: str
     choices: str  # EngineConfig.describe_choices
     weight_bytes: int  # after the runner's prepacking
+    vocab_size: int = 0  # the whole vocabulary's (token ids a request names must be below it)
 
     def describe(self, weights_note: str) -> str:
         """The start-up line: every choice that changes which code runs. The KV cache's blocks,
@@ -108,7 +109,8 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         make_kv_manager(config, kv_plan))
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
-                      config.kv_layout, config.describe_choices(), model.weight_bytes())
+                      config.kv_layout, config.describe_choices(), model.weight_bytes(),
+                      model_config.vocab_size)
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     return CoreParts(scheduler, executor, Sampler(config.seed, device),
