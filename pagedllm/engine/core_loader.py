@@ -22,7 +22,6 @@ import torch
 from pagedllm.config import EngineConfig, SchedulerConfig, default_block_size
 from pagedllm.core.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_kv_cache
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.device import resolve_device
 from pagedllm.distributed.driver import TensorParallelDriver, load_engine_model
 from pagedllm.distributed.executor import TensorParallelExecutor
 from pagedllm.kernels import compiled
@@ -33,6 +32,7 @@ from pagedllm.model.loader import LoadedModel, resolve_dtype
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
+from pagedllm.worker.device import resolve_device
 from pagedllm.worker.executor import LocalExecutor
 from pagedllm.worker.runner import ModelRunner
 from pagedllm.worker.sampler import Sampler

@@ -14,11 +14,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ScheduledRequest
-from pagedllm.device import resolve_device
 from pagedllm.kernels.attention import torch_ref
 from pagedllm.model import llama
 from pagedllm.model.loader import load_model
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.device import resolve_device
 from pagedllm.worker.runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, _candidates, _inverse_cdf, _weights
 
