@@ -85,7 +85,7 @@ def pytest_sessionstart(session) -> None:
     asks for a tier (tests/kernel_tiers.py)."""
     from pagedllm.kernels import compiled, tiers
 
-    compiled.available()
+    tiers.available()
     for tier in tiers.runnable_tiers():
         if tier != "portable":
             compiled.load(tier)

@@ -24,7 +24,7 @@ from pagedllm.core.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_k
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.driver import TensorParallelDriver, load_engine_model
 from pagedllm.distributed.executor import TensorParallelExecutor
-from pagedllm.kernels import compiled
+from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import kv_cache_bytes_per_block
 from pagedllm.kernels.attention.kv_quant import stored_dtype_name
 from pagedllm.model.config import ModelConfig
@@ -93,7 +93,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     (None: such requests are refused). driver: rank 0's, under tensor parallelism."""
     device = next(model.parameters()).device  # where the loader put the weights
     if device.type == "cpu":
-        compiled.available()  # build (or find) the kernels now, not in the first request
+        tiers.available()  # build (or find) the kernels now, not in the first request
     if config.block_size is None:  # the device's default, now that the device is known
         config = dataclasses.replace(config, block_size=default_block_size(device.type))
     # The heads are this process's (model.config): under tensor parallelism its share, the

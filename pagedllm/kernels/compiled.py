@@ -127,27 +127,6 @@ def load(tier: str) -> tuple[object | None, str | None]:
     return _loaded[tier]
 
 
-def available() -> bool:
-    """Whether the chosen tier (tiers.current(), building it on the first call where it can be)
-    runs every family's compiled kernel; a tier with some (avx2) says so per family instead
-    (KernelChoice.has), and callers that need all of them take the portable path there."""
-    from pagedllm.kernels import tiers
-
-    return tiers.current().complete
-
-
-def unavailable_reason() -> str | None:
-    """Why the chosen tier runs no compiled kernels (None where it does)."""
-    from pagedllm.kernels import tiers
-
-    choice = tiers.current()
-    if choice.complete:
-        return None
-    if choice.compiled:
-        return f"the {choice.tier} tier compiles only {', '.join(families(choice.tier))}"
-    return choice.why_portable or "the portable tier was chosen (cpu_isa, or PAGEDLLM_ATTENTION=torch)"
-
-
 _BUILT = "BUILT"  # written into the build folder once the library there is whole
 
 

@@ -166,3 +166,22 @@ def current() -> KernelChoice:
     if not _choice:
         select()
     return _choice[0]
+
+
+def available() -> bool:
+    """Whether the chosen tier (current(), building it on the first call where it can be) runs
+    every family's compiled kernel; a tier with some (avx2) says so per family instead
+    (KernelChoice.has), and callers that need all of them take the portable path there."""
+    return current().complete
+
+
+def unavailable_reason() -> str | None:
+    """Why the chosen tier runs no compiled kernels (None where it does)."""
+    from pagedllm.kernels import compiled
+
+    choice = current()
+    if choice.complete:
+        return None
+    if choice.compiled:
+        return f"the {choice.tier} tier compiles only {', '.join(compiled.families(choice.tier))}"
+    return choice.why_portable or "the portable tier was chosen (cpu_isa, or PAGEDLLM_ATTENTION=torch)"

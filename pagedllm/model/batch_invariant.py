@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import compiled
+from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import cpu_attention
 from pagedllm.model.quant_linear import QuantLinear
 
@@ -87,9 +87,9 @@ def check_batch_invariant(model: nn.Module) -> None:
     if weight.dtype not in _DTYPES:
         raise ValueError(f"batch_invariant supports bfloat16 and float32, not {weight.dtype}")
     probe = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=weight.dtype)
-    if not compiled.available():
+    if not tiers.available():
         raise ValueError("batch_invariant needs pagedllm's compiled CPU kernels, unavailable here: "
-                         f"{compiled.unavailable_reason()}")
+                         f"{tiers.unavailable_reason()}")
     if not cpu_attention.supports(probe, torch.empty(1, 1, config.num_key_value_heads, config.head_dim,
                                                   dtype=weight.dtype)):
         raise ValueError(f"batch_invariant: the compiled attention kernel does not take head_dim "

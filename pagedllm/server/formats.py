@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.server.async_engine import EngineDeadError, RequestFailed
@@ -20,8 +20,14 @@ from pagedllm.server.streams import merge_streams
 from pagedllm.server.structured import OutputConstraint, ToolCallReader
 from pagedllm.text.reasoning import prompt_state
 
-if TYPE_CHECKING:
-    from pagedllm.server.api import Api
+
+class Api(Protocol):
+    """What an answer's shape reads of the endpoint logic (server/api.py's Api, which builds the
+    formats: a Protocol here keeps the import one way)."""
+
+    model_name: str
+    processor: Any  # the input processor: its tokenizer decodes token texts
+    reasoning: Any  # the reasoning parser's setting (server/reasoning.py), or None
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.core.kv.slots import slot_mapping
 from pagedllm.core.request import Request
-from pagedllm.kernels import compiled
+from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import allocate_kv_cache, copy_blocks, cpu_attention
 from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.model.batch_invariant import make_batch_invariant
@@ -114,7 +114,7 @@ class ModelRunner:
         # (_touch_new_blocks), not one page at a time inside the model's kernels: there, each
         # fault stalls both cores, and a first pass over the bench workload ran 9% slower.
         self.touched_blocks = (np.zeros(num_blocks, dtype=bool)
-                               if self.device.type == "cpu" and compiled.available() else None)
+                               if self.device.type == "cpu" and tiers.available() else None)
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
         self.decode_graphs = None
         if use_graphs and (graph_capture is not None

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.kernels import compiled, sampling
+from pagedllm.kernels import sampling, tiers
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -334,7 +334,7 @@ def _compiled_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[i
     """Positions of the rows the compiled sampling kernel takes: a temperature and nothing else
     (no top-k, top-p or min-p), CPU float32 logits with contiguous rows."""
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1
-            or not compiled.available()):
+            or not tiers.available()):
         return []
     return [j for j, p in enumerate(params) if p.top_k == -1 and p.top_p >= 1.0 and not p.min_p]
 

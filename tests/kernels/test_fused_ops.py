@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import compiled, elementwise
+from pagedllm.kernels import elementwise, tiers
 from pagedllm.model.llama import RMSNorm
 from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.rope import apply_rotary
 
-needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not tiers.available(),
+                                  reason=f"CPU kernels unavailable: {tiers.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import compiled, matmul
+from pagedllm.kernels import matmul, tiers
 from pagedllm.model import quant_linear
 from pagedllm.model.gguf_repack import REPACKERS, repack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
@@ -18,8 +18,8 @@ from pagedllm.model.quant_weight import QuantizedWeight, check_quantizable, quan
 from tests.kernel_tiers import kernel_tier
 from tests.model.quant_blocks import random_blocks, write_tensors
 
-needs_kernel = pytest.mark.skipif(not compiled.available(),
-                                  reason=f"CPU kernels unavailable: {compiled.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not tiers.available(),
+                                  reason=f"CPU kernels unavailable: {tiers.unavailable_reason()}")
 TYPES = sorted(REPACKERS, key=lambda t: t.name)
 ROWS, COLS = 24, 512  # COLS: two K-quant super-blocks, sixteen 32-blocks
 
@@ -46,7 +46,7 @@ def test_repack_round_trips_exactly(gguf_tensors, qtype):
     assert weight.shape == (ROWS, COLS) and weight.source == qtype.name
     assert torch.equal(weight.dequantize(), reference)
     assert torch.equal(weight.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
-    if compiled.available():
+    if tiers.available():
         assert torch.equal(matmul.quant_dequantize(weight, torch.float32), reference)
         assert torch.equal(matmul.quant_dequantize(weight, torch.bfloat16), reference.to(torch.bfloat16))
 

@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from pagedllm.config import EngineConfig
-from pagedllm.kernels import compiled
+from pagedllm.kernels import tiers
 from tests.model.tiny import make_hf_model, save_checkpoint
 from tests.server.conftest import RunningServer, metric_value
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(not compiled.available(),
+              pytest.mark.skipif(not tiers.available(),
                                  reason="batch-invariant mode needs the compiled CPU kernels")]
 
 NUM_PROMPTS = 40

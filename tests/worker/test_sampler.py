@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import Request
-from pagedllm.kernels import compiled, sampling
+from pagedllm.kernels import sampling, tiers
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenRules, sampling_probs
 
@@ -294,7 +294,7 @@ def test_seeded_rows_repeat_over_steps_whatever_the_batch(fields):
     assert walk(others) == alone
 
 
-@pytest.mark.skipif(not compiled.available(), reason="the compiled CPU kernels did not build here")
+@pytest.mark.skipif(not tiers.available(), reason="the compiled CPU kernels did not build here")
 def test_the_compiled_kernel_picks_what_the_torch_inverse_cdf_picks():
     """Rows with a temperature alone go through csrc/sample.cpp: the same bins at their edges as
     _inverse_cdf (weights with exact edges: logits 0 or -inf, so every weight is 1 or 0), and on
