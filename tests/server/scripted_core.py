@@ -48,11 +48,12 @@ def scripted_logits(vocab_size: int, token: int) -> torch.Tensor:
 
 def extend(loop) -> None:
     """Called by the core process once the core is loaded: script the model's step."""
-    runner = loop.core.runner
-    real_execute = runner.execute
+    executor = loop.core.executor
+    real_execute = executor.execute
 
-    def execute(scheduled, argmax_only=False):
-        result = real_execute(scheduled, argmax_only)
+    def execute(out, argmax_only=False, prompt_logprobs=None):
+        result = real_execute(out, argmax_only, prompt_logprobs)
+        scheduled = out.scheduled
         if not result.sample_indices:
             return result
         rows = []
@@ -72,4 +73,4 @@ def extend(loop) -> None:
                 logits[row] = scripted_logits(logits.shape[1], token)
         return result._replace(logits=logits)
 
-    runner.execute = execute
+    executor.execute = execute
