@@ -61,6 +61,8 @@ class EngineCore(StepIsolation):
         """Queue a request; ValueError (nothing kept) if its id is in use or it cannot fit."""
         if request.request_id in self.requests.seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if "#" in request.request_id:  # "<id>#<i>" names a request's forks (RequestGroup)
+            raise ValueError(f"request_id {request.request_id!r}: '#' is kept for forks' ids")
         check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
         (first,) = RequestGroup.start(request, self.device).seqs
         spec = request.sampling_params.structured_outputs

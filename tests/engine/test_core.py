@@ -262,3 +262,10 @@ def test_greedy_steps_take_the_argmax_path_and_give_what_the_sampler_gives(engin
     full, full_calls = run_with(2)
     assert all(fast_calls) and not any(full_calls)
     assert fast == full and all(len(t) == 6 for t in fast.values())
+
+
+
+def test_a_request_id_with_a_hash_is_refused_as_forks_use_it(core):
+    with pytest.raises(ValueError, match="'#' is kept for forks' ids"):
+        core.add_request(request("a#1", max_tokens=2))
+    assert not core.has_unfinished_requests()
