@@ -95,11 +95,16 @@ class Format:
         generated: dict[int, int] = {}  # tokens sent per choice
         cached: dict[int, int] = {}  # prefix-cache hits per prompt
         prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
 
         def chunk(choices: list[dict]) -> str:
-            return sse({"id": response_id, "object": self.object_chunk, "created": created,
-                         "model": self.api.model_name, "choices": choices})
+            body = {"id": response_id, "object": self.object_chunk, "created": created,
+                    "model": self.api.model_name, "choices": choices}
+            if continuous:
+                body["usage"] = self.usage(prompts, sum(generated.values()), sum(cached.values()))
+            return sse(body)
 
         try:
             for first in self.opening_chunks(len(prompts)):

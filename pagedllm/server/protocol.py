@@ -169,6 +169,9 @@ def bounded(name: str, default=None):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (running counts that end
+    # at the final usage chunk's).
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Body):

@@ -24,6 +24,20 @@ def test_models_health_version(server):
     assert [m.id for m in models.data] == [MODEL_NAME]
 
 
+def test_continuous_usage_stats_count_up_to_the_final_usage(server):
+    chunks = list(client(server).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == usages[-1].completion_tokens > 0
+    assert len({u.prompt_tokens for u in usages}) == 1
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    text_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert text_chunks and text_chunks[-1].usage.completion_tokens <= usages[-1].completion_tokens
+
+
 def test_completion_streamed_equals_non_streamed(server):
     c = client(server)
     full = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0)
