@@ -26,8 +26,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.server.chat_translation import chat_chunks, chat_request
 from pagedllm.server.protocol import APIError, ChatCompletionRequest
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -167,12 +168,7 @@ def chat_body(body: MessagesRequest) -> ChatCompletionRequest:
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        raise APIError(f"invalid request: {where}: {error.get('msg')}", param=where or None) from None
+    return chat_request(fields)
 
 
 def _chat_messages(message: Message, index: int) -> list[dict]:
@@ -318,18 +314,14 @@ class _StreamTranslator:
 async def _translate_stream(chunks: AsyncIterator, model: str) -> AsyncIterator[str]:
     translator = _StreamTranslator(model)
     yield translator.start()
-    async for raw in chunks:
-        for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                error = chunk["error"]
-                yield _event("error", {"error": {"type": error.get("type", "api_error"),
-                                                 "message": error.get("message", "")}})
-                return
-            for event in translator.chunk(chunk):
-                yield event
+    async for chunk in chat_chunks(chunks):
+        if "error" in chunk:
+            error = chunk["error"]
+            yield _event("error", {"error": {"type": error.get("type", "api_error"),
+                                             "message": error.get("message", "")}})
+            return
+        for event in translator.chunk(chunk):
+            yield event
     for event in translator.finish():
         yield event
 

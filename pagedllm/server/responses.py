@@ -22,8 +22,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
+from pagedllm.server.chat_translation import chat_request
 from pagedllm.server.protocol import APIError, ChatCompletionRequest, _Body
 
 MAX_STORED = 1000
@@ -145,12 +146,7 @@ def chat_body(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionReq
         fields["response_format"] = {"type": "json_object"}
     if (body.reasoning or {}).get("effort") == "none":
         fields["chat_template_kwargs"] = {"enable_thinking": False}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        raise APIError(f"invalid request: {where}: {error.get('msg')}", param=where or None) from None
+    return chat_request(fields)
 
 
 def _chat_tool(tool: dict, index: int) -> dict:

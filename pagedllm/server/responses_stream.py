@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.server import responses as shapes
+from pagedllm.server.chat_translation import chat_chunks
 
 
 class ResponseStream:
@@ -125,18 +126,14 @@ async def translate(chunks: AsyncIterator, stream: ResponseStream,
                     on_done: Callable[[dict], None]) -> AsyncIterator[str]:
     for event in stream.start():
         yield event
-    async for raw in chunks:
-        for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                error = chunk["error"]
-                yield stream.event("error", code=error.get("code"), message=error.get("message", ""),
-                                   param=error.get("param"))
-                return
-            for event in stream.chunk(chunk):
-                yield event
+    async for chunk in chat_chunks(chunks):
+        if "error" in chunk:
+            error = chunk["error"]
+            yield stream.event("error", code=error.get("code"), message=error.get("message", ""),
+                               param=error.get("param"))
+            return
+        for event in stream.chunk(chunk):
+            yield event
     events, response = stream.end()
     on_done(response)
     for event in events:
