@@ -64,6 +64,12 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 # them on this machine; "external_launcher", they are started elsewhere (torchrun, or by hand with
 # MASTER_ADDR etc.: docs/distributed.md).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+# What an engine's requests get back: tokens (generate) or vectors from the final hidden states
+# (pooling: pagedllm.pooling_params). vLLM's --task embed|score spells the second.
+RUNNERS = ("generate", "pooling")
+POOLING_TASK_NAMES = ("embed", "score")
+# How an embedding pools a prompt's final hidden states (pagedllm.worker.pooler).
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 def canonical_dtype(name) -> str:
@@ -218,6 +224,11 @@ def _speculative_config(name: str, value) -> None:
                          "(its proposers and verifier are in pagedllm.spec_decode); leave it unset")
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    """Comma-separated strings (spaces kept: a label token may be one)."""
+    return tuple(item for item in text.split(",") if item)
+
+
 def _size_flag(text: str) -> int | str:
     """--kv-cache-memory's text: bytes as an int, a size with a unit as written ("2GiB")."""
     parse_size(text)
@@ -337,6 +348,24 @@ class EngineConfig:
         "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "
         "key; default: off)", parse=str, check=_speculative_config)
 
+    runner: str = setting(
+        "generate", "generate: requests get tokens; pooling: requests get vectors (embeddings, "
+        "scores) from the prompt's final hidden states, and no tokens", choices=RUNNERS)
+    task: str | None = setting(
+        None, "vLLM's spelling of --runner pooling: embed or score (the same engine serves both)",
+        choices=POOLING_TASK_NAMES)
+    pooling_type: str = setting(
+        "last", "with --runner pooling, how an embedding pools the prompt's final hidden states: "
+        "last (the last token's: Qwen3-Embedding and most causal embedders), mean (prefix caching "
+        "then goes off: every token's state must be computed), cls (the first token's)",
+        choices=POOLING_TYPES)
+    pooling_normalize: bool = setting(
+        True, "with --runner pooling, embeddings scaled to unit length unless a request asks otherwise")
+    score_tokens: tuple[str, ...] = setting(
+        ("no", "yes"), "with --runner pooling, the label tokens whose logits at the prompt's last "
+        "token make a score (softmax over them; the positive label last): Qwen3-Reranker's no,yes",
+        parse=_comma_list)
+
     cpu_isa: str = setting(
         "auto", "the CPU kernel tier: auto (the best this CPU runs), amx, avx512, avx2 or portable "
         "(torch alone); a tier above the CPU's is refused (docs/cpu-tiers.md)", check=_cpu_isa)
@@ -352,10 +381,22 @@ class EngineConfig:
         if self.batch_invariant and self.device.startswith("cuda"):
             raise ValueError("batch_invariant runs on the CPU only: the GPU kernels choose their "
                              f"own summation orders (device {self.device!r}); use --device cpu")
+        if self.task is not None and self.runner != "pooling":
+            # vLLM's spelling: the task names what the engine serves, a pooling runner.
+            self.runner = "pooling"
+        if len(self.score_tokens) < 2:
+            raise ValueError(f"score_tokens must name at least two label tokens (the positive one "
+                             f"last); got {self.score_tokens!r}")
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant runs on one process: tensor parallelism sums partial "
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
+
+    @property
+    def pooling_reads_every_token(self) -> bool:
+        """Whether the engine pools over more than the last token (mean, cls): then no prompt may
+        skip tokens through the prefix cache, whose hits give no hidden states."""
+        return self.runner == "pooling" and self.pooling_type != "last"
 
     def describe_choices(self) -> str:
         """For the start-up line, the choices that change which code runs and that the device,
@@ -366,6 +407,8 @@ class EngineConfig:
             parts[-1] += f" ({self.distributed_executor_backend})"
         if self.batch_invariant:
             parts.append("batch-invariant")
+        if self.runner == "pooling":
+            parts.append(f"pooling runner ({self.pooling_type} pooling)")
         from pagedllm.kernels import tiers  # the choice tiers.select made when the model loaded
 
         choice = tiers.chosen()

@@ -72,3 +72,42 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # if SamplingParams.prompt_logprobs asked
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector: an embedding, or a score request's label probabilities."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:  # vLLM's name, for an embed request
+        return self.data
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request gives back, once, finished (vLLM's PoolingRequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # how well a document answers the query, from 0 to 1
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's answer for one document (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -14,16 +14,18 @@ import torch
 
 from pagedllm.distributed.driver import TensorParallelDriver
 from pagedllm.worker.executor import LocalExecutor
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.runner import ModelRunner, StepInputs, StepOutput
 
 
 class TensorParallelExecutor(LocalExecutor):
-    def __init__(self, runner: ModelRunner, driver: TensorParallelDriver, worker_args: dict) -> None:
+    def __init__(self, runner: ModelRunner, driver: TensorParallelDriver, worker_args: dict,
+                 pooler: Pooler | None = None) -> None:
         """worker_args: the runner's arguments the workers build theirs with (the KV cache rank 0
-        planned); returns once every worker is ready."""
+        planned); returns once every worker is ready. pooler: a pooling engine's."""
         if not runner.mirrored:
             raise ValueError("a tensor-parallel executor needs a runner built with mirrored=True")
-        super().__init__(runner)
+        super().__init__(runner, pooler)
         self.driver = driver
         driver.start_workers(worker_args)
 

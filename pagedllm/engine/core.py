@@ -15,6 +15,7 @@ the start-up line: EngineCore.facts). Each part's own:
 - update: a sequence's Choice continues it, forks children (RequestGroup.branch, sharing the
   prompt's blocks) or ends it; a grammar that completes or refuses a token finishes it. A request
   whose grammar still compiles waits outside the scheduler until it is ready.
+A pooling engine's step samples nothing: its requests get vectors (pagedllm.engine.pooling_step).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.core_loader import CoreParts, load_core_parts
 from pagedllm.engine.core_requests import CoreRequests
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
+from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
 from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
 from pagedllm.engine.step_isolation import StepError, StepIsolation
 from pagedllm.engine.token_choice import Chooser, choose_tokens
@@ -64,6 +66,7 @@ class EngineCore(StepIsolation):
         if "#" in request.request_id:  # "<id>#<i>" names a request's forks (RequestGroup)
             raise ValueError(f"request_id {request.request_id!r}: '#' is kept for forks' ids")
         check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
+        check_pooling_request(request, self.facts.runner)
         (first,) = RequestGroup.start(request, self.device).seqs
         spec = request.sampling_params.structured_outputs
         self.scheduler.check_admissible(first.request)
@@ -119,6 +122,8 @@ class EngineCore(StepIsolation):
         return EngineCoreOutputs(refused + outputs, self.stats(), failed, failure)
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
+        if self.facts.runner == "pooling":  # vectors, not tokens
+            return run_pooling_step(out, self.scheduler, self.executor, self.requests)
         seqs_by_id = self.requests.seqs
         sampling = [seqs_by_id[s.request.request_id] for s in out.scheduled if s.samples]
         argmax_only = choose is None and all(seq.takes_argmax for seq in sampling)

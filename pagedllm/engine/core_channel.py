@@ -95,6 +95,7 @@ class Ready(msgspec.Struct, tag="ready"):
     device: str
     dtype: str
     stats: EngineCoreStats
+    hidden_size: int = 0  # the model's: a pooled vector's length (--runner pooling)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

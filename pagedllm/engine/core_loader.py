@@ -15,6 +15,7 @@ OS, and from then on what a step frees is kept for the next one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,11 @@ from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
 from pagedllm.worker.device import resolve_device
 from pagedllm.worker.executor import LocalExecutor
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.runner import ModelRunner
 from pagedllm.worker.sampler import Sampler
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CoreFacts:
@@ -50,6 +53,8 @@ class CoreFacts:
     choices: str  # EngineConfig.describe_choices
     weight_bytes: int  # after the runner's prepacking
     vocab_size: int = 0  # the whole vocabulary's (token ids a request names must be below it)
+    runner: str = "generate"  # EngineConfig.runner: what the core's requests get back
+    hidden_size: int = 0  # a pooled vector's length
 
     def describe(self, weights_note: str) -> str:
         """The start-up line: every choice that changes which code runs. The KV cache's blocks,
@@ -96,6 +101,10 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         tiers.available()  # build (or find) the kernels now, not in the first request
     if config.block_size is None:  # the device's default, now that the device is known
         config = dataclasses.replace(config, block_size=default_block_size(device.type))
+    if config.pooling_reads_every_token and config.enable_prefix_caching:
+        logger.info("%s pooling needs every prompt token's hidden state, which a prefix-cache hit "
+                    "skips: prefix caching is off", config.pooling_type)
+        config = dataclasses.replace(config, enable_prefix_caching=False)
     # The heads are this process's (model.config): under tensor parallelism its share, the
     # largest of any rank's, so the budget is what each rank's cache may take.
     bytes_per_block = kv_cache_bytes_per_block(
@@ -110,7 +119,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
                       config.kv_layout, config.describe_choices(), model.weight_bytes(),
-                      model_config.vocab_size)
+                      model_config.vocab_size, config.runner, model_config.hidden_size)
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     return CoreParts(scheduler, executor, Sampler(config.seed, device),
@@ -127,10 +136,11 @@ def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan
     runner = ModelRunner(model, kv_dtype=dtype, device=device, batch_invariant=config.batch_invariant,
                          enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
                          mirrored=driver is not None, **kv_args)
+    pooler = Pooler(config.pooling_type) if config.runner == "pooling" else None
     if driver is None:
-        return LocalExecutor(runner)
+        return LocalExecutor(runner, pooler)
     return TensorParallelExecutor(runner, driver,
-                                  dict(kv_args, kv_dtype=str(dtype).removeprefix("torch.")))
+                                  dict(kv_args, kv_dtype=str(dtype).removeprefix("torch.")), pooler)
 
 
 def _free_device_bytes(device: torch.device) -> int | None:

@@ -146,7 +146,8 @@ def _start(args: argparse.Namespace, inbox: zmq.Socket, outbox: zmq.Socket) -> C
         pid=os.getpid(), model_path=str(loaded.path), description=core.facts.describe(loaded.weights_note),
         startup_s=time.time() - psutil.Process().create_time(), max_model_len=plan.max_model_len,
         vocab_size=loaded.config.vocab_size, num_threads=torch.get_num_threads(),
-        device=str(core.device), dtype=str(core.dtype).removeprefix("torch."), stats=core.stats())))
+        device=str(core.device), dtype=str(core.dtype).removeprefix("torch."), stats=core.stats(),
+        hidden_size=core.facts.hidden_size)))
     return loop
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolingParams, PoolingSetup
 from pagedllm.sampling_bounds import LIST_BOUNDS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.compiler import GrammarCompiler
@@ -44,6 +45,7 @@ from pagedllm.text.chat_template import (
     check_chat_template,
     content_spans,
 )
+from pagedllm.text.score_prompt import score_prompt
 from pagedllm.text.tokenizer import Tokenizer
 
 # One prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids[, "prompt": text]}.
@@ -73,10 +75,12 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  sampling_defaults: dict | None = None,
                  grammar_compiler: GrammarCompiler | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, pooling: PoolingSetup | None = None) -> None:
         """chat_template: the template every chat renders with unless a call names another (the
-        server's --chat-template); None: the model's."""
+        server's --chat-template); None: the model's. pooling: a pooling engine's setup (None: the
+        engine generates tokens)."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -108,6 +112,9 @@ class InputProcessor:
         server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
         the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
         add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds."""
+        if self.pooling is not None:
+            raise InvalidInput("this model is served with --runner pooling: it returns embeddings and "
+                               "scores (/v1/embeddings, /v1/rerank, /score), not generated text", "model")
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
                                         add_special_tokens=add_special_tokens)
@@ -121,6 +128,54 @@ class InputProcessor:
             request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        return text, request
+
+    def pooling_params(self, task: str = "embed", dimensions: int | None = None,
+                       normalize: bool | None = None) -> PoolingParams:
+        """A pooling request's params, checked against the engine (normalize None: the engine's
+        default; a score's labels: the engine's score tokens). InvalidInput naming the field."""
+        setup = self.pooling
+        if setup is None:
+            raise InvalidInput("this model is served for generation: embeddings and scores need an "
+                               "engine started with --runner pooling (or --task embed|score)", "model")
+        labels = self._score_label_ids(setup) if task == "score" else ()
+        try:
+            params = PoolingParams(task, dimensions, setup.normalize if normalize is None else normalize,
+                                   labels)
+            params.check_fits(setup.hidden_size, self.vocab_size)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), str(exc).split(" ", 1)[0]) from None
+        return params
+
+    def _score_label_ids(self, setup: PoolingSetup) -> tuple[int, ...]:
+        ids = []
+        for label in setup.score_tokens:
+            tokens = self.tokenizer.encode(label, add_special_tokens=False)
+            if len(tokens) != 1:
+                raise InvalidInput(f"score label {label!r} (--score-tokens) is {len(tokens)} tokens to "
+                                   "this model's tokenizer; a label must be one token", "model")
+            ids.append(tokens[0])
+        return tuple(ids)
+
+    def score_input(self, query: str, document: str, instruction: str | None = None) -> dict:
+        """The reranker's prompt for one pair (pagedllm.text.score_prompt), tokenized with the
+        user's texts plain: {"prompt": text, "prompt_token_ids": ids}."""
+        text, spans = score_prompt(query, document, instruction)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, "documents", plain_spans=spans)}
+
+    def process_pooling(self, request_id: str, prompt: PromptInput, pooling: PoolingParams, *,
+                        arrival_time: float | None = None, cache_salt: str | None = None,
+                        add_special_tokens: bool = True) -> tuple[str | None, EngineCoreRequest]:
+        """A pooling request (params from pooling_params): the prompt's text and the core
+        request, which samples nothing (one token of room is all its SamplingParams ask)."""
+        if self.pooling is None:
+            self.pooling_params()  # raises: a generation engine
+        text, token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        request = EngineCoreRequest(
+            request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0),
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt, pooling=pooling)
         return text, request
 
     def tokenize(self, prompt: PromptInput, room_for_output: bool = False,

@@ -23,7 +23,8 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.input_processor import InputProcessor, PromptInput
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams, PoolingSetup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.text.generation_defaults import read_generation_defaults
 
@@ -51,7 +52,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
             sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path),
-            grammar_compiler=self.grammar_compiler)
+            grammar_compiler=self.grammar_compiler,
+            pooling=PoolingSetup.of(self.config, loaded.config.hidden_size))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; start-up %.2fs", self.engine_core.facts.describe(self.weights_note), self.startup_s)
@@ -75,6 +77,17 @@ class LLMEngine:
         self.engine_core.add_request(request)  # raises if it can never fit the cache
         self.output_processor.add_request(request, text)
 
+    def add_pooling_request(self, request_id: str, prompt: PromptInput, pooling: PoolingParams, *,
+                            arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a pooling request (a --runner pooling engine's; params from
+        input_processor.pooling_params): its one output is a PoolingRequestOutput."""
+        if request_id in self.output_processor:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, request = self.input_processor.process_pooling(request_id, prompt, pooling,
+                                                             arrival_time=arrival_time, cache_salt=cache_salt)
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(request, text)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its n sequences) in any state; frees its blocks at once."""
         self.engine_core.abort_requests([request_id])
@@ -88,7 +101,7 @@ class LLMEngine:
         return self.output_processor.num_unfinished_requests
 
     # -- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One batch. The RequestOutputs due now, each in its request's output_kind. If the model
         step fails, its requests are aborted and engine_core.StepError says which."""
         try:

@@ -20,6 +20,7 @@ import msgspec
 
 from pagedllm.core.kv.stats import KVStats
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class EngineCoreRequest(msgspec.Struct):
     cache_salt: str | None = None
     # SamplingParams.bad_words as token sequences (the input processor tokenizes them).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # A pooling request's (an engine with --runner pooling takes only these): its vector comes
+    # back in place of tokens.
+    pooling: PoolingParams | None = None
 
 
 # Per-step outputs are many small objects: array_like encodes them as arrays (no field names on
@@ -55,6 +59,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), sent once,
     # with sequence 0's first token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's vector (PoolingParams), with its finish; it has no tokens.
+    pooled: list[float] | None = None
 
 
 @dataclass(frozen=True)

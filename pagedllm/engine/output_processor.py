@@ -22,6 +22,8 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -33,7 +35,7 @@ from pagedllm.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     # (request id, index) of each sequence a stop string finished: the core must abort them.
     sequences_to_abort: list[tuple[str, int]] = field(default_factory=list)
 
@@ -165,6 +167,9 @@ class OutputProcessor:
             state = self._requests.get(output.request_id)
             if state is None:  # aborted, or finished by a stop string a step ago
                 continue
+            if output.pooled is not None:  # a pooling request: its one, final output
+                result.request_outputs.append(self._pooling_output(state, output, now))
+                continue
             seq = state.seqs[output.index] or self._start_sequence(state, output)
             if seq.finish_reason is not None:
                 continue
@@ -186,6 +191,15 @@ class OutputProcessor:
             if request_output is not None:
                 result.request_outputs.append(request_output)
         return result
+
+    def _pooling_output(self, state: _RequestState, output: EngineCoreOutput,
+                        now: float) -> PoolingRequestOutput:
+        del self._requests[state.request_id]
+        metrics = state.metrics
+        metrics.first_scheduled_time = output.first_scheduled_time
+        metrics.first_token_time = metrics.finished_time = now  # the vector is its first output
+        return PoolingRequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                                    PoolingOutput(output.pooled), metrics, output.num_cached_tokens)
 
     def _start_sequence(self, state: _RequestState, output: EngineCoreOutput) -> _SequenceText:
         params = state.params

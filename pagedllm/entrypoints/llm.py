@@ -11,7 +11,8 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.input_processor import Conversation, PromptInput, prompt_list
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -69,16 +70,51 @@ class LLM:
                             length_penalty)
         return search.run(token_lists)
 
+    def embed(self, prompts: PromptInput | list[PromptInput], *, dimensions: int | None = None,
+              normalize: bool | None = None, instruction: str | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (an engine started with runner="pooling"): outputs.embedding.
+        dimensions: keep the first this many values; normalize None: the engine's
+        pooling_normalize; instruction: text put before each text prompt as it is (an embedder's
+        query prefix, e.g. Qwen3-Embedding's "Instruct: ...\nQuery:")."""
+        prompts = prompt_list(prompts)
+        if instruction is not None:
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("instruction goes before text prompts: give the prompts as text")
+            prompts = [instruction + p for p in prompts]
+        params = self.engine.input_processor.pooling_params("embed", dimensions, normalize)
+        return self._run(self._add_pooling(prompts, params), use_tqdm)
+
+    def score(self, query: str, documents: str | list[str], *, instruction: str | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """How well each document answers the query, from 0 to 1, as a causal reranker judges it
+        (Qwen3-Reranker's way: pagedllm.text.score_prompt), in the documents' order."""
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        processor = self.engine.input_processor
+        params = processor.pooling_params("score")
+        prompts = [processor.score_input(query, d, instruction) for d in documents]
+        outputs = self._run(self._add_pooling(prompts, params), use_tqdm)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.data[-1]))
+                for o in outputs]
+
     def memory_stats(self) -> dict:
         return self.engine.memory_stats()
 
     def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
         """Add every prompt, or none: a bad prompt aborts the ones already queued."""
+        return self._add_each([(self.engine.add_request, prompt, p) for prompt, p in zip(prompts, params)])
+
+    def _add_pooling(self, prompts: list[PromptInput], params: PoolingParams) -> list[str]:
+        return self._add_each([(self.engine.add_pooling_request, prompt, params) for prompt in prompts])
+
+    def _add_each(self, adds: list) -> list[str]:
+        """Each (add, prompt, params) with a new request id, or none: a bad prompt aborts the ones
+        already queued."""
         added: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for add, prompt, params in adds:
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                add(request_id, prompt, params)
                 added.append(request_id)
         except Exception:
             for request_id in added:
@@ -86,7 +122,7 @@ class LLM:
             raise
         return added
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,

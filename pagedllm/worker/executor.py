@@ -7,6 +7,8 @@ step's block copies, has the runner build and run this rank's batch, and gives b
 the rows that sample (or their argmax tokens) together with the prompt logprobs the step's prompt
 chunks yield for the requests that ask: each prompt position's logits rate the next prompt token,
 a slice of PROMPT_LOGPROB_ROWS positions at a time so that the [rows, vocab] tensor stays bounded.
+In a pooling engine it hands each request's chunk of final hidden states to the pooler
+(pagedllm.worker.pooler), which gives back the request's vector at its last chunk.
 
 LocalExecutor runs this process's one runner. The tensor-parallel executor
 (pagedllm.distributed.executor) is the same with two more messages: each step's packet and each
@@ -22,6 +24,8 @@ import torch
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.runner import ModelRunner, StepInputs, StepOutput
 from pagedllm.worker.sampler import Sampler
 
@@ -42,28 +46,38 @@ class ExecutorOutput(NamedTuple):
     logits: torch.Tensor
     sample_indices: list[int]  # [S]: each row's request's index in the scheduled list
     prompt_logprobs: dict[str, PromptLogprobs]  # by the scheduler's request id
+    # A pooling engine's: the vectors of the requests whose last chunk ran (PoolingParams).
+    pooled: dict[str, list[float]] = {}
 
 
 _NOTHING = ExecutorOutput(torch.empty(0), [], {})
 
 
 class LocalExecutor:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, pooler: Pooler | None = None) -> None:
+        """pooler: a pooling engine's (pagedllm.worker.pooler)."""
         self.runner = runner
+        self.pooler = pooler
 
     def execute(self, out: SchedulerOutput, argmax_only: bool = False,
-                prompt_logprobs: Mapping[str, int] | None = None) -> ExecutorOutput:
+                prompt_logprobs: Mapping[str, int] | None = None,
+                pooling: Mapping[str, PoolingParams] | None = None) -> ExecutorOutput:
         """Run one scheduled step. argmax_only: every sampling row takes its argmax alone, so
         only those tokens come back. prompt_logprobs: the number of top tokens each request
-        (scheduler's id) that wants its prompt's logprobs asks for."""
-        self.runner.drop_requests(out.finished + out.preempted)
+        (scheduler's id) that wants its prompt's logprobs asks for. pooling: the scheduled
+        pooling requests' params (a pooling engine's)."""
+        dropped = out.finished + out.preempted
+        self.runner.drop_requests(dropped)
+        if self.pooler is not None:
+            self.pooler.forget(r.request_id for r in dropped)
         if not out.scheduled:
             return _NOTHING
         self.runner.copy_blocks(out.block_copies)
         step = self.runner.prepare_inputs(out.scheduled, out.block_copies)
         result = self._run(step, argmax_only)
         found = self._prompt_logprobs(out, step, result.hidden, prompt_logprobs) if prompt_logprobs else {}
-        return ExecutorOutput(result.logits, result.sample_indices, found)
+        pooled = self._pool(out, step, result.hidden, pooling) if pooling else {}
+        return ExecutorOutput(result.logits, result.sample_indices, found, pooled)
 
     def close(self) -> None:
         """Nothing to stop in this process (the tensor-parallel executor stops its workers)."""
@@ -73,6 +87,25 @@ class LocalExecutor:
 
     def _logits(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         return self.runner.compute_logits(hidden, start, end)
+
+    def _pool(self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+              pooling: Mapping[str, PoolingParams]) -> dict[str, list[float]]:
+        """Each pooling request's chunk to the pooler; the vectors of those it finished."""
+        if self.pooler is None:
+            raise ValueError("pooling requests need an engine started with --runner pooling")
+        pooled: dict[str, list[float]] = {}
+        starts = step.token_starts()  # the batch runs in block-table row order
+        for index, s in enumerate(out.scheduled):
+            params = pooling.get(s.request.request_id)
+            if params is None:
+                continue
+            row = starts[index]
+            vector = self.pooler.take_chunk(
+                s.request.request_id, hidden[row:row + s.num_new_tokens], s.num_computed_tokens,
+                s.request.num_tokens, params, lambda i, row=row: self._logits(hidden, row + i, row + i + 1))
+            if vector is not None:
+                pooled[s.request.request_id] = vector
+        return pooled
 
     def _prompt_logprobs(self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                          wanted: Mapping[str, int]) -> dict[str, PromptLogprobs]:
