@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
-from pagedllm.server import anthropic, responses, responses_stream
+from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
@@ -49,6 +49,7 @@ _GENERATE_RESPONSES = {
                                    "see Retry-After"},
     **_V1_ERRORS,
 }
+_POOLING_RESPONSES = {k: v for k, v in _GENERATE_RESPONSES.items() if k != 200}
 _TOKENIZE_RESPONSES = {400: {**_ERROR, "description": "Invalid request"},
                        404: {**_ERROR, "description": "No such model"}, **_V1_ERRORS}
 
@@ -146,6 +147,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get("/v1/responses/{response_id}", responses=_TOKENIZE_RESPONSES)
     async def get_response(response_id: str):
         return stored_responses.response(response_id)
+
+    # A pooling engine's (--runner pooling): server/embeddings.py, server/rerank.py.
+    @app.post("/v1/embeddings", responses=_POOLING_RESPONSES)
+    async def create_embeddings(body: embeddings.EmbeddingRequest, raw: Request):
+        return await embeddings.embeddings(api, raw, body)
+
+    @app.post("/v1/rerank", responses=_POOLING_RESPONSES)
+    @app.post("/v2/rerank", responses=_POOLING_RESPONSES)
+    @app.post("/rerank", responses=_POOLING_RESPONSES)
+    async def create_rerank(body: rerank.RerankRequest, raw: Request):
+        return await rerank.rerank(api, raw, body)
+
+    @app.post("/v1/score", responses=_POOLING_RESPONSES)
+    @app.post("/score", responses=_POOLING_RESPONSES)
+    async def create_score(body: rerank.ScoreRequest, raw: Request):
+        return await rerank.score(api, raw, body)
 
     @app.post("/tokenize", responses=_TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):

@@ -1,0 +1,103 @@
+"""OpenAI's /v1/embeddings over a pooling engine (--runner pooling): one input or a list of them
+(texts or token ids), each one pooling request (pagedllm.pooling_params); `dimensions` cuts each
+vector (then it is normalized), `encoding_format` base64 sends the float32 bytes (little-endian)
+as the official client asks by default. A generation engine answers 400, as a pooling engine does
+to completions (the input processor's rule)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import Request
+from pydantic import Field, StrictBool
+
+from pagedllm.engine.input_processor import InvalidInput, PromptInput
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.server.protocol import APIError, Int, Text, TokenId, _Body
+from pagedllm.server.streams import collect_or_abort
+
+# OpenAI's bound on the inputs of one request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Body):
+    model: Text | None = None
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: Text | None = None  # accepted and ignored, as on the other endpoints
+    # extras (vLLM's): whether to scale to unit length (null: the engine's --pooling-normalize);
+    # whether a text input gets the tokenizer's BOS/EOS
+    normalize: StrictBool | None = None
+    add_special_tokens: StrictBool = True
+    # pagedllm's: text put before each text input as it is (an embedder's query prefix)
+    instruction: Annotated[str, Field(min_length=1)] | None = None
+
+
+def embedding_inputs(value) -> list[PromptInput]:
+    """The body's input as a list of prompts (a list of ints is one prompt of token ids)."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError("input must not be empty", param="input")
+    if isinstance(value[0], int):
+        return [value]
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise APIError(f"input lists {len(value)} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted in "
+                       "one request", param="input")
+    return list(value)
+
+
+def pooling_params(api, task: str, dimensions: int | None = None,
+                   normalize: bool | None = None) -> PoolingParams:
+    try:
+        return api.processor.pooling_params(task, dimensions, normalize)
+    except InvalidInput as exc:
+        raise APIError(str(exc), param=exc.param) from exc
+
+
+def process_pooling(api, response_id: str, prompts: list[PromptInput], params: PoolingParams, param: str,
+                    add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
+    """Each prompt through the input processor (in the input workers: tokenizing)."""
+    try:
+        return [api.processor.process_pooling(f"{response_id}-{i}", prompt, params,
+                                              add_special_tokens=add_special_tokens)
+                for i, prompt in enumerate(prompts)]
+    except InvalidInput as exc:
+        raise APIError(str(exc), param=param if exc.param == "prompt" else exc.param) from exc
+
+
+async def run_pooling(api, raw: Request, requests: list[tuple[str | None, EngineCoreRequest]]) -> list:
+    """Start every request (all or none) and wait for their PoolingRequestOutputs, in order."""
+    return await collect_or_abort(await api._start(requests), raw)
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+async def embeddings(api, raw: Request, body: EmbeddingRequest) -> dict:
+    response_id = f"embd-{uuid.uuid4().hex}"
+    api._check_model(body)
+    api.extra_fields.check(body, response_id)
+    prompts = embedding_inputs(body.input)
+    params = pooling_params(api, "embed", body.dimensions, body.normalize)
+    if body.instruction is not None:
+        if not all(isinstance(p, str) for p in prompts):
+            raise APIError("instruction goes before text inputs; these are token ids", param="instruction")
+        prompts = [body.instruction + p for p in prompts]
+    requests = await api.workers.run(process_pooling, api, response_id, prompts, params, "input",
+                                     body.add_special_tokens)
+    outputs = await run_pooling(api, raw, requests)
+    num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"id": response_id, "object": "list", "model": api.model_name,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encode_vector(o.outputs.data, body.encoding_format)}
+                     for i, o in enumerate(outputs)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
