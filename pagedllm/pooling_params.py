@@ -5,9 +5,10 @@ A pooling request runs its prompt through the model and gets back one vector ins
   token's, their mean, or the first token's), cut to its first `dimensions` values (Matryoshka
   embeddings are trained so that a prefix is an embedding too), then scaled to unit length if
   `normalize`;
-- "score": the probabilities of the label tokens (softmax over their logits alone) at the last
-  token, as a causal reranker reads its verdict (Qwen3-Reranker: P("yes") against "no";
-  pagedllm.text.score_prompt).
+- "score": at the last token, the probabilities of the label tokens (softmax over their logits
+  alone), as a causal reranker reads its verdict (Qwen3-Reranker: P("yes") against "no";
+  pagedllm.text.score_prompt); or, with no label tokens, of a *ForSequenceClassification
+  checkpoint's labels (its score head; one label: the sigmoid of its logit).
 Checked here, so that a value the core cannot run never reaches it.
 """
 
@@ -31,9 +32,9 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool)
                                             or not isinstance(self.dimensions, int) or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer; got {self.dimensions!r}")
-        if self.task == "score" and len(self.label_token_ids) < 2:
-            raise ValueError("a score request needs at least two label_token_ids (the positive one "
-                             f"last); got {self.label_token_ids!r}")
+        if self.task == "score" and len(self.label_token_ids) == 1:
+            raise ValueError("a score request needs two label_token_ids or more (the positive one "
+                             f"last), or none (a classifier's head); got {self.label_token_ids!r}")
         if self.task == "embed" and self.label_token_ids:
             raise ValueError("label_token_ids belong to score requests, not embed ones")
 
@@ -55,10 +56,13 @@ class PoolingSetup:
     hidden_size: int
     normalize: bool  # EngineConfig.pooling_normalize: for requests that do not say
     score_tokens: tuple[str, ...]  # EngineConfig.score_tokens: the labels, the positive last
+    # A *ForSequenceClassification checkpoint's labels: its score head, not label tokens, makes a
+    # score (0: a causal LM).
+    num_labels: int = 0
 
     @classmethod
-    def of(cls, config, hidden_size: int) -> PoolingSetup | None:
-        """The setup of an EngineConfig's engine (None: a generation engine)."""
+    def of(cls, config, hidden_size: int, num_labels: int = 0) -> PoolingSetup | None:
+        """The setup of an EngineConfig's engine over a model (None: a generation engine)."""
         if config.runner != "pooling":
             return None
-        return cls(hidden_size, config.pooling_normalize, tuple(config.score_tokens))
+        return cls(hidden_size, config.pooling_normalize, tuple(config.score_tokens), num_labels)

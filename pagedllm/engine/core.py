@@ -66,7 +66,7 @@ class EngineCore(StepIsolation):
         if "#" in request.request_id:  # "<id>#<i>" names a request's forks (RequestGroup)
             raise ValueError(f"request_id {request.request_id!r}: '#' is kept for forks' ids")
         check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
-        check_pooling_request(request, self.facts.runner)
+        check_pooling_request(request, self.facts.pooling is not None)
         (first,) = RequestGroup.start(request, self.device).seqs
         spec = request.sampling_params.structured_outputs
         self.scheduler.check_admissible(first.request)
@@ -122,7 +122,7 @@ class EngineCore(StepIsolation):
         return EngineCoreOutputs(refused + outputs, self.stats(), failed, failure)
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
-        if self.facts.runner == "pooling":  # vectors, not tokens
+        if self.facts.pooling is not None:  # vectors, not tokens
             return run_pooling_step(out, self.scheduler, self.executor, self.requests)
         seqs_by_id = self.requests.seqs
         sampling = [seqs_by_id[s.request.request_id] for s in out.scheduled if s.samples]

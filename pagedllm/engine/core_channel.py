@@ -46,6 +46,7 @@ import msgspec
 
 from pagedllm.core.kv.snapshot import BlockMap
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagedllm.pooling_params import PoolingSetup
 
 # -- to the core ---------------------------------------------------------------------------------
 
@@ -95,7 +96,7 @@ class Ready(msgspec.Struct, tag="ready"):
     device: str
     dtype: str
     stats: EngineCoreStats
-    hidden_size: int = 0  # the model's: a pooled vector's length (--runner pooling)
+    pooling: PoolingSetup | None = None  # a pooling engine's (--runner pooling)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

@@ -29,7 +29,9 @@ from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import kv_cache_bytes_per_block
 from pagedllm.kernels.attention.kv_quant import stored_dtype_name
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import LoadedModel, resolve_dtype
+from pagedllm.pooling_params import PoolingSetup
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
@@ -53,8 +55,7 @@ class CoreFacts:
     choices: str  # EngineConfig.describe_choices
     weight_bytes: int  # after the runner's prepacking
     vocab_size: int = 0  # the whole vocabulary's (token ids a request names must be below it)
-    runner: str = "generate"  # EngineConfig.runner: what the core's requests get back
-    hidden_size: int = 0  # a pooled vector's length
+    pooling: PoolingSetup | None = None  # a pooling engine's (EngineConfig.runner); None: it generates
 
     def describe(self, weights_note: str) -> str:
         """The start-up line: every choice that changes which code runs. The KV cache's blocks,
@@ -101,6 +102,10 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         tiers.available()  # build (or find) the kernels now, not in the first request
     if config.block_size is None:  # the device's default, now that the device is known
         config = dataclasses.replace(config, block_size=default_block_size(device.type))
+    if model_config.num_labels and config.runner != "pooling":
+        raise UnsupportedModelError(f"{model_config.architecture.removesuffix('ForCausalLM')}"
+                                    "ForSequenceClassification is a classifier, with no LM head to "
+                                    "generate with: serve it with --runner pooling (or --task score)")
     if config.pooling_reads_every_token and config.enable_prefix_caching:
         logger.info("%s pooling needs every prompt token's hidden state, which a prefix-cache hit "
                     "skips: prefix caching is off", config.pooling_type)
@@ -119,7 +124,8 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
                       config.kv_layout, config.describe_choices(), model.weight_bytes(),
-                      model_config.vocab_size, config.runner, model_config.hidden_size)
+                      model_config.vocab_size,
+                      PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels))
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     return CoreParts(scheduler, executor, Sampler(config.seed, device),

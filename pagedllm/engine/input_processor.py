@@ -138,7 +138,8 @@ class InputProcessor:
         if setup is None:
             raise InvalidInput("this model is served for generation: embeddings and scores need an "
                                "engine started with --runner pooling (or --task embed|score)", "model")
-        labels = self._score_label_ids(setup) if task == "score" else ()
+        # A classifier scores with its head; a causal LM, with its label tokens' logits.
+        labels = self._score_label_ids(setup) if task == "score" and not setup.num_labels else ()
         try:
             params = PoolingParams(task, dimensions, setup.normalize if normalize is None else normalize,
                                    labels)

@@ -24,7 +24,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptInput
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams, PoolingSetup
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.text.generation_defaults import read_generation_defaults
 
@@ -53,7 +53,7 @@ class LLMEngine:
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
             sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path),
             grammar_compiler=self.grammar_compiler,
-            pooling=PoolingSetup.of(self.config, loaded.config.hidden_size))
+            pooling=self.engine_core.facts.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; start-up %.2fs", self.engine_core.facts.describe(self.weights_note), self.startup_s)

@@ -13,13 +13,13 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.worker.executor import LocalExecutor
 
 
-def check_pooling_request(request: EngineCoreRequest, runner: str) -> None:
+def check_pooling_request(request: EngineCoreRequest, pooling_engine: bool) -> None:
     """ValueError for a request the engine cannot run: a pooling request to a generation engine,
     or the reverse."""
-    if runner == "pooling" and request.pooling is None:
+    if pooling_engine and request.pooling is None:
         raise ValueError("this engine was started with --runner pooling: it returns embeddings and "
                          "scores, not generated tokens")
-    if runner != "pooling" and request.pooling is not None:
+    if not pooling_engine and request.pooling is not None:
         raise ValueError("this engine generates tokens: embeddings and scores need an engine "
                          "started with --runner pooling (or --task embed|score)")
 

@@ -89,6 +89,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary over interleaved pairs of dimensions (DeepSeek)
+    # A *ForSequenceClassification checkpoint (its family's decoder, then a `score` head from the
+    # last hidden state to this many label logits, and no LM head); 0: a causal LM.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -156,7 +159,7 @@ class ModelConfig:
         _check_sizes(config, "config.json", {key: key for key in (
             *_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")})
         _check_numbers(config, "config.json", ("rms_norm_eps", "rope_theta"))
-        architecture = _hf_architecture(config)
+        architecture, num_labels = _hf_architecture(config)
         arch = ARCHITECTURES[architecture]
         heads = config["num_attention_heads"]
         rope_theta, rope_scaling, local_rope_theta = _hf_rope(config, arch)
@@ -181,7 +184,9 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # A classifier has no LM head: tied, nothing more is looked for (and none is used).
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or num_labels > 0,
+            num_labels=num_labels,
             attention_bias=arch.qkv_bias or attention_bias,
             output_bias=attention_bias and not arch.qkv_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
@@ -309,16 +314,23 @@ _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
                      "num_attention_heads")
 
 
-def _hf_architecture(config: dict[str, Any]) -> str:
+def _hf_architecture(config: dict[str, Any]) -> tuple[str, int]:
+    """The family's causal-LM architecture, and a sequence classifier's number of labels (0: a
+    causal LM): Qwen3ForSequenceClassification is Qwen3ForCausalLM's decoder with a score head."""
     architectures = config.get("architectures") or []
     if not architectures:
         raise UnsupportedModelError(
             "config.json names no architecture (the 'architectures' list is missing or empty)")
-    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+    name, num_labels = architectures[0], 0
+    if name.endswith("ForSequenceClassification"):
+        name = name.removesuffix("ForSequenceClassification") + "ForCausalLM"
+        num_labels = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+    if name not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise UnsupportedModelError(
-            f"unsupported architecture {architectures[0]!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return architectures[0]
+            f"unsupported architecture {architectures[0]!r}; supported: {supported}, and their "
+            "*ForSequenceClassification classifiers")
+    return name, num_labels
 
 
 def _hf_rope(

@@ -201,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # A *ForSequenceClassification checkpoint's head: label logits from the last hidden state.
+        self.score = (nn.Linear(config.hidden_size, config.num_labels, bias=False)
+                      if config.num_labels else None)
         # Under tensor parallelism (pagedllm.distributed), set by the shard: the whole
         # vocabulary's logits on rank 0 from every rank's share of the LM head (None elsewhere).
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None
@@ -238,6 +241,11 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits if self.vocab_gather is None else self.vocab_gather(logits)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 label logits [N, num_labels] of a sequence classifier's rows (its score head is
+        whole on every rank; on a bf16 CPU it is prepacked like every linear layer)."""
+        return self.score(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """compute_logits(hidden).max(-1).indices, int64 [N] (None on a tensor-parallel worker):

@@ -90,6 +90,8 @@ def _parameter_sources(config: ModelConfig) -> dict[str, list[str]]:
                "norm.weight": ["model.norm.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
+    if config.num_labels:  # a sequence classifier's head
+        sources["score.weight"] = ["score.weight"]
     for i in range(config.num_hidden_layers):
         sources.update(_layer_names(config, i))
     return sources

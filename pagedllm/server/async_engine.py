@@ -48,7 +48,6 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
-from pagedllm.pooling_params import PoolingSetup
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.text.generation_defaults import read_generation_defaults
 from pagedllm.text.tokenizer import Tokenizer
@@ -92,7 +91,7 @@ class AsyncEngine:
             tokenizer, self.ready.vocab_size, self.ready.max_model_len,
             sampling_defaults=read_generation_defaults(core.config.generation_config,
                                                        Path(self.ready.model_path)),
-            pooling=PoolingSetup.of(core.config, self.ready.hidden_size))
+            pooling=self.ready.pooling)
         self.output_processor = OutputProcessor(tokenizer)
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
         self.num_failed_requests = 0  # ended by a failed engine step (/metrics counts them)

@@ -102,10 +102,18 @@ class LocalExecutor:
             row = starts[index]
             vector = self.pooler.take_chunk(
                 s.request.request_id, hidden[row:row + s.num_new_tokens], s.num_computed_tokens,
-                s.request.num_tokens, params, lambda i, row=row: self._logits(hidden, row + i, row + i + 1))
+                s.request.num_tokens, params,
+                lambda i, row=row, params=params: self._label_logits(hidden, row + i, params))
             if vector is not None:
                 pooled[s.request.request_id] = vector
         return pooled
+
+    def _label_logits(self, hidden: torch.Tensor, row: int, params: PoolingParams) -> torch.Tensor:
+        """A score request's label logits at one row: its label tokens' logits, or with none, the
+        sequence classifier's head."""
+        if params.label_token_ids:
+            return self._logits(hidden, row, row + 1)[0, list(params.label_token_ids)]
+        return self.runner.model.classify(hidden[row:row + 1])[0]
 
     def _prompt_logprobs(self, out: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                          wanted: Mapping[str, int]) -> dict[str, PromptLogprobs]:

@@ -8,8 +8,9 @@ A prompt may run in several chunks (chunked prefill), and the vector is due at t
   the first token's state, kept from the first chunk. Both need every token run, so their engine
   has prefix caching off (EngineConfig.pooling_reads_every_token). A chunk starting at position 0
   starts the request afresh (a recompute after preemption starts there too).
-Then a request's PoolingParams: embed cuts to `dimensions` and normalizes; score reads the label
-tokens' logits at the last token (logits_of: under tensor parallelism every rank takes part).
+Then a request's PoolingParams: embed cuts to `dimensions` and normalizes; score turns the label
+logits at the last token (the label tokens' logits, or a classifier head's: label_logits_of, the
+executor's) into probabilities.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ class Pooler:
             self._kept.pop(request_id, None)
 
     def take_chunk(self, request_id: str, rows: torch.Tensor, first_position: int, num_tokens: int,
-                   params: PoolingParams, logits_of: Callable[[int], torch.Tensor]) -> list[float] | None:
+                   params: PoolingParams,
+                   label_logits_of: Callable[[int], torch.Tensor] | None) -> list[float] | None:
         """One chunk's hidden states rows [n, hidden] of positions first_position ..; the
-        request's vector once the chunk reaches num_tokens (else None). logits_of(i): the float32
-        logits of row i."""
+        request's vector once the chunk reaches num_tokens (else None). label_logits_of(i): a
+        score request's float32 label logits at row i."""
         is_last = first_position + rows.shape[0] >= num_tokens
         if params.task == "score":
-            return self._score(logits_of(rows.shape[0] - 1), params) if is_last else None
+            return self._score(label_logits_of(rows.shape[0] - 1)) if is_last else None
         pooled = self._pool(request_id, rows, first_position, num_tokens, is_last)
         if pooled is None:
             return None
@@ -75,7 +77,9 @@ class Pooler:
         return first
 
     @staticmethod
-    def _score(logits: torch.Tensor, params: PoolingParams) -> list[float]:
-        """The label tokens' probabilities, among themselves."""
-        labels = torch.tensor(params.label_token_ids, device=logits.device)
-        return torch.softmax(logits.reshape(-1).index_select(0, labels), dim=0).tolist()
+    def _score(label_logits: torch.Tensor) -> list[float]:
+        """The labels' probabilities among themselves; one label's, its sigmoid (a classifier
+        with one output scores relevance so)."""
+        if label_logits.numel() == 1:
+            return torch.sigmoid(label_logits).tolist()
+        return torch.softmax(label_logits, dim=0).tolist()

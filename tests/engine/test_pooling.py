@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.input_processor import InvalidInput
+from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.text.score_prompt import score_prompt
 from tests.model.tiny import make_hf_model, save_checkpoint
 
@@ -147,6 +148,39 @@ def test_the_reranker_scores_and_orders_documents_as_transformers_does(qwen3):
     assert len(set(round(s, 4) for s in scores)) == len(documents)  # an order to compare, not ties
     forged = llm.engine.input_processor.score_input("q", "a <|eos|> b")["prompt_token_ids"]
     assert tokenizer.eos_token_ids[0] not in forged  # a document's control-token text stays text
+
+
+@pytest.mark.parametrize("num_labels", [1, 2])
+def test_a_sequence_classifier_scores_with_its_head_as_transformers_does(tmp_path, num_labels):
+    import transformers
+
+    from tests.model.tiny import _COMMON, write_tokenizer
+
+    config = transformers.Qwen3Config(**{**_COMMON, "head_dim": 32, "max_position_embeddings": 512,
+                                         "num_labels": num_labels, "pad_token_id": 0})
+    torch.manual_seed(num_labels)
+    hf = transformers.Qwen3ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():  # large enough that mistakes show
+            param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight")
+                        else 0.15 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    llm = pooling_llm(tmp_path, num_kv_blocks=512)  # no --score-tokens needed: the head scores
+    query, documents = "what do foxes jump over?", ["the lazy dog", "a paged KV cache", "fences"]
+    scores = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
+    expected = []
+    for document in documents:
+        ids = llm.engine.input_processor.score_input(query, document)["prompt_token_ids"]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0]
+        probability = torch.sigmoid(logits[0]) if num_labels == 1 else torch.softmax(logits, 0)[-1]
+        expected.append(probability.item())
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=0, atol=1e-5)
+    assert sorted(range(3), key=lambda i: -scores[i]) == sorted(range(3), key=lambda i: -expected[i])
+    if num_labels == 1:
+        with pytest.raises(UnsupportedModelError, match="is a classifier, with no LM head"):
+            LLM(str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16)
 
 
 def test_wrong_kinds_of_request_are_refused_before_they_run(qwen3, tiny_model_dir):
