@@ -67,7 +67,7 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # What an engine's requests get back: tokens (generate) or vectors from the final hidden states
 # (pooling: pagedllm.pooling_params). vLLM's --task embed|score spells the second.
 RUNNERS = ("generate", "pooling")
-POOLING_TASK_NAMES = ("embed", "score")
+POOLING_TASK_NAMES = ("embed", "score", "reward")
 # How an embedding pools a prompt's final hidden states (pagedllm.worker.pooler).
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -352,7 +352,8 @@ class EngineConfig:
         "generate", "generate: requests get tokens; pooling: requests get vectors (embeddings, "
         "scores) from the prompt's final hidden states, and no tokens", choices=RUNNERS)
     task: str | None = setting(
-        None, "vLLM's spelling of --runner pooling: embed or score (the same engine serves both)",
+        None, "vLLM's spelling of --runner pooling: embed, score or reward (one pooling engine "
+        "serves all three)",
         choices=POOLING_TASK_NAMES)
     pooling_type: str = setting(
         "last", "with --runner pooling, how an embedding pools the prompt's final hidden states: "

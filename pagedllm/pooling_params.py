@@ -8,7 +8,9 @@ A pooling request runs its prompt through the model and gets back one vector ins
 - "score": at the last token, the probabilities of the label tokens (softmax over their logits
   alone), as a causal reranker reads its verdict (Qwen3-Reranker: P("yes") against "no";
   pagedllm.text.score_prompt); or, with no label tokens, of a *ForSequenceClassification
-  checkpoint's labels (its score head; one label: the sigmoid of its logit).
+  checkpoint's labels (its score head; one label: the sigmoid of its logit);
+- "reward": a *ForSequenceClassification checkpoint's raw label logits at the last token (a reward
+  model's one logit is its reward).
 Checked here, so that a value the core cannot run never reaches it.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "score")
+POOLING_TASKS = ("embed", "score", "reward")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,8 @@ class PoolingParams:
         if self.task == "score" and len(self.label_token_ids) == 1:
             raise ValueError("a score request needs two label_token_ids or more (the positive one "
                              f"last), or none (a classifier's head); got {self.label_token_ids!r}")
-        if self.task == "embed" and self.label_token_ids:
-            raise ValueError("label_token_ids belong to score requests, not embed ones")
+        if self.task != "score" and self.label_token_ids:
+            raise ValueError(f"label_token_ids belong to score requests, not {self.task} ones")
 
     def check_fits(self, hidden_size: int, vocab_size: int) -> None:
         """ValueError naming the field that the model cannot serve."""

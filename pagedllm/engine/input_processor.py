@@ -140,6 +140,9 @@ class InputProcessor:
                                "engine started with --runner pooling (or --task embed|score)", "model")
         # A classifier scores with its head; a causal LM, with its label tokens' logits.
         labels = self._score_label_ids(setup) if task == "score" and not setup.num_labels else ()
+        if task == "reward" and not setup.num_labels:
+            raise InvalidInput("rewards come from a reward model's head: this model is a causal LM, "
+                               "not a *ForSequenceClassification checkpoint", "model")
         try:
             params = PoolingParams(task, dimensions, setup.normalize if normalize is None else normalize,
                                    labels)

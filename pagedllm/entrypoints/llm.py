@@ -97,6 +97,13 @@ class LLM:
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.data[-1]))
                 for o in outputs]
 
+    def reward(self, prompts: PromptInput | list[PromptInput], *,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's reward: a reward model's (a *ForSequenceClassification checkpoint's) raw
+        label logits at its last token, in outputs.data."""
+        params = self.engine.input_processor.pooling_params("reward")
+        return self._run(self._add_pooling(prompt_list(prompts), params), use_tqdm)
+
     def memory_stats(self) -> dict:
         return self.engine.memory_stats()
 

@@ -109,8 +109,8 @@ class LocalExecutor:
         return pooled
 
     def _label_logits(self, hidden: torch.Tensor, row: int, params: PoolingParams) -> torch.Tensor:
-        """A score request's label logits at one row: its label tokens' logits, or with none, the
-        sequence classifier's head."""
+        """A score or reward request's label logits at one row: its label tokens' logits, or with
+        none, the sequence classifier's head."""
         if params.label_token_ids:
             return self._logits(hidden, row, row + 1)[0, list(params.label_token_ids)]
         return self.runner.model.classify(hidden[row:row + 1])[0]

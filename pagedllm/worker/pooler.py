@@ -10,7 +10,7 @@ A prompt may run in several chunks (chunked prefill), and the vector is due at t
   starts the request afresh (a recompute after preemption starts there too).
 Then a request's PoolingParams: embed cuts to `dimensions` and normalizes; score turns the label
 logits at the last token (the label tokens' logits, or a classifier head's: label_logits_of, the
-executor's) into probabilities.
+executor's) into probabilities; reward gives a classifier head's logits as they are.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class Pooler:
         request's vector once the chunk reaches num_tokens (else None). label_logits_of(i): a
         score request's float32 label logits at row i."""
         is_last = first_position + rows.shape[0] >= num_tokens
-        if params.task == "score":
-            return self._score(label_logits_of(rows.shape[0] - 1)) if is_last else None
+        if params.task in ("score", "reward"):
+            if not is_last:
+                return None
+            label_logits = label_logits_of(rows.shape[0] - 1)
+            return self._score(label_logits) if params.task == "score" else label_logits.tolist()
         pooled = self._pool(request_id, rows, first_position, num_tokens, is_last)
         if pooled is None:
             return None

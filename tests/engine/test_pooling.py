@@ -178,6 +178,11 @@ def test_a_sequence_classifier_scores_with_its_head_as_transformers_does(tmp_pat
         expected.append(probability.item())
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=0, atol=1e-5)
     assert sorted(range(3), key=lambda i: -scores[i]) == sorted(range(3), key=lambda i: -expected[i])
+    rewards = llm.reward(documents, use_tqdm=False)  # the head's raw logits, vLLM's --task reward
+    for output in rewards:
+        with torch.no_grad():
+            logits = hf(torch.tensor([output.prompt_token_ids])).logits[0]
+        torch.testing.assert_close(torch.tensor(output.outputs.data), logits, rtol=0, atol=1e-5)
     if num_labels == 1:
         with pytest.raises(UnsupportedModelError, match="is a classifier, with no LM head"):
             LLM(str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16)
@@ -195,6 +200,8 @@ def test_wrong_kinds_of_request_are_refused_before_they_run(qwen3, tiny_model_di
     assert caught.value.param == "dimensions"
     with pytest.raises(InvalidInput, match="score label 'no' .* is 2 tokens"):
         pooling.score("q", ["d"], use_tqdm=False)  # the byte tokenizer spells "no" in 2 tokens
+    with pytest.raises(InvalidInput, match="rewards come from a reward model's head"):
+        pooling.reward("hello", use_tqdm=False)
     generating = LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=32)
     with pytest.raises(InvalidInput, match="embeddings and scores need an engine started with --runner"):
         generating.embed("hello", use_tqdm=False)
@@ -231,7 +238,7 @@ def test_task_is_vllms_spelling_of_the_pooling_runner():
     from pagedllm.config import EngineConfig
 
     assert EngineConfig(task="embed").runner == "pooling"
-    assert EngineConfig(task="score").runner == "pooling"
+    assert EngineConfig(task="score").runner == EngineConfig(task="reward").runner == "pooling"
     assert EngineConfig().runner == "generate"
     with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls"):
         EngineConfig(pooling_type="max")
