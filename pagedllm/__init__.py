@@ -1,9 +1,10 @@
 """pagedllm: LLM inference and serving with a paged KV cache."""
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

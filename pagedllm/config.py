@@ -100,7 +100,7 @@ def check_device_name(device: str) -> None:
 def setting(default, help: str, *, choices: tuple | None = None, flag: str | None = None,
             aliases: tuple[str, ...] = (), parse: Callable[[str], object] | None = None,
             check: Callable[[str, object], None] | None = None, group: str | None = None,
-            secret: bool = False):
+            secret: bool = False, nargs: str | None = None):
     """A dataclass field that declares its flag too.
 
     help: what it does (and what None means, where None is its default); choices: the values it
@@ -108,10 +108,11 @@ def setting(default, help: str, *, choices: tuple | None = None, flag: str | Non
     more spellings (`-tp`); parse: the flag's text -> value, for types other than int, float, str
     (bool fields get `--x/--no-x`); check(name, value): a rule of its own, raising ValueError,
     run instead of the choices or type check; group: the --help section it is listed in;
-    secret: left out of the config's repr (an API key must not reach a log line)."""
+    secret: left out of the config's repr (an API key must not reach a log line); nargs: "+" or
+    "*" for a tuple field whose flag takes several values (each one through parse)."""
     return field(default=default, repr=not secret, metadata={
         "help": help, "choices": choices, "flag": flag, "aliases": aliases, "parse": parse,
-        "check": check, "group": group})
+        "check": check, "group": group, "nargs": nargs})
 
 
 def _choice_error(name: str, value, choices: tuple) -> ValueError:
@@ -227,6 +228,14 @@ def _speculative_config(name: str, value) -> None:
 def _comma_list(text: str) -> tuple[str, ...]:
     """Comma-separated strings (spaces kept: a label token may be one)."""
     return tuple(item for item in text.split(",") if item)
+
+
+def _lora_modules(name: str, value) -> None:
+    from pagedllm.lora.request import parse_lora_modules  # torch-free
+
+    if not isinstance(value, tuple):
+        raise ValueError(f"{name} must be a tuple of 'name=path' strings; got {value!r}")
+    parse_lora_modules(value)
 
 
 def _size_flag(text: str) -> int | str:
@@ -347,6 +356,24 @@ class EngineConfig:
         None, "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\" | \"suffix\" | "
         "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "
         "key; default: off)", parse=str, check=_speculative_config)
+    # LoRA adapters (pagedllm.lora, docs/lora.md): several fine-tunes of the base served at once.
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT's format) beside the base model, mixed in one batch")
+    max_loras: int = setting(
+        1, "LoRA adapters held in the model's slots at once (the most in one step)",
+        check=check_positive_int)
+    max_lora_rank: int = setting(16, "the largest LoRA rank an adapter may have", check=check_positive_int)
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters kept read in memory, least recently used dropped first (default: "
+        "--max-loras; at least that)", check=check_positive_int)
+    lora_modules: tuple[str, ...] = setting(
+        (), "LoRA adapters served from the start, as name=path (a PEFT adapter's folder); a "
+        "request picks one by its model name", parse=str, nargs="+", check=_lora_modules)
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag: loading code-bearing paths at a
+    # client's word is for trusted deployments only.
+    allow_runtime_lora_updating: bool = setting(
+        False, "let the server's /v1/load_lora_adapter and /v1/unload_lora_adapter change the "
+        "adapters while it runs")
 
     runner: str = setting(
         "generate", "generate: requests get tokens; pooling: requests get vectors (embeddings, "
@@ -392,6 +419,22 @@ class EngineConfig:
             raise ValueError("batch_invariant runs on one process: tensor parallelism sums partial "
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+            return
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs on one process: LoRA is not split over tensor-parallel "
+                             "ranks yet; use tensor_parallel_size 1")
+        if self.batch_invariant:
+            raise ValueError("enable_lora and batch_invariant cannot be combined: each adapter's "
+                             "rows are summed as a group whose size depends on the batch")
 
     @property
     def pooling_reads_every_token(self) -> bool:
@@ -445,6 +488,8 @@ def add_config_args(parser: argparse.ArgumentParser, config_class: type, title: 
             kwargs["type"] = _flag_type(f, hints[f.name], config_class)
             shown = ",".join(default) if isinstance(default, tuple) else "%(default)s"
             kwargs["help"] = help_text + (f" (default: {shown})" if default is not None else "")
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
             if meta.get("choices") is not None:
                 kwargs["choices"] = meta["choices"]
             else:
@@ -478,6 +523,7 @@ def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 def config_from_args(config_class: type, args: argparse.Namespace, **overrides):
     """The config the flags of add_config_args ask for (overrides on top), validated."""
     values = {f.name: getattr(args, f.name) for f in fields(config_class)}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}  # nargs
     return config_class(**{**values, **overrides})
 
 

@@ -34,6 +34,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # ids that end the request unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (None: the base model): its identity, which the prefix cache
+    # hashes (LoRARequest.key), and its slot in the model's LoRA weights (the core's LoRASlots).
+    lora_key: str | None = None
+    lora_slot: int = -1
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -56,6 +60,11 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def prefix_salt(self) -> str | tuple[str | None, str] | None:
+        """What a cached first block must have been computed under to serve this request."""
+        return self.cache_salt if self.lora_key is None else (self.cache_salt, self.lora_key)
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +92,7 @@ class Request:
             raise ValueError(f"cannot fork {self.request_id}: it has no output token to replace")
         child = Request(request_id, self.prompt_token_ids, self.sampling_params,
                         eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-                        cache_salt=self.cache_salt)
+                        cache_salt=self.cache_salt, lora_key=self.lora_key, lora_slot=self.lora_slot)
         child.token_ids.extend(self.token_ids[self.num_prompt_tokens:-1])
         child.append_token(last_token)
         return child

@@ -29,6 +29,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.core_loader import CoreParts, load_core_parts
 from pagedllm.engine.core_requests import CoreRequests
+from pagedllm.engine.lora_admission import LoRAAdmission
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
 from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
@@ -50,6 +51,7 @@ class EngineCore(StepIsolation):
         self.facts, self.kv_manager = parts.facts, parts.scheduler.kv_manager
         self.device, self.dtype, self.kv_plan = parts.facts.device, parts.facts.dtype, parts.facts.kv_plan
         self.requests = CoreRequests()
+        self.lora = LoRAAdmission(parts.lora, self.requests)
         self._counts = dict(prompt=0, generation=0, computed=0, step_requests=0, step_blocks=0)
 
     @classmethod
@@ -68,10 +70,13 @@ class EngineCore(StepIsolation):
         check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
         check_pooling_request(request, self.facts.pooling is not None)
         (first,) = RequestGroup.start(request, self.device).seqs
+        has_lora_slot = self.lora.assign(request, first)  # else it waits for one
         spec = request.sampling_params.structured_outputs
         self.scheduler.check_admissible(first.request)
         first.matcher = None if spec is None else self.structured.start(request.request_id, spec)
-        if spec is None or first.matcher is not None:  # else: when its grammar is compiled
+        if not has_lora_slot:
+            self.lora.wait(first)
+        elif spec is None or first.matcher is not None:  # else: when its grammar is compiled
             self.scheduler.add_request(first.request)
         self.requests.add(first)
         self._counts["prompt"] += len(request.prompt_token_ids)
@@ -109,6 +114,8 @@ class EngineCore(StepIsolation):
         Raises StepError if running the batch failed: its requests are aborted by then and the
         core goes on. Anything else raised leaves the core in an unknown state."""
         refused = self.requests.admit_compiled_grammars(self.structured, self.scheduler)
+        if self.lora.waiting:
+            refused += self._admit_lora_waiting()
         out = self.scheduler.schedule()
         counts = self._counts
         counts.update(step_requests=len(out.scheduled), step_blocks=self.kv_manager.stats().num_used_blocks,
@@ -120,6 +127,13 @@ class EngineCore(StepIsolation):
         if not out.scheduled:
             self.structured.wait(_GRAMMAR_WAIT_S)  # at once unless grammars compile
         return EngineCoreOutputs(refused + outputs, self.stats(), failed, failure)
+
+    def _admit_lora_waiting(self) -> list[EngineCoreOutput]:
+        admitted, refused = self.lora.admit_waiting()
+        for first in admitted:
+            if first.group.request.sampling_params.structured_outputs is None or first.matcher is not None:
+                self.scheduler.add_request(first.request)
+        return refused
 
     def _run(self, out: SchedulerOutput, choose: Chooser | None) -> list[EngineCoreOutput]:
         if self.facts.pooling is not None:  # vectors, not tokens
@@ -187,7 +201,7 @@ class EngineCore(StepIsolation):
         counts = self._counts
         return EngineCoreStats(
             kv=self.kv_manager.stats(), num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + self.structured.num_compiling,
+            num_waiting=self.scheduler.num_waiting + self.structured.num_compiling + self.lora.num_waiting,
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=counts["prompt"],
             num_generation_tokens=counts["generation"], num_computed_tokens=counts["computed"],
             kv_cache_dtype=self.facts.kv_cache_dtype, step_num_requests=counts["step_requests"],

@@ -28,6 +28,7 @@ from pagedllm.distributed.executor import TensorParallelExecutor
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import kv_cache_bytes_per_block
 from pagedllm.kernels.attention.kv_quant import stored_dtype_name
+from pagedllm.lora.slots import LoRASlots
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import LoadedModel, resolve_dtype
@@ -75,6 +76,7 @@ class CoreParts:
     structured: StructuredOutputManager
     grammar_compiler: GrammarCompiler | None  # one process's input processor shares it
     facts: CoreFacts
+    lora: LoRASlots | None = None  # with enable_lora
 
 
 def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
@@ -128,8 +130,11 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                       PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels))
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
+    lora = None
+    if config.enable_lora:
+        lora = LoRASlots(executor.runner.lora_manager, model_config, config.max_cpu_loras or config.max_loras)
     return CoreParts(scheduler, executor, Sampler(config.seed, device),
-                     StructuredOutputManager(grammar_compiler), grammar_compiler, facts)
+                     StructuredOutputManager(grammar_compiler), grammar_compiler, facts, lora)
 
 
 def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan, dtype: torch.dtype,
@@ -141,7 +146,9 @@ def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan
                    max_model_len=kv_plan.max_model_len, kv_cache_dtype=config.kv_cache_dtype)
     runner = ModelRunner(model, kv_dtype=dtype, device=device, batch_invariant=config.batch_invariant,
                          enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
-                         mirrored=driver is not None, **kv_args)
+                         mirrored=driver is not None,
+                         lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
+                         **kv_args)
     pooler = Pooler(config.pooling_type) if config.runner == "pooling" else None
     if driver is None:
         return LocalExecutor(runner, pooler)

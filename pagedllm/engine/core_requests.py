@@ -91,7 +91,8 @@ class CoreRequests:
             first = self.seqs[request_id]
             if isinstance(result, GrammarMatcher):
                 first.matcher = result
-                scheduler.add_request(first.request)
+                if first.request.lora_key is None or first.request.lora_slot >= 0:  # else: LoRA's wait
+                    scheduler.add_request(first.request)
                 continue
             logger.error("request %s: its grammar did not compile: %s", request_id, result)
             self.forget(first.group)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams, PoolingSetup
 from pagedllm.sampling_bounds import LIST_BOUNDS
 from pagedllm.sampling_params import SamplingParams
@@ -104,7 +105,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                 *, arrival_time: float | None = None, cache_salt: str | None = None,
-                max_tokens_must_fit: bool = False,
+                max_tokens_must_fit: bool = False, lora_request: LoRARequest | None = None,
                 add_special_tokens: bool = True) -> tuple[str | None, EngineCoreRequest]:
         """The prompt's text (None if given as ids only) and the core request.
 
@@ -127,7 +128,8 @@ class InputProcessor:
         request = EngineCoreRequest(
             request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+            cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            lora=lora_request)
         return text, request
 
     def pooling_params(self, task: str = "embed", dimensions: int | None = None,

@@ -23,6 +23,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.input_processor import InputProcessor, PromptInput
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -66,14 +67,16 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput,
                     sampling_params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request (sampling_params None: the model's defaults, as
-        InputProcessor.default_sampling_params). Bad input raises ValueError and leaves nothing
-        behind."""
+        InputProcessor.default_sampling_params). lora_request: the LoRA adapter it runs with
+        (enable_lora). Bad input raises ValueError and leaves nothing behind."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, sampling_params,
-                                                     arrival_time=arrival_time, cache_salt=cache_salt)
+                                                     arrival_time=arrival_time, cache_salt=cache_salt,
+                                                     lora_request=lora_request)
         self.engine_core.add_request(request)  # raises if it can never fit the cache
         self.output_processor.add_request(request, text)
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import msgspec
 
 from pagedllm.core.kv.stats import KVStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class EngineCoreRequest(msgspec.Struct):
     # A pooling request's (an engine with --runner pooling takes only these): its vector comes
     # back in place of tokens.
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 # Per-step outputs are many small objects: array_like encodes them as arrays (no field names on

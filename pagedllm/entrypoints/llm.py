@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -11,6 +12,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.input_processor import Conversation, PromptInput, prompt_list
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -34,12 +36,15 @@ class LLM:
 
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request (LLM(enable_lora=True)): the LoRA adapter every prompt runs with, or one
+        per prompt (None: the base model); prompts of different adapters share each step."""
         prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
-        request_ids = self._add_all(prompts, params)
+        request_ids = self._add_all(prompts, params, _per_prompt(lora_request, len(prompts)))
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation],
@@ -107,9 +112,11 @@ class LLM:
     def memory_stats(self) -> dict:
         return self.engine.memory_stats()
 
-    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams],
+                 loras: list[LoRARequest | None]) -> list[str]:
         """Add every prompt, or none: a bad prompt aborts the ones already queued."""
-        return self._add_each([(self.engine.add_request, prompt, p) for prompt, p in zip(prompts, params)])
+        return self._add_each([(functools.partial(self.engine.add_request, lora_request=lora), prompt, p)
+                               for prompt, p, lora in zip(prompts, params, loras)])
 
     def _add_pooling(self, prompts: list[PromptInput], params: PoolingParams) -> list[str]:
         return self._add_each([(self.engine.add_pooling_request, prompt, params) for prompt in prompts])
@@ -154,6 +161,18 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt(lora: LoRARequest | list[LoRARequest | None] | None, count: int) -> list:
+    """One lora_request (or None) per prompt."""
+    if not isinstance(lora, list):
+        lora = [lora] * count
+    elif len(lora) != count:
+        raise ValueError(f"got {len(lora)} lora_requests for {count} prompts")
+    for item in lora:
+        if item is not None and not isinstance(item, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None; got {item!r}")
+    return lora
 
 
 def _params_per_prompt(params: SamplingParams | list[SamplingParams], count: int) -> list[SamplingParams]:

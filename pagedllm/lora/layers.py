@@ -15,6 +15,7 @@ pair of matmuls per adapter present in the batch. Tokens of the base model cost 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,19 +23,25 @@ from pagedllm.model.config import ModelConfig
 
 
 class LoRAState:
-    """The current batch's tokens grouped by adapter slot: [(slot, row indices)]."""
+    """The current batch's tokens grouped by adapter slot: [(slot, its rows)], the rows a slice
+    where they are one run (one request, or neighbours of one adapter: no gather then), else an
+    index tensor."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
 
-    def set_batch(self, token_slots: list[int], device: torch.device | str = "cpu") -> None:
-        """token_slots[t]: the slot of token t's adapter, -1 for the base model."""
+    def set_batch(self, token_slots, device: torch.device | str = "cpu") -> None:
+        """token_slots[t]: the slot of token t's adapter, -1 for the base model (a sequence or
+        numpy array)."""
         self.groups = []
-        if not any(slot >= 0 for slot in token_slots):
-            return
-        slots = torch.tensor(token_slots, device=device)
-        for slot in sorted(set(token_slots) - {-1}):
-            self.groups.append((slot, (slots == slot).nonzero().squeeze(1)))
+        slots = np.asarray(token_slots, dtype=np.int64)
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            first, last = int(rows[0]), int(rows[-1])
+            if last - first + 1 == len(rows):
+                self.groups.append((slot, slice(first, last + 1)))
+            else:
+                self.groups.append((slot, torch.from_numpy(rows).to(device)))
 
     def clear(self) -> None:
         self.groups = []
@@ -50,7 +57,9 @@ class LoRALinear(nn.Module):
         self.state = state
         self.part_rows = part_rows  # the output rows of each fused part, in order
         self.max_rank = max_rank
-        weight = next(t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point())
+        # A quantized base holds codes and scales: its updates are float32 (and on its device).
+        weight = next((t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point()),
+                      torch.empty(0))
         parts, out_features = len(part_rows), sum(part_rows)
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
             else torch.float32
@@ -62,9 +71,13 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for slot, rows in self.state.groups:
-            xs = x.index_select(0, rows).to(self.lora_a.dtype)
-            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T
-            y.index_add_(0, rows, delta.to(y.dtype))
+            gathered = not isinstance(rows, slice)
+            xs = (x.index_select(0, rows) if gathered else x[rows]).to(self.lora_a.dtype)
+            delta = ((xs @ self.lora_a[slot].T) @ self.lora_b[slot].T).to(y.dtype)
+            if gathered:
+                y.index_add_(0, rows, delta)
+            else:
+                y[rows] += delta
         return y
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],

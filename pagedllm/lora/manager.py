@@ -16,7 +16,7 @@ class LoRAManager:
         self.wrapped = wrapped
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self._slots: dict[str, int] = {}  # adapter name -> slot
+        self._slots: dict[str, int] = {}  # adapter key (its name unless given one) -> slot
 
     @property
     def names(self) -> list[str]:
@@ -27,9 +27,11 @@ class LoRAManager:
             raise KeyError(name)
         return self._slots[name]
 
-    def add(self, adapter: LoRAAdapter) -> int:
-        """Load adapter into a free slot (its slot); LoRAError if its name is taken or none is free."""
-        if adapter.name in self._slots:
+    def add(self, adapter: LoRAAdapter, key: str | None = None) -> int:
+        """Load adapter into a free slot (its slot) under key (default: its name); LoRAError if the
+        key is taken or no slot is free."""
+        key = adapter.name if key is None else key
+        if key in self._slots:
             raise LoRAError(f"LoRA adapter {adapter.name!r} is already loaded")
         if adapter.rank > self.max_rank:
             raise LoRAError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds "
@@ -46,12 +48,12 @@ class LoRAManager:
                 raise LoRAError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} is not a "
                                 "LoRA target of this model")
             by_module.setdefault((layer, ours), {})[part] = pair
-        for key, module in self.wrapped.items():
-            if key in by_module:
-                module.set_slot(slot, by_module[key], adapter.scaling)
+        for target, module in self.wrapped.items():
+            if target in by_module:
+                module.set_slot(slot, by_module[target], adapter.scaling)
             else:
                 module.clear_slot(slot)
-        self._slots[adapter.name] = slot
+        self._slots[key] = slot
         return slot
 
     def remove(self, name: str) -> None:

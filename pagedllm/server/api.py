@@ -14,11 +14,13 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.input_processor import InvalidInput, PromptInput, prompt_list
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from pagedllm.server.errors import short_repr
 from pagedllm.server.formats import ChatFormat, CompletionFormat
 from pagedllm.server.limits import InputWorkers
+from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,
@@ -47,8 +49,11 @@ class Api:
     input workers (templates and tokenizing never run on the event loop)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
-                 workers: InputWorkers, reasoning_parser: str | None = None) -> None:
+                 workers: InputWorkers, reasoning_parser: str | None = None,
+                 loras: LoRAModules | None = None) -> None:
+        """loras: the LoRA adapters offered beside the base model (--enable-lora), by name."""
         self.engine = engine
+        self.loras = loras
         self.workers = workers
         self.model_name = model_name
         self.chat_template = chat_template  # None: the model's
@@ -61,6 +66,12 @@ class Api:
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedllm",
                 "max_model_len": self.max_model_len}
+
+    def model_cards(self) -> list[dict]:
+        """The base model's card, then each LoRA adapter's, the base as its parent (vLLM's)."""
+        adapters = [{**self.model_card(), "id": lora.lora_name, "parent": self.model_name}
+                    for lora in (self.loras or ())]
+        return [self.model_card(), *adapters]
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request):
@@ -140,10 +151,16 @@ class Api:
                            500, error_type="server_error", code="chat_template_timeout") from exc
 
     # -- checks --------------------------------------------------------------------------------
-    def _check_model(self, body) -> None:
-        if body.model is not None and body.model != self.model_name:
+    def _check_model(self, body) -> LoRARequest | None:
+        """The LoRA adapter body.model names (None: the base model); a 404 if it names neither."""
+        if body.model is None or body.model == self.model_name:
+            return None
+        lora = self.loras.get(body.model) if self.loras is not None else None
+        if lora is None:
+            served = ", ".join(repr(card["id"]) for card in self.model_cards())
             raise APIError(f"model {short_repr(body.model)} does not exist; this server serves "
-                           f"{self.model_name!r}", 404, param="model", code="model_not_found")
+                           f"{served}", 404, param="model", code="model_not_found")
+        return lora
 
     def _check_common(self, body, response_id: str) -> None:
         self._check_model(body)
@@ -184,10 +201,11 @@ class Api:
     def _process(self, response_id: str, body, prompts, params: SamplingParams, prompt_param: str,
                  add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
         """Each prompt through the input processor: checked, tokenized, max_tokens fitted."""
+        lora = self._check_model(body)  # again: an unload may have come since the first look
         try:
             return [self.processor.process(f"{response_id}-{i}", prompt, params,
                                            cache_salt=body.cache_salt, max_tokens_must_fit=True,
-                                           add_special_tokens=add_special_tokens)
+                                           add_special_tokens=add_special_tokens, lora_request=lora)
                     for i, prompt in enumerate(prompts)]
         except InvalidInput as exc:
             raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc

@@ -20,6 +20,8 @@ from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
 from pagedllm.server.errors import error_response, install_error_handlers
 from pagedllm.server.guard import Guard
 from pagedllm.server.limits import InputWorkers, RequestPrecheck
+from pagedllm.server.lora_modules import LoRAModules
+from pagedllm.server.lora_routes import lora_router
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -78,7 +80,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     engine.on_finished = metrics.observe_finished
     metrics.count_failed_requests(lambda: engine.num_failed_requests)
     workers = InputWorkers()
-    api = Api(engine, model_name, chat_template, workers, reasoning_parser)
+    loras = lora_modules(engine)
+    api = Api(engine, model_name, chat_template, workers, reasoning_parser, loras)
     stored_responses = responses.ResponseStore()
 
     @asynccontextmanager
@@ -126,7 +129,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models", responses=_V1_ERRORS)
     async def models():
-        return {"object": "list", "data": [api.model_card()]}
+        return {"object": "list", "data": api.model_cards()}
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request):
@@ -172,5 +175,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def detokenize(body: DetokenizeRequest):
         return await workers.run(api.detokenize, body)
 
+    if loras is not None and engine.core.config.allow_runtime_lora_updating:
+        app.include_router(lora_router(loras, workers, model_name), responses=_TOKENIZE_RESPONSES)
     app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
+
+
+def lora_modules(engine: AsyncEngine) -> LoRAModules | None:
+    """The LoRA adapters to offer (--enable-lora: --lora-modules', each checked now), or None."""
+    config = engine.core.config
+    if not config.enable_lora:
+        return None
+    from pagedllm.model.loader import read_model_config
+
+    return LoRAModules(read_model_config(engine.model_path), config.max_lora_rank, config.lora_modules)

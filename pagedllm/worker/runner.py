@@ -82,22 +82,26 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype: torch.dtype,
                  device: str | torch.device = "cpu", kv_cache_dtype: str = "auto",
                  batch_invariant: bool = False, enforce_eager: bool = False, max_num_seqs: int = 256,
-                 graph_capture: cuda_graphs.GraphCapture | None = None, mirrored: bool = False) -> None:
+                 graph_capture: cuda_graphs.GraphCapture | None = None, mirrored: bool = False,
+                 lora: tuple[int, int] | None = None) -> None:
         """enforce_eager: no CUDA graphs. graph_capture: what records the decode graphs (None:
         CUDA's, on a CUDA device; tests give a stand-in to run the graph path elsewhere).
         mirrored: rank 0 of a tensor-parallel group, whose workers keep copies of its block table
-        and KV cache from its packets (no CUDA graphs then either)."""
+        and KV cache from its packets (no CUDA graphs then either). lora: (max_loras, max_rank):
+        the model's projections get that many LoRA slots (pagedllm.lora: wrapped before they are
+        prepacked), and each step sets which rows use which slot (no CUDA graphs then)."""
         cfg = model.config  # under tensor parallelism, this rank's share of the heads
         self.model = model
         self.device = torch.device(device)
         self.mirrored = mirrored
         self.batch_invariant = batch_invariant
+        self.lora_manager = _wrap_for_lora(model, *lora) if lora else None
         if batch_invariant:  # ValueError where the mode is not covered
             make_batch_invariant(model)
         elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
-        use_graphs = (not enforce_eager and not batch_invariant and not mirrored
+        use_graphs = (not enforce_eager and not batch_invariant and not mirrored and not lora
                       and (graph_capture is not None or self.device.type == "cuda"))
         self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks + int(use_graphs), block_size,
                                            cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
@@ -203,6 +207,9 @@ class ModelRunner:
         scheduled, order = self._in_row_order(scheduled)
         n = len(scheduled)
         counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        if self.lora_manager is not None:  # each token's adapter slot, for the wrapped projections
+            slots = np.fromiter((s.request.lora_slot for s in scheduled), np.int64, n)
+            self.lora_manager.state.set_batch(np.repeat(slots, counts), self.device)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
         rows = np.arange(n)  # _in_row_order put request i in row i
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
@@ -292,3 +299,12 @@ class ModelRunner:
         if num_tokens > len(self._arange):
             self._arange = np.arange(max(num_tokens, 2 * len(self._arange)), dtype=np.int64)
         return self.upload.reserve(packet_len)
+
+
+def _wrap_for_lora(model: torch.nn.Module, max_loras: int, max_rank: int):
+    """The model's LoRA targets wrapped, and the manager of their slots."""
+    from pagedllm.lora.layers import wrap_model
+    from pagedllm.lora.manager import LoRAManager
+
+    state, wrapped = wrap_model(model, max_loras, max_rank)
+    return LoRAManager(state, wrapped, max_loras, max_rank)

@@ -14,6 +14,7 @@ from pagedllm.lora.adapter import LoRAAdapter, LoRAError
 from pagedllm.lora.layers import wrap_model
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.loader import load_model
+from tests.lora.adapters import make_adapter
 from tests.model.paged import PagedSequences
 from tests.model.tiny import make_hf_model, save_checkpoint
 
@@ -23,20 +24,6 @@ TARGETS = {
     "attn": (["q_proj", "v_proj", "o_proj"], 4, False),
     "mlp": (["gate_proj", "up_proj", "down_proj", "k_proj"], 8, True),  # rsLoRA scaling
 }
-
-
-def make_adapter(hf_model, folder, targets, rank, rslora, seed):
-    """A PEFT adapter with random (not zero) B, so that it changes the logits."""
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(hf_model, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    merged = model.merge_and_unload()
-    return folder, merged
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ class KVBlock:
         self.cache_tokens: tuple[int, ...] | None = None
         self.cache_parent: KVBlock | None = None
         self.cache_parent_epoch = 0
-        self.cache_salt: str | None = None
+        self.cache_salt: str | tuple | None = None  # Request.prefix_salt
         # Bumped on every eviction: a child cached under an older epoch of this block
         # was computed from other contents.
         self.cache_epoch = 0
@@ -178,7 +178,7 @@ class BlockPool:
         block.num_filled = num_filled
 
     def cache(self, block: KVBlock, block_hash: bytes, tokens: tuple[int, ...],
-              parent: KVBlock | None, salt: str | None) -> None:
+              parent: KVBlock | None, salt: str | tuple | None) -> None:
         """Register a full, computed block under its hash."""
         block.block_hash = block_hash
         block.cache_tokens = tokens

@@ -172,7 +172,7 @@ class KVCacheManager:
         # whole cached blocks still recomputes its last block.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
-                                     max_blocks, request.cache_salt)
+                                     max_blocks, request.cache_salt, request.lora_key)
         path = self._longest_cached_path(request, hashes[:max_blocks])
         return PrefixHit(len(path) * self.block_size, tuple(path),
                          tuple(b.cache_epoch for b in path))
@@ -202,7 +202,7 @@ class KVCacheManager:
     def _continues(block: KVBlock, frontier: list[KVBlock], request: Request) -> bool:
         parent = block.cache_parent
         if not frontier:
-            return parent is None and block.cache_salt == request.cache_salt
+            return parent is None and block.cache_salt == request.prefix_salt
         return (parent is not None and parent.cache_epoch == block.cache_parent_epoch
                 and any(parent is f for f in frontier))
 
@@ -320,7 +320,7 @@ class KVCacheManager:
         if num_full <= table.num_cached:
             return
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
-                                     num_full, request.cache_salt)
+                                     num_full, request.cache_salt, request.lora_key)
         bs = self.block_size
         for i in range(table.num_cached, num_full):
             block = table.blocks[i]
@@ -332,7 +332,7 @@ class KVCacheManager:
                 return
             if not block.is_cached:  # hit or shared blocks are registered already
                 tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
-                self.pool.cache(block, hashes[i], tokens, parent, request.cache_salt)
+                self.pool.cache(block, hashes[i], tokens, parent, request.prefix_salt)
             table.num_cached = i + 1
 
     def trim(self, request: Request, num_kept_tokens: int) -> None:
