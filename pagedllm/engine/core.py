@@ -35,6 +35,7 @@ from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
 from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
 from pagedllm.engine.step_isolation import StepError, StepIsolation
 from pagedllm.engine.token_choice import Chooser, choose_tokens
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.loader import LoadedModel
 from pagedllm.sampling_bounds import check_runnable
 
@@ -80,6 +81,11 @@ class EngineCore(StepIsolation):
             self.scheduler.add_request(first.request)
         self.requests.add(first)
         self._counts["prompt"] += len(request.prompt_token_ids)
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Read and check a LoRA adapter now, kept read for its requests; ValueError (one line
+        naming it) if it cannot be served."""
+        self.lora.read(lora)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End requests (all their sequences) in any state; their blocks go back at once.

@@ -4,14 +4,16 @@ encoded, and where its sockets live.
 Two ZMQ sockets over Unix domain sockets in a directory only this user can open (mode 0700, made
 by the API process, which binds both; the core connects):
 
-  to the core    (PUSH -> PULL)  AddRequest, Abort, AbortSequences, SnapshotRequest, Shutdown,
+  to the core    (PUSH -> PULL)  AddRequest, Abort, AbortSequences, SnapshotRequest, LoadLoRA,
+                                 Shutdown,
                                  and the message types of the extensions the core was started
                                  with (pagedllm.engine.core_process, --extension); a core
                                  without one refuses them as it refuses any unknown message
   from the core  (PUSH -> PULL)  Ready or StartupFailed once; then AddsTaken as soon as it has
                                  taken new requests (before it steps), one StepReport per step
                                  (every sequence's new token ids, the requests a failed step
-                                 ended, the core's figures), SnapshotReply answers, and Dead
+                                 ended, the core's figures), SnapshotReply and LoRALoaded
+                                 answers, and Dead
                                  before the core gives up
 
 What a request carries: its token ids and the SamplingParams as plain data: logit_bias and
@@ -46,6 +48,7 @@ import msgspec
 
 from pagedllm.core.kv.snapshot import BlockMap
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingSetup
 
 # -- to the core ---------------------------------------------------------------------------------
@@ -73,11 +76,18 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
     call_id: int
 
 
+class LoadLoRA(msgspec.Struct, tag="load_lora"):
+    """Read and check a LoRA adapter now (/v1/load_lora_adapter), kept read for its requests."""
+
+    call_id: int
+    lora: LoRARequest
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Abort whatever is left, report it, and exit."""
 
 
-ToCore = AddRequest | Abort | AbortSequences | SnapshotRequest | Shutdown
+ToCore = AddRequest | Abort | AbortSequences | SnapshotRequest | LoadLoRA | Shutdown
 
 # -- from the core -------------------------------------------------------------------------------
 
@@ -131,13 +141,20 @@ class SnapshotReply(msgspec.Struct, tag="snapshot"):
     blocks: BlockMap  # its per-block bytes cross raw (msgpack bin), not as base64
 
 
+class LoRALoaded(msgspec.Struct, tag="lora_loaded"):
+    """LoadLoRA's answer: error None, or why the adapter cannot be served (one line naming it)."""
+
+    call_id: int
+    error: str | None = None
+
+
 class Dead(msgspec.Struct, tag="dead"):
     """The core gives up (too many failed steps in a row) and exits."""
 
     reason: str
 
 
-FromCore = Ready | StartupFailed | AddsTaken | StepReport | SnapshotReply | Dead
+FromCore = Ready | StartupFailed | AddsTaken | StepReport | SnapshotReply | LoRALoaded | Dead
 
 
 class Codec:

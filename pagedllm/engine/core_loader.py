@@ -28,6 +28,7 @@ from pagedllm.distributed.executor import TensorParallelExecutor
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import kv_cache_bytes_per_block
 from pagedllm.kernels.attention.kv_quant import stored_dtype_name
+from pagedllm.lora.request import LoRARequest, parse_lora_modules
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
@@ -130,9 +131,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                       PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels))
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
-    lora = None
-    if config.enable_lora:
-        lora = LoRASlots(executor.runner.lora_manager, model_config, config.max_cpu_loras or config.max_loras)
+    lora = _lora_slots(config, executor, model_config) if config.enable_lora else None
     return CoreParts(scheduler, executor, Sampler(config.seed, device),
                      StructuredOutputManager(grammar_compiler), grammar_compiler, facts, lora)
 
@@ -154,6 +153,15 @@ def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan
         return LocalExecutor(runner, pooler)
     return TensorParallelExecutor(runner, driver,
                                   dict(kv_args, kv_dtype=str(dtype).removeprefix("torch.")), pooler)
+
+
+def _lora_slots(config: EngineConfig, executor: LocalExecutor, model_config: ModelConfig) -> LoRASlots:
+    """The core's LoRA slots, --lora-modules' adapters read and checked now (ids 1, 2, ... in
+    their order, as the server numbers them): a bad one stops the start in one line naming it."""
+    lora = LoRASlots(executor.runner.lora_manager, model_config, config.max_cpu_loras or config.max_loras)
+    for lora_id, (name, path) in enumerate(parse_lora_modules(config.lora_modules).items(), 1):
+        lora.read(LoRARequest(name, lora_id, path))
+    return lora
 
 
 def _free_device_bytes(device: torch.device) -> int | None:

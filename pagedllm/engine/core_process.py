@@ -61,6 +61,8 @@ from pagedllm.engine.core_channel import (
     Codec,
     Dead,
     FromCore,
+    LoadLoRA,
+    LoRALoaded,
     Ready,
     Shutdown,
     SnapshotReply,
@@ -272,6 +274,12 @@ class CoreLoop:
             core.abort_sequences(message.sequences)
         elif isinstance(message, SnapshotRequest):
             self._send(SnapshotReply(message.call_id, core.stats(), core.block_map()))
+        elif isinstance(message, LoadLoRA):
+            try:
+                core.load_lora(message.lora)
+                self._send(LoRALoaded(message.call_id))
+            except ValueError as exc:
+                self._send(LoRALoaded(message.call_id, str(exc)))
         elif isinstance(message, Shutdown):
             self.stopping = True
         else:

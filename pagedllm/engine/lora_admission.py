@@ -17,6 +17,7 @@ from pagedllm.engine.core_requests import CoreRequests
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.request_group import CoreSequence
 from pagedllm.lora.adapter import LoRAError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,20 @@ class LoRAAdmission:
         ValueError (nothing kept) if LoRA is off or the adapter cannot be read."""
         if request.lora is None:
             return True
-        if self.slots is None:
-            raise ValueError(f"LoRA adapter {request.lora.lora_name!r} asked for, but LoRA is off "
-                             "(start the engine with enable_lora / --enable-lora)")
+        self._check_on(request.lora)
         slot = self.slots.acquire(request.lora, self._keys_in_use)
         first.request.lora_slot = -1 if slot is None else slot
         return slot is not None
+
+    def read(self, lora: LoRARequest) -> None:
+        """Read and check lora's adapter now (kept read); ValueError if it cannot be served."""
+        self._check_on(lora)
+        self.slots.read(lora)
+
+    def _check_on(self, lora: LoRARequest) -> None:
+        if self.slots is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off "
+                             "(start the engine with enable_lora / --enable-lora)")
 
     def wait(self, first: CoreSequence) -> None:
         self.waiting.append(first)

@@ -176,16 +176,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return await workers.run(api.detokenize, body)
 
     if loras is not None and engine.core.config.allow_runtime_lora_updating:
-        app.include_router(lora_router(loras, workers, model_name), responses=_TOKENIZE_RESPONSES)
+        app.include_router(lora_router(loras, engine, model_name), responses=_TOKENIZE_RESPONSES)
     app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
 
 
 def lora_modules(engine: AsyncEngine) -> LoRAModules | None:
-    """The LoRA adapters to offer (--enable-lora: --lora-modules', each checked now), or None."""
+    """The LoRA adapters to offer (--enable-lora: --lora-modules', which the core checked at its
+    start), or None."""
     config = engine.core.config
-    if not config.enable_lora:
-        return None
-    from pagedllm.model.loader import read_model_config
-
-    return LoRAModules(read_model_config(engine.model_path), config.max_lora_rank, config.lora_modules)
+    return LoRAModules(config.lora_modules) if config.enable_lora else None

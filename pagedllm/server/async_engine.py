@@ -38,6 +38,8 @@ from pagedllm.engine.core_channel import (
     AddRequest,
     AddsTaken,
     Dead,
+    LoadLoRA,
+    LoRALoaded,
     Shutdown,
     SnapshotReply,
     SnapshotRequest,
@@ -47,6 +49,7 @@ from pagedllm.engine.core_client import CoreProcess, describe_exit
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import DEFAULT_MAX_WAITING_REQUESTS
 from pagedllm.text.generation_defaults import read_generation_defaults
@@ -243,6 +246,13 @@ class AsyncEngine:
         reply = await self._call(SnapshotRequest)
         return reply.stats, reply.blocks
 
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Have the core read and check a LoRA adapter; ValueError (one line naming it) if it
+        cannot be served, EngineDeadError if the engine is gone."""
+        reply = await self._call(LoadLoRA, lora=lora)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+
     async def _call(self, message_type, **fields):
         self._check_alive()
         call_id = next(self._call_ids)
@@ -277,7 +287,7 @@ class AsyncEngine:
             self._on_report(message)
         elif isinstance(message, AddsTaken):
             self._take_adds(message)
-        elif isinstance(message, SnapshotReply):
+        elif isinstance(message, SnapshotReply | LoRALoaded):
             answer = self._calls.get(message.call_id)
             if answer is not None and not answer.done():
                 answer.set_result(message)

@@ -10,8 +10,8 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.server.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.server.errors import short_repr
-from pagedllm.server.limits import InputWorkers
 from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.protocol import APIError
 
@@ -28,7 +28,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's body may carry it; the name decides
 
 
-def lora_router(loras: LoRAModules, workers: InputWorkers, base_name: str) -> APIRouter:
+def lora_router(loras: LoRAModules, engine: AsyncEngine, base_name: str) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
@@ -38,10 +38,13 @@ def lora_router(loras: LoRAModules, workers: InputWorkers, base_name: str) -> AP
             raise APIError(f"LoRA adapter {short_repr(name)}: the name is taken (unload it first, or "
                            "choose another)", param="lora_name")
         try:
-            await workers.run(loras.check, name, body.lora_path)  # reads files: off the event loop
-            loras.add(name, body.lora_path, checked=True)
+            lora = loras.new_request(name, body.lora_path)
+            await engine.load_lora(lora)  # the core reads and checks it (ValueError: it cannot)
+            loras.add(lora)
         except ValueError as exc:
             raise APIError(str(exc), param="lora_path") from exc
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503) from exc
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)

@@ -37,9 +37,10 @@ def tiny_lora(tmp_path_factory):
 
 
 def config(base, adapters, **kwargs) -> EngineConfig:
-    return EngineConfig(model=str(base), dtype="float32", num_kv_blocks=64, block_size=16, enable_lora=True,
-                        max_loras=2, max_lora_rank=8,
-                        lora_modules=tuple(f"{n}={adapters[n][0]}" for n in ("sql", "poet")), **kwargs)
+    return EngineConfig(**{"model": str(base), "dtype": "float32", "num_kv_blocks": 64, "block_size": 16,
+                           "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+                           "lora_modules": tuple(f"{n}={adapters[n][0]}" for n in ("sql", "poet")),
+                           **kwargs})
 
 
 def complete(server, model: str, max_tokens: int = 8) -> httpx.Response:
@@ -155,3 +156,16 @@ def test_requests_in_flight_finish_with_an_unloaded_adapter(tiny_lora):
         assert finish == "length"
         assert text == text_of(server, adapters["poet"][1], 40)
         assert server.wait_idle().kv.num_used_blocks == 0
+
+
+def test_a_bad_lora_module_stops_the_start_in_one_line(tiny_lora):
+    from pagedllm.engine.core_client import CoreProcess, CoreStartupError
+
+    base, adapters, _ = tiny_lora
+    bad = config(base, adapters, max_lora_rank=4)  # poet's rank is 8
+    core = CoreProcess(bad, num_threads=1)
+    try:
+        with pytest.raises(CoreStartupError, match="^LoRA adapter 'poet': rank 8 exceeds --max-lora-rank 4$"):
+            core.wait_ready()
+    finally:
+        core.close()
