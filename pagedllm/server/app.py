@@ -156,6 +156,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def create_embeddings(body: embeddings.EmbeddingRequest, raw: Request):
         return await embeddings.embeddings(api, raw, body)
 
+    @app.post("/pooling", responses=_POOLING_RESPONSES)
+    async def create_pooling(body: embeddings.PoolingRequest, raw: Request):
+        return await embeddings.pooling(api, raw, body)
+
     @app.post("/v1/rerank", responses=_POOLING_RESPONSES)
     @app.post("/v2/rerank", responses=_POOLING_RESPONSES)
     @app.post("/rerank", responses=_POOLING_RESPONSES)

@@ -2,12 +2,14 @@
 (texts or token ids), each one pooling request (pagedllm.pooling_params); `dimensions` cuts each
 vector (then it is normalized), `encoding_format` base64 sends the float32 bytes (little-endian)
 as the official client asks by default. A generation engine answers 400, as a pooling engine does
-to completions (the input processor's rule)."""
+to completions (the input processor's rule). vLLM's /pooling takes the same inputs and gives what
+the model pools: a classifier's (reward model's) raw head logits, else the embedding."""
 
 from __future__ import annotations
 
 import base64
 import struct
+import time
 import uuid
 from typing import Annotated, Literal
 
@@ -36,6 +38,15 @@ class EmbeddingRequest(_Body):
     add_special_tokens: StrictBool = True
     # pagedllm's: text put before each text input as it is (an embedder's query prefix)
     instruction: Annotated[str, Field(min_length=1)] | None = None
+
+
+class PoolingRequest(_Body):
+    """vLLM's /pooling."""
+
+    model: Text | None = None
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    add_special_tokens: StrictBool = True
 
 
 def embedding_inputs(value) -> list[PromptInput]:
@@ -95,9 +106,28 @@ async def embeddings(api, raw: Request, body: EmbeddingRequest) -> dict:
     requests = await api.workers.run(process_pooling, api, response_id, prompts, params, "input",
                                      body.add_special_tokens)
     outputs = await run_pooling(api, raw, requests)
+    return _vectors(api, response_id, outputs, "embedding", body.encoding_format)
+
+
+def _vectors(api, response_id: str, outputs: list, kind: str, encoding_format: str) -> dict:
+    """The answer holding each output's vector: OpenAI's embeddings list (kind "embedding") or
+    vLLM's pooling list (kind "pooling", the vector under "data")."""
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return {"id": response_id, "object": "list", "model": api.model_name,
-            "data": [{"object": "embedding", "index": i,
-                      "embedding": encode_vector(o.outputs.data, body.encoding_format)}
+    field = "embedding" if kind == "embedding" else "data"
+    return {"id": response_id, "object": "list", "created": int(time.time()), "model": api.model_name,
+            "data": [{"object": kind, "index": i, field: encode_vector(o.outputs.data, encoding_format)}
                      for i, o in enumerate(outputs)],
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+async def pooling(api, raw: Request, body: PoolingRequest) -> dict:
+    response_id = f"pool-{uuid.uuid4().hex}"
+    api._check_model(body)
+    api.extra_fields.check(body, response_id)
+    prompts = embedding_inputs(body.input)
+    setup = api.processor.pooling
+    params = pooling_params(api, "reward" if setup is not None and setup.num_labels else "embed")
+    requests = await api.workers.run(process_pooling, api, response_id, prompts, params, "input",
+                                     body.add_special_tokens)
+    outputs = await run_pooling(api, raw, requests)
+    return _vectors(api, response_id, outputs, "pooling", body.encoding_format)

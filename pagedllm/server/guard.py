@@ -21,14 +21,14 @@ from pagedllm.server.protocol import (
 )
 
 # Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
-GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score", EVENTS_PATH)
+GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score", "/pooling", EVENTS_PATH)
 # Bodies measured by RequestPrecheck before the schema reads them.
 PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 class Guard:
     """The Host header (pagedllm.server.hosts), the API key (on /v1/*, /v2/*, /tokenize, /detokenize,
-    /rerank, /score and the dashboard's events), the body's size and time limits, and the cheap
+    /rerank, /score, /pooling and the dashboard's events), the body's size and time limits, and the cheap
     bounds on a JSON body (RequestPrecheck), checked before any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks

@@ -14,7 +14,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.input_processor import InvalidInput
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.text.score_prompt import score_prompt
-from tests.model.tiny import make_hf_model, save_checkpoint
+from tests.model.tiny import make_hf_classifier, make_hf_model, save_checkpoint
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "paged attention", "x",
            "Embeddings map a text to one vector; near texts, near ones."]
@@ -152,20 +152,8 @@ def test_the_reranker_scores_and_orders_documents_as_transformers_does(qwen3):
 
 @pytest.mark.parametrize("num_labels", [1, 2])
 def test_a_sequence_classifier_scores_with_its_head_as_transformers_does(tmp_path, num_labels):
-    import transformers
-
-    from tests.model.tiny import _COMMON, write_tokenizer
-
-    config = transformers.Qwen3Config(**{**_COMMON, "head_dim": 32, "max_position_embeddings": 512,
-                                         "num_labels": num_labels, "pad_token_id": 0})
-    torch.manual_seed(num_labels)
-    hf = transformers.Qwen3ForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():  # large enough that mistakes show
-            param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight")
-                        else 0.15 * torch.randn_like(param))
-    hf.save_pretrained(tmp_path)
-    write_tokenizer(tmp_path)
+    hf = make_hf_classifier("qwen3_qk_norm", num_labels, seed=num_labels, max_position_embeddings=512)
+    save_checkpoint(hf, tmp_path)
     llm = pooling_llm(tmp_path, num_kv_blocks=512)  # no --score-tokens needed: the head scores
     query, documents = "what do foxes jump over?", ["the lazy dog", "a paged KV cache", "fences"]
     scores = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]

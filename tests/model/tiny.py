@@ -93,7 +93,24 @@ def make_hf_model(shape: str, seed: int = 0, **overrides):
     class_name, args = SHAPES[shape]
     config = getattr(transformers, class_name)(**{**_COMMON, **args, **overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _randomized(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+
+
+def make_hf_classifier(shape: str, num_labels: int, seed: int = 0, **overrides):
+    """The shape's *ForSequenceClassification (its decoder and a score head of num_labels), with
+    make_hf_model's large random weights; pad id 0, a byte no test text holds (transformers pools
+    at the last token that is not padding)."""
+    import transformers
+
+    class_name, args = SHAPES[shape]
+    config = getattr(transformers, class_name)(**{**_COMMON, **args, "num_labels": num_labels,
+                                                  "pad_token_id": 0, **overrides})
+    torch.manual_seed(seed)
+    classifier = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    return _randomized(classifier)
+
+
+def _randomized(model):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

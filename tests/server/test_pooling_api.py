@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.text.score_prompt import score_prompt
-from tests.model.tiny import make_hf_model, save_checkpoint
+from tests.model.tiny import make_hf_classifier, make_hf_model, save_checkpoint
 from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "paged attention", "x"]
@@ -70,6 +70,13 @@ def test_the_openai_client_embeds_as_transformers_pools(qwen3, pooling_server, c
     torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), got[1], rtol=0, atol=1e-6)
 
 
+def test_vllms_pooling_endpoint_gives_a_causal_lms_embedding(pooling_server, client):
+    embedded = client.embeddings.create(model=MODEL_NAME, input=TEXTS[:2], encoding_format="float")
+    pooled = httpx.post(f"{pooling_server.base_url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    assert [d["data"] for d in pooled["data"]] == [d.embedding for d in embedded.data]
+
+
 def test_dimensions_cut_then_normalize(client):
     full = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0], extra_body={"normalize": False})
     cut = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0], dimensions=8)
@@ -115,11 +122,33 @@ def test_what_a_pooling_engine_cannot_run_is_a_400_naming_the_field(pooling_serv
     assert pooling_server.wait_idle().num_running == 0
 
 
+def test_a_classifier_server_reranks_with_its_head_and_pools_its_raw_logits(tmp_path_factory):
+    hf = make_hf_classifier("qwen3_qk_norm", 1, max_position_embeddings=512)
+    folder = save_checkpoint(hf, tmp_path_factory.mktemp("qwen3-classifier"))
+    with RunningServer(tiny_config(folder, task="score", max_num_batched_tokens=64)) as server:
+        tokenizer = server.async_engine.input_processor.tokenizer
+        expected = []
+        for document in DOCUMENTS:
+            text, spans = score_prompt(QUERY, document)
+            with torch.no_grad():
+                logit = hf(torch.tensor([tokenizer.encode(text, plain_spans=spans)])).logits[0, 0]
+            expected.append(torch.sigmoid(logit).item())
+        answer = httpx.post(f"{server.base_url}/v1/rerank", timeout=60,
+                            json={"query": QUERY, "documents": DOCUMENTS}).json()
+        assert [r["index"] for r in answer["results"]] == sorted(range(4), key=lambda i: -expected[i])
+        assert [r["relevance_score"] for r in answer["results"]] == \
+            pytest.approx(sorted(expected, reverse=True), abs=1e-5)
+        pooled = httpx.post(f"{server.base_url}/pooling", json={"input": TEXTS[0]}, timeout=60).json()
+        with torch.no_grad():
+            reward = hf(torch.tensor([tokenizer.encode(TEXTS[0])])).logits[0]
+        assert pooled["data"][0]["data"] == pytest.approx(reward.tolist(), abs=1e-5)
+
+
 def test_a_generation_engine_refuses_pooling_requests(tiny_model_dir):
     with RunningServer(tiny_config(tiny_model_dir)) as generating:
         for path, body in [("/v1/embeddings", {"input": "hi"}),
                            ("/v1/rerank", {"query": "q", "documents": ["d"]}),
-                           ("/score", {"text_1": "q", "text_2": "d"})]:
+                           ("/score", {"text_1": "q", "text_2": "d"}), ("/pooling", {"input": "hi"})]:
             response = httpx.post(f"{generating.base_url}{path}", json=body, timeout=60)
             assert response.status_code == 400, response.text
             error = response.json()["error"]
