@@ -63,6 +63,15 @@ def embedding_inputs(value) -> list[PromptInput]:
     return list(value)
 
 
+def check_request(api, body, response_id: str) -> None:
+    """The model field (the base model: a LoRA adapter changes generation only, and pooling runs
+    without one) and the fields no body declares."""
+    if api._check_model(body) is not None:
+        raise APIError(f"model {body.model!r} is a LoRA adapter; embeddings and scores come from the "
+                       "base model: name it, or leave model out", param="model")
+    api.extra_fields.check(body, response_id)
+
+
 def pooling_params(api, task: str, dimensions: int | None = None,
                    normalize: bool | None = None) -> PoolingParams:
     try:
@@ -95,8 +104,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 async def embeddings(api, raw: Request, body: EmbeddingRequest) -> dict:
     response_id = f"embd-{uuid.uuid4().hex}"
-    api._check_model(body)
-    api.extra_fields.check(body, response_id)
+    check_request(api, body, response_id)
     prompts = embedding_inputs(body.input)
     params = pooling_params(api, "embed", body.dimensions, body.normalize)
     if body.instruction is not None:
@@ -122,8 +130,7 @@ def _vectors(api, response_id: str, outputs: list, kind: str, encoding_format: s
 
 async def pooling(api, raw: Request, body: PoolingRequest) -> dict:
     response_id = f"pool-{uuid.uuid4().hex}"
-    api._check_model(body)
-    api.extra_fields.check(body, response_id)
+    check_request(api, body, response_id)
     prompts = embedding_inputs(body.input)
     setup = api.processor.pooling
     params = pooling_params(api, "reward" if setup is not None and setup.num_labels else "embed")

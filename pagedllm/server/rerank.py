@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import Field, StrictBool
 
 from pagedllm.engine.input_processor import InvalidInput
-from pagedllm.server.embeddings import pooling_params, process_pooling, run_pooling
+from pagedllm.server.embeddings import check_request, pooling_params, process_pooling, run_pooling
 from pagedllm.server.protocol import APIError, Int, Text, _Body
 
 # Documents scored in one request (each is a prompt of its own).
@@ -68,8 +68,7 @@ async def _scores(api, raw: Request, response_id: str, pairs: list[tuple[str, st
 
 async def rerank(api, raw: Request, body: RerankRequest) -> dict:
     response_id = f"rerank-{uuid.uuid4().hex}"
-    api._check_model(body)
-    api.extra_fields.check(body, response_id)
+    check_request(api, body, response_id)
     if not body.documents:
         raise APIError("documents must not be empty: give at least one document to rank",
                        param="documents")
@@ -89,8 +88,7 @@ async def rerank(api, raw: Request, body: RerankRequest) -> dict:
 
 async def score(api, raw: Request, body: ScoreRequest) -> dict:
     response_id = f"score-{uuid.uuid4().hex}"
-    api._check_model(body)
-    api.extra_fields.check(body, response_id)
+    check_request(api, body, response_id)
     firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     if not firsts or not seconds:

@@ -153,3 +153,16 @@ def test_a_generation_engine_refuses_pooling_requests(tiny_model_dir):
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["param"] == "model" and "--runner pooling" in error["message"]
+
+
+def test_a_lora_adapter_named_for_pooling_is_a_400_not_ignored():
+    from pagedllm.server.embeddings import EmbeddingRequest, check_request
+    from pagedllm.server.protocol import APIError
+
+    class ServesAnAdapter:  # what Api._check_model answers for an adapter's name
+        def _check_model(self, body):
+            return object()
+
+    with pytest.raises(APIError, match="'adapter' is a LoRA adapter") as caught:
+        check_request(ServesAnAdapter(), EmbeddingRequest(model="adapter", input="hi"), "embd-1")
+    assert caught.value.param == "model" and caught.value.status_code == 400
