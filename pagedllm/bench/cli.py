@@ -41,6 +41,9 @@ BENCHES = {
     "moe": ("pagedllm.bench.moe",
             "write a random-weight mixture-of-experts GGUF to race on; bytes a decoded token reads "
             "against the dense equivalent"),
+    "lora": ("pagedllm.bench.lora",
+             "LoRA: throughput with 1/4/16 rank-16 adapters mixed in the workload against the base "
+             "alone; RSS over adapter load/evict cycles"),
     "dashboard": ("pagedllm.bench.dashboard",
                   "the dashboard's snapshot (block map + figures + JSON) against a decode step"),
 }

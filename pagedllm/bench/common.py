@@ -61,15 +61,18 @@ class RunResult:
 
 def run_workload(engine: LLMEngine, requests: list[BenchRequest], record_steps: bool = False,
                  tag: str = "bench", on_step: Callable[[float], None] | None = None,
-                 structured_outputs: GrammarSpec | None = None, temperature: float = 0.0) -> RunResult:
+                 structured_outputs: GrammarSpec | None = None, temperature: float = 0.0,
+                 loras: list | None = None) -> RunResult:
     """Add every request at once (ignore_eos; greedy unless a temperature is given; constrained
-    to structured_outputs if given) and step until all finish. on_step, if given, is called after
-    each step with the time since the start (a step record's t_s)."""
+    to structured_outputs if given; request i with LoRA adapter loras[i % len(loras)] if given)
+    and step until all finish. on_step, if given, is called after each step with the time since
+    the start (a step record's t_s)."""
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY,
                                 structured_outputs=structured_outputs)
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params,
+                           lora_request=loras[i % len(loras)] if loras else None)
     steps: list[StepRecord] = []
     finished: dict[str, list[int]] = {}
     preemptions_before = engine.stats().num_preemptions
