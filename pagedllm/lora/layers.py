@@ -9,8 +9,9 @@ is zeros. So one adapter is two matmuls per projection over exactly its tokens, 
 smaller ranks included, and an empty slot or part adds nothing.
 
 Which token uses which slot is the model's LoRAState, set by the runner before each forward (one
-per model, not global): tokens are grouped by slot once per step, and each projection runs one
-pair of matmuls per adapter present in the batch. Tokens of the base model cost one Python check.
+per model, not global): tokens are sorted by slot once per step (Punica's segmented idea), and
+each projection gathers the adapters' tokens at most once, runs one pair of matmuls per adapter
+present over its segment, and adds the result back at once. The base's tokens cost nothing.
 """
 
 from __future__ import annotations
@@ -23,33 +24,44 @@ from pagedllm.model.config import ModelConfig
 
 
 class LoRAState:
-    """The current batch's tokens grouped by adapter slot: [(slot, its rows)], the rows a slice
-    where they are one run (one request, or neighbours of one adapter: no gather then), else an
-    index tensor."""
+    """The current batch's tokens grouped by adapter slot, as segments (slot, start, end): rows of
+    the batch itself where every adapter's tokens are one run (no gather), else rows of the
+    batch's LoRA tokens gathered in slot order (`rows`: their indices), one gather and one scatter
+    per projection whatever the number of adapters."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.segments: list[tuple[int, int, int]] = []
+        self.rows: torch.Tensor | None = None
 
     def set_batch(self, token_slots, device: torch.device | str = "cpu") -> None:
         """token_slots[t]: the slot of token t's adapter, -1 for the base model (a sequence or
         numpy array)."""
-        self.groups = []
+        self.segments, self.rows = [], None
         slots = np.asarray(token_slots, dtype=np.int64)
-        for slot in np.unique(slots[slots >= 0]).tolist():
-            rows = np.flatnonzero(slots == slot)
-            first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == len(rows):
-                self.groups.append((slot, slice(first, last + 1)))
-            else:
-                self.groups.append((slot, torch.from_numpy(rows).to(device)))
+        lora_rows = np.flatnonzero(slots >= 0)
+        if not lora_rows.size:
+            return
+        order = lora_rows[np.argsort(slots[lora_rows], kind="stable")]
+        sorted_slots = slots[order]
+        bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
+        starts, ends = np.r_[0, bounds], np.r_[bounds, len(order)]
+        one_run_each = all(order[e - 1] - order[s] == e - 1 - s for s, e in zip(starts, ends))
+        if one_run_each:  # segments over the batch's own rows
+            self.segments = [(int(sorted_slots[s]), int(order[s]), int(order[e - 1]) + 1)
+                             for s, e in zip(starts, ends)]
+        else:
+            self.segments = [(int(sorted_slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+            self.rows = torch.from_numpy(order).to(device)
 
     def clear(self) -> None:
-        self.groups = []
+        self.segments, self.rows = [], None
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, part_rows: list[int], in_features: int, state: LoRAState,
-                 max_loras: int, max_rank: int) -> None:
+                 max_loras: int, max_rank: int, like: torch.Tensor) -> None:
+        """like: a tensor of the model's activation dtype and device (the updates' own, whatever
+        the base projection stores: float, prepacked or quantized)."""
         super().__init__()
         if getattr(base, "gated_silu", False):  # its SiLU-and-mul would come before our update
             raise ValueError("a LoRA projection cannot wrap a gated, prepacked gate/up projection")
@@ -57,27 +69,27 @@ class LoRALinear(nn.Module):
         self.state = state
         self.part_rows = part_rows  # the output rows of each fused part, in order
         self.max_rank = max_rank
-        # A quantized base holds codes and scales: its updates are float32 (and on its device).
-        weight = next((t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point()),
-                      torch.empty(0))
         parts, out_features = len(part_rows), sum(part_rows)
-        dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-            else torch.float32
         self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, in_features,
-                                                   dtype=dtype, device=weight.device))
+                                                   dtype=like.dtype, device=like.device))
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, parts * max_rank,
-                                                   dtype=dtype, device=weight.device))
+                                                   dtype=like.dtype, device=like.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.state.groups:
-            gathered = not isinstance(rows, slice)
-            xs = (x.index_select(0, rows) if gathered else x[rows]).to(self.lora_a.dtype)
-            delta = ((xs @ self.lora_a[slot].T) @ self.lora_b[slot].T).to(y.dtype)
-            if gathered:
-                y.index_add_(0, rows, delta)
-            else:
-                y[rows] += delta
+        segments, rows = self.state.segments, self.state.rows
+        if not segments:
+            return y
+        a, b = self.lora_a, self.lora_b
+        if rows is None:  # each adapter's tokens are one run of the batch
+            for slot, start, end in segments:
+                y[start:end] += ((x[start:end].to(a.dtype) @ a[slot].T) @ b[slot].T).to(y.dtype)
+            return y
+        xs = x.index_select(0, rows).to(a.dtype)
+        delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)
+        for slot, start, end in segments:
+            torch.matmul(xs[start:end] @ a[slot].T, b[slot].T, out=delta[start:end])
+        y.index_add_(0, rows, delta.to(y.dtype))
         return y
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -116,7 +128,8 @@ def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRASta
         for name, (part_rows, in_features) in layer_targets.items():
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
-            module = LoRALinear(getattr(parent, attr), part_rows, in_features, state, max_loras, max_rank)
+            module = LoRALinear(getattr(parent, attr), part_rows, in_features, state, max_loras, max_rank,
+                                model.norm.weight)
             setattr(parent, attr, module)
             wrapped[(i, name)] = module
     return state, wrapped
