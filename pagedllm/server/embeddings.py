@@ -18,6 +18,7 @@ from pydantic import Field, StrictBool
 
 from pagedllm.engine.input_processor import InvalidInput, PromptInput
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.server.protocol import APIError, Int, Text, TokenId, _Body
 from pagedllm.server.streams import collect_or_abort
@@ -93,7 +94,11 @@ def process_pooling(api, response_id: str, prompts: list[PromptInput], params: P
 
 async def run_pooling(api, raw: Request, requests: list[tuple[str | None, EngineCoreRequest]]) -> list:
     """Start every request (all or none) and wait for their PoolingRequestOutputs, in order."""
-    return await collect_or_abort(await api._start(requests), raw)
+    outputs = await collect_or_abort(await api._start(requests), raw)
+    if not all(isinstance(o, PoolingRequestOutput) for o in outputs):  # ended with no vector
+        raise APIError("the engine ended the request before its vector was ready (it is shutting "
+                       "down)", 503)
+    return outputs
 
 
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:

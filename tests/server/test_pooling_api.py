@@ -166,3 +166,27 @@ def test_a_lora_adapter_named_for_pooling_is_a_400_not_ignored():
     with pytest.raises(APIError, match="'adapter' is a LoRA adapter") as caught:
         check_request(ServesAnAdapter(), EmbeddingRequest(model="adapter", input="hi"), "embd-1")
     assert caught.value.param == "model" and caught.value.status_code == 400
+
+
+def test_a_request_the_engine_ends_without_a_vector_is_a_503(monkeypatch):
+    """At shutdown the core aborts what is left: an abort, not a vector, comes back."""
+    import asyncio
+
+    from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pagedllm.server import embeddings
+    from pagedllm.server.protocol import APIError
+
+    aborted = RequestOutput("embd-1-0", "hi", [104, 105], [CompletionOutput(0, "", [], "abort")], True,
+                            RequestMetrics(0.0))
+
+    class Starts:
+        async def _start(self, requests):
+            return []
+
+    async def collect(streams, raw):
+        return [aborted]
+
+    monkeypatch.setattr(embeddings, "collect_or_abort", collect)
+    with pytest.raises(APIError, match="before its vector was ready") as caught:
+        asyncio.run(embeddings.run_pooling(Starts(), None, []))
+    assert caught.value.status_code == 503
