@@ -2,7 +2,8 @@
 the same weights: embeddings pooled last-token (Qwen3), mean (Llama) and cls equal the pooled
 last_hidden_state; batching, chunking, prefix-cache hits and preemption do not change a vector;
 dimensions and normalize; the reranker's scores and order equal the same computation in
-transformers; and requests of the wrong kind are refused before they run."""
+transformers; the real default model's embeddings too; and requests of the wrong kind are
+refused before they run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.input_processor import InvalidInput
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.text.score_prompt import score_prompt
+from tests.conftest import requires_default_model
 from tests.model.tiny import make_hf_classifier, make_hf_model, save_checkpoint
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "paged attention", "x",
@@ -230,3 +232,18 @@ def test_task_is_vllms_spelling_of_the_pooling_runner():
     assert EngineConfig().runner == "generate"
     with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls"):
         EngineConfig(pooling_type="max")
+
+
+@requires_default_model
+def test_the_default_models_embeddings_equal_transformers(default_model_path, hf_default_model):
+    """The real SmolLM2-135M, float32, in chunks of 16 tokens: last-token and mean pooling."""
+    texts = ["The capital of France is Paris.", "Bananas are yellow, and so is the sun at noon."]
+    for pooling_type in ("last", "mean"):
+        llm = LLM(str(default_model_path), dtype="float32", device="cpu", runner="pooling",
+                  pooling_type=pooling_type, kv_cache_memory="64MiB", max_model_len=256,
+                  max_num_batched_tokens=16)
+        outputs = llm.embed(texts, use_tqdm=False)
+        states = [hidden_states(hf_default_model, o.prompt_token_ids) for o in outputs]
+        expected = torch.stack([F.normalize(h[-1] if pooling_type == "last" else h.mean(0), dim=0)
+                                for h in states])
+        assert_cosine(expected, vectors(outputs))
