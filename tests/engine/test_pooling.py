@@ -1,8 +1,9 @@
 """A pooling engine (runner="pooling") on tiny random checkpoints, float32, against transformers on
 the same weights: embeddings pooled last-token (Qwen3), mean (Llama) and cls equal the pooled
-last_hidden_state; batching, chunking, prefix-cache hits and preemption do not change a vector;
-dimensions and normalize; the reranker's scores and order equal the same computation in
-transformers; the real default model's embeddings too; and requests of the wrong kind are
+last_hidden_state; batching, chunking and prefix-cache hits do not change a vector, and a recompute
+from position 0 (after preemption) starts a mean or cls pool afresh; dimensions and normalize; the
+reranker's scores and order, a sequence classifier's scores and rewards equal the same computation
+in transformers; the real default model's embeddings too; and requests of the wrong kind are
 refused before they run."""
 
 from __future__ import annotations
