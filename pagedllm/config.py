@@ -380,7 +380,8 @@ class EngineConfig:
         "scores) from the prompt's final hidden states, and no tokens", choices=RUNNERS)
     task: str | None = setting(
         None, "vLLM's spelling of --runner pooling: embed, score or reward (one pooling engine "
-        "serves all three)",
+        "serves all three; with embed, a score is the cosine similarity of two embeddings instead of "
+        "a reranker's verdict)",
         choices=POOLING_TASK_NAMES)
     pooling_type: str = setting(
         "last", "with --runner pooling, how an embedding pools the prompt's final hidden states: "

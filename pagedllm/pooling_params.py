@@ -61,10 +61,14 @@ class PoolingSetup:
     # A *ForSequenceClassification checkpoint's labels: its score head, not label tokens, makes a
     # score (0: a causal LM).
     num_labels: int = 0
+    # An embedder's engine (--task embed): a score is the cosine similarity of the two texts'
+    # embeddings (pagedllm.pooling_score), not a reranker's verdict.
+    scores_by_similarity: bool = False
 
     @classmethod
     def of(cls, config, hidden_size: int, num_labels: int = 0) -> PoolingSetup | None:
         """The setup of an EngineConfig's engine over a model (None: a generation engine)."""
         if config.runner != "pooling":
             return None
-        return cls(hidden_size, config.pooling_normalize, tuple(config.score_tokens), num_labels)
+        return cls(hidden_size, config.pooling_normalize, tuple(config.score_tokens), num_labels,
+                   scores_by_similarity=config.task == "embed" and not num_labels)

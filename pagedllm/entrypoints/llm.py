@@ -15,6 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_score import similarity_scores, texts_to_embed
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -92,15 +93,30 @@ class LLM:
 
     def score(self, query: str, documents: str | list[str], *, instruction: str | None = None,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """How well each document answers the query, from 0 to 1, as a causal reranker judges it
-        (Qwen3-Reranker's way: pagedllm.text.score_prompt), in the documents' order."""
+        """How well each document answers the query, in the documents' order: from 0 to 1 as a
+        reranker judges it (Qwen3-Reranker's way, pagedllm.text.score_prompt, or a classifier's
+        head); on an embedder's engine (task="embed"), the cosine similarity of their embeddings
+        (pagedllm.pooling_score; instruction then prefixes the query alone)."""
         documents = [documents] if isinstance(documents, str) else list(documents)
         processor = self.engine.input_processor
+        if processor.pooling is not None and processor.pooling.scores_by_similarity:  # an embedder
+            return self._similarity_scores(query, documents, instruction, use_tqdm)
         params = processor.pooling_params("score")
         prompts = [processor.score_input(query, d, instruction) for d in documents]
         outputs = self._run(self._add_pooling(prompts, params), use_tqdm)
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.data[-1]))
                 for o in outputs]
+
+    def _similarity_scores(self, query: str, documents: list[str], instruction: str | None,
+                           use_tqdm: bool) -> list[ScoringRequestOutput]:
+        pairs = [(query, d) for d in documents]
+        texts = texts_to_embed(pairs, instruction)
+        params = self.engine.input_processor.pooling_params("embed", normalize=True)
+        outputs = self._run(self._add_pooling(texts, params), use_tqdm)
+        scores = similarity_scores(pairs, instruction, {t: o.outputs.data for t, o in zip(texts, outputs)})
+        by_text = dict(zip(texts, outputs))
+        return [ScoringRequestOutput(by_text[d].request_id, by_text[d].prompt_token_ids, ScoringOutput(s))
+                for d, s in zip(documents, scores)]
 
     def reward(self, prompts: PromptInput | list[PromptInput], *,
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:

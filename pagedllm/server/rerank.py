@@ -2,7 +2,8 @@
 documents, top_n, return_documents; the results best first) and vLLM's /score (text_1 against
 text_2: one against many, or pairs). Each (query, document) pair is one "score" pooling request:
 the causal reranker's verdict under its prompt format (pagedllm.text.score_prompt), P(positive
-label) among --score-tokens."""
+label) among --score-tokens, or a classifier's head. On an embedder's engine (--task embed) a
+score is the cosine similarity of the two texts' embeddings instead (pagedllm.pooling_score)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi import Request
 from pydantic import Field, StrictBool
 
 from pagedllm.engine.input_processor import InvalidInput
+from pagedllm.pooling_score import similarity_scores, texts_to_embed
 from pagedllm.server.embeddings import check_request, pooling_params, process_pooling, run_pooling
 from pagedllm.server.protocol import APIError, Int, Text, _Body
 
@@ -52,6 +54,15 @@ def _text(document: Document) -> str:
 async def _scores(api, raw: Request, response_id: str, pairs: list[tuple[str, str]],
                   instruction: str | None, param: str) -> tuple[list[float], int]:
     """Each pair's score, in order, and the prompt tokens they took."""
+    setup = api.processor.pooling
+    if setup is not None and setup.scores_by_similarity:  # an embedder's engine
+        texts = texts_to_embed(pairs, instruction)
+        params = pooling_params(api, "embed", normalize=True)
+        requests = await api.workers.run(process_pooling, api, response_id, texts, params, param)
+        outputs = await run_pooling(api, raw, requests)
+        embeddings = {t: o.outputs.data for t, o in zip(texts, outputs)}
+        return (similarity_scores(pairs, instruction, embeddings),
+                sum(len(o.prompt_token_ids) for o in outputs))
     params = pooling_params(api, "score")
 
     def prompts():

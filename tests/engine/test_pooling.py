@@ -153,6 +153,21 @@ def test_the_reranker_scores_and_orders_documents_as_transformers_does(qwen3):
     assert tokenizer.eos_token_ids[0] not in forged  # a document's control-token text stays text
 
 
+def test_an_embedders_scores_are_cosine_similarities_as_transformers_gives_them(qwen3):
+    hf, folder = qwen3
+    llm = pooling_llm(folder, task="embed")
+    query, documents = "what do foxes jump over?", ["the lazy dog", "a paged KV cache", "fences"]
+    scores = [o.outputs.score for o in llm.score(query, documents, instruction="Query: ", use_tqdm=False)]
+    tokenizer = llm.get_tokenizer()
+
+    def embedding(text: str) -> torch.Tensor:
+        return F.normalize(hidden_states(hf, tokenizer.encode(text))[-1], dim=0)
+
+    expected = [torch.dot(embedding("Query: " + query), embedding(d)).item() for d in documents]
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert len(set(round(s, 4) for s in scores)) == len(documents)
+
+
 @pytest.mark.parametrize("num_labels", [1, 2])
 def test_a_sequence_classifier_scores_with_its_head_as_transformers_does(tmp_path, num_labels):
     hf = make_hf_classifier("qwen3_qk_norm", num_labels, seed=num_labels, max_position_embeddings=512)

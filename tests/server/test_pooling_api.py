@@ -144,6 +144,21 @@ def test_a_classifier_server_reranks_with_its_head_and_pools_its_raw_logits(tmp_
         assert pooled["data"][0]["data"] == pytest.approx(reward.tolist(), abs=1e-5)
 
 
+def test_an_embedder_server_reranks_by_cosine_similarity(qwen3):
+    hf, folder = qwen3
+    with RunningServer(tiny_config(folder, task="embed", max_num_batched_tokens=64)) as server:
+        tokenizer = server.async_engine.input_processor.tokenizer
+        query = last_token_embedding(hf, tokenizer.encode(QUERY))
+        expected = [torch.dot(query, last_token_embedding(hf, tokenizer.encode(d))).item() for d in DOCUMENTS]
+        answer = httpx.post(f"{server.base_url}/v1/rerank", timeout=60,
+                            json={"query": QUERY, "documents": DOCUMENTS}).json()
+        assert [r["index"] for r in answer["results"]] == sorted(range(4), key=lambda i: -expected[i])
+        assert [r["relevance_score"] for r in answer["results"]] == \
+            pytest.approx(sorted(expected, reverse=True), abs=1e-5)
+        # each text embedded once: the query and four documents
+        assert answer["usage"]["total_tokens"] == sum(len(tokenizer.encode(t)) for t in [QUERY, *DOCUMENTS])
+
+
 def test_a_generation_engine_refuses_pooling_requests(tiny_model_dir):
     with RunningServer(tiny_config(tiny_model_dir)) as generating:
         for path, body in [("/v1/embeddings", {"input": "hi"}),
