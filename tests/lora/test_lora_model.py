@@ -106,3 +106,30 @@ def test_bad_adapters_are_refused_naming_them(base_and_adapters, tmp_path):
               strange / "adapter_model.safetensors")
     with pytest.raises(LoRAError, match="'strange': tensor base_model.model.lm_head.lora_A.weight targets"):
         LoRAAdapter.load("strange", strange, config, 8)
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int8"),
+                                                ("bfloat16", "int4")])
+@torch.inference_mode()
+def test_bf16_and_quantized_bases_take_adapters_too(base_and_adapters, dtype, quantization):
+    """Beside a bf16 (prepacked on the CPU) or quantized base, the updates run in the model's
+    dtype: the logits' distance from PEFT's merged float32 ones is of the order of the base's own
+    rounding (its distance from transformers' base), and far below what the adapter changes."""
+    from pagedllm.worker.runner import ModelRunner
+
+    base, merged, hf_base = base_and_adapters
+    model = load_model(base, dtype=dtype, quantization=quantization).model
+    runner = ModelRunner(model, num_blocks=16, block_size=4, max_num_batched_tokens=64, max_model_len=64,
+                         kv_dtype=model.norm.weight.dtype, lora=(2, 8))  # wraps, then prepacks
+    manager = runner.lora_manager
+    slot = manager.add(LoRAAdapter.load("mlp", merged["mlp"][0], model.config, 8))
+    tokens = ids(12, 6)
+    batch = torch.tensor([tokens])
+    expected, without = merged["mlp"][1](batch).logits[0], hf_base(batch).logits[0]
+    errors = {}
+    for name, slots, reference in (("lora", [slot], expected), ("base", [-1], without)):
+        manager.state.set_batch(slots * len(tokens))
+        ours = PagedSequences(model, num_blocks=8, block_size=4).step({0: tokens})[0].float()
+        errors[name] = (ours - reference).abs().max().item()
+    effect = (without - expected).abs().max().item()
+    assert errors["lora"] < 3 * errors["base"] + 0.05 and errors["lora"] < effect / 2, (errors, effect)
