@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import tempfile
 from pathlib import Path
@@ -38,6 +39,8 @@ from pagedllm.lora.adapter import PART_OF, projection_shape
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(engine: LLMEngine, workload, adapters: list[LoRARequest]) -> dict:
     forget_cached_prefixes(engine)
     result = run_workload(engine, workload, tag=f"lora{len(adapters)}", loras=adapters)
+    logger.info("%d adapters: %.1f output tok/s", len(adapters), result.output_tokens / result.elapsed_s)
     return {"output_tok_s": round(result.output_tokens / result.elapsed_s, 1),
             "elapsed_s": round(result.elapsed_s, 2), "num_preemptions": result.num_preemptions}
 
