@@ -51,6 +51,7 @@ class KVManager(Protocol):
     def free(self, request: Request) -> None: ...
     def fork(self, parent: Request, child: Request) -> bool: ...  # False: no room to copy into
     def block_ids(self, request: Request) -> list[int]: ...
+    def state_pages(self, request: Request) -> list[int]: ...
     def take_block_copies(self) -> list[tuple[int, int]]: ...
     def stats(self) -> KVStats: ...
 
@@ -63,6 +64,8 @@ class ScheduledRequest:
     # The request's whole block table: the manager's live list, valid for this step.
     block_ids: list[int]
     block_size: int
+    # A hybrid model's: the pages of the request's recurrent state (KVCacheManager.state_pages).
+    state_pages: list[int] = field(default_factory=list)
     # Fixed when scheduled, because update_from_output appends the sampled token.
     samples: bool = field(init=False)
 
@@ -266,7 +269,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, request.num_computed_tokens,
-                                self.kv_manager.block_ids(request), self.kv_manager.block_size)
+                                self.kv_manager.block_ids(request), self.kv_manager.block_size,
+                                self.kv_manager.state_pages(request))
 
     # -- after the model ran --------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig, SchedulerConfig, default_block_size
+from pagedllm.core.kv.kinds import kv_page_kind
 from pagedllm.core.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_kv_cache
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.driver import TensorParallelDriver, load_engine_model
@@ -33,6 +34,7 @@ from pagedllm.lora.slots import LoRASlots
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import LoadedModel, resolve_dtype
+from pagedllm.model.recurrent_state import pages_per_request
 from pagedllm.pooling_params import PoolingSetup
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
@@ -116,11 +118,16 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     # The heads are this process's (model.config): under tensor parallelism its share, the
     # largest of any rank's, so the budget is what each rank's cache may take.
     bytes_per_block = kv_cache_bytes_per_block(
-        model_config.num_hidden_layers, config.block_size, model.config.num_key_value_heads,
+        len(model_config.attention_layers), config.block_size, model.config.num_key_value_heads,
         model_config.head_dim, dtype, config.kv_cache_dtype, values_share_keys=model_config.kv_lora_rank > 0)
+    state_pages = 0
+    if model_config.is_hybrid:
+        config = _hybrid_config(config)
+        state_pages = pages_per_request(model.state_shapes, bytes_per_block)
     kv_plan = plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
                             sliding_window=model_config.kv_window,
-                            free_device_bytes=_free_device_bytes(device))
+                            free_device_bytes=_free_device_bytes(device), state_pages_per_request=state_pages,
+                            kv_kind=kv_page_kind(model_config.kv_window, model_config.kv_lora_rank > 0))
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, kv_plan.max_model_len),
         make_kv_manager(config, kv_plan))
@@ -134,6 +141,19 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     lora = _lora_slots(config, executor, model_config) if config.enable_lora else None
     return CoreParts(scheduler, executor, Sampler(config.seed, device),
                      StructuredOutputManager(grammar_compiler), grammar_compiler, facts, lora)
+
+
+def _hybrid_config(config: EngineConfig) -> EngineConfig:
+    """What a hybrid model runs with: its recurrent states live in pages of the model's dtype, cannot
+    be rolled back (no speculative decoding), and have no checkpoints at block ends (so no prefix
+    caching: the start-up line says so)."""
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} is not supported for hybrid models "
+                         "(their recurrent states share the KV pages): use auto")
+    if config.speculative_config:
+        raise ValueError("speculative decoding is not supported for hybrid models (a recurrent state "
+                         "cannot be rolled back past rejected tokens)")
+    return dataclasses.replace(config, enable_prefix_caching=False)
 
 
 def _make_executor(config: EngineConfig, model: torch.nn.Module, kv_plan: KVPlan, dtype: torch.dtype,

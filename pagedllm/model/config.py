@@ -92,6 +92,15 @@ class ModelConfig:
     # A *ForSequenceClassification checkpoint (its family's decoder, then a `score` head from the
     # last hidden state to this many label logits, and no LM head); 0: a causal LM.
     num_labels: int = 0
+    # Hybrid models (model/hybrid.py): each layer's kind, "full_attention" or "linear_attention" (a
+    # Gated DeltaNet, model/gated_deltanet.py, which keeps a fixed-size recurrent state per request
+    # instead of keys and values); None: every layer attends. The linear layers' sizes follow.
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -107,6 +116,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        if self.layer_types is not None:
+            _check_layer_types(self.layer_types, self.num_hidden_layers)
         if self.num_experts and not (isinstance(self.num_experts_per_tok, int)
                                      and 0 < self.num_experts_per_tok <= self.num_experts):
             raise UnsupportedModelError(
@@ -141,6 +152,19 @@ class ModelConfig:
         attends to everything (Gemma's global layers, Qwen2's layers below max_window_layers)."""
         windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
         return None if None in windows else max(windows)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache (every one but a hybrid's
+        recurrent layers), in order: the runner allocates a KV cache for each."""
+        if self.layer_types is None:
+            return tuple(range(self.num_hidden_layers))
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state per request instead of keys and values."""
+        return len(self.attention_layers) < self.num_hidden_layers
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer_index in self.moe_layers)
@@ -451,6 +475,22 @@ def _check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None
     if missing:
         raise UnsupportedModelError(f"{rope_type} rope scaling lacks {', '.join(missing)}")
     return None if rope_type == "default" else dict(scaling)
+
+
+# The layer kinds a hybrid model may mix (model/hybrid.py builds each).
+LAYER_KINDS = ("full_attention", "linear_attention")
+
+
+def _check_layer_types(layer_types: tuple[str, ...], num_layers: int) -> None:
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types names {len(layer_types)} layers; the model has {num_layers}")
+    unknown = sorted(set(layer_types) - set(LAYER_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f"unsupported layer kinds {', '.join(unknown)}; supported: "
+                                    f"{', '.join(LAYER_KINDS)}")
+    if "full_attention" not in layer_types:
+        raise UnsupportedModelError("a hybrid model without any full_attention layer is not supported "
+                                    "(its recurrent states are held in the attention layers' pages)")
 
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:

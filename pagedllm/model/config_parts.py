@@ -16,7 +16,30 @@ def hf_sparse_and_latent_fields(config: dict[str, Any], architecture: str) -> di
     fields = _hf_moe(config, architecture)
     if architecture in _DEEPSEEK:
         fields.update(_hf_mla(config, architecture))
+    if architecture in _HYBRID:
+        fields.update(_hf_hybrid(config, architecture))
     return fields
+
+
+_HYBRID = ("Qwen3_5ForCausalLM",)
+_LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def _hf_hybrid(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen3.5's layer kinds (layer_types, or every full_attention_interval-th layer attending, as
+    transformers fills them in) and its Gated DeltaNet sizes."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or [
+        "full_attention" if (i + 1) % config.get("full_attention_interval", 4) == 0
+        else "linear_attention" for i in range(layers)]
+    missing = [name for name in _LINEAR_SIZES if not config.get(name)]
+    if missing:
+        raise UnsupportedModelError(f"{architecture} config lacks {', '.join(missing)}")
+    sizes = {name: config[name] for name in _LINEAR_SIZES}
+    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+        raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return dict(layer_types=tuple(kinds), **sizes)
 
 
 def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:

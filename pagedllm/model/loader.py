@@ -34,6 +34,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.gguf_file import GGUFCheckpoint
+from pagedllm.model.hybrid import HybridForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
 from pagedllm.text.tokenizer import Tokenizer
@@ -218,7 +219,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
-        model = LlamaForCausalLM.from_hf_tensors(
+        model_class = HybridForCausalLM if config.is_hybrid else LlamaForCausalLM
+        model = model_class.from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)
 

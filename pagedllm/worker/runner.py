@@ -101,11 +101,15 @@ class ModelRunner:
         elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
         self.block_size = block_size
+        # A hybrid model's recurrent states are read and written around the layers: not in a graph.
+        self.recurrent = cfg.is_hybrid
         use_graphs = (not enforce_eager and not batch_invariant and not mirrored and not lora
+                      and not self.recurrent
                       and (graph_capture is not None or self.device.type == "cuda"))
-        self.kv_caches = allocate_kv_cache(cfg.num_hidden_layers, num_blocks + int(use_graphs), block_size,
-                                           cfg.num_key_value_heads, cfg.head_dim, kv_dtype, self.device,
-                                           kv_cache_dtype, values_share_keys=cfg.kv_lora_rank > 0)
+        self.kv_caches = allocate_kv_cache(len(cfg.attention_layers), num_blocks + int(use_graphs),
+                                           block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype,
+                                           self.device, kv_cache_dtype,
+                                           values_share_keys=cfg.kv_lora_rank > 0)
         self.upload = StepUpload(self.device)
         # The packet carries the lengths and the table's changes where a copy of the table follows.
         self._packs_table = self.upload.uploads or mirrored
@@ -249,9 +253,11 @@ class ModelRunner:
         # The kernels read the table's first n rows in place (every column: they index by
         # position, and a wider row costs nothing).
         if self.upload.uploads:
-            return self._inputs_from_packet(layout, table.shape, self.upload.upload(layout.length),
+            step = self._inputs_from_packet(layout, table.shape, self.upload.upload(layout.length),
                                             seq_lens.tolist(), query_start_loc.tolist(),
                                             sample_indices)._replace(**sent)
+            self._add_state_pages(step.attn_metadata, scheduled)
+            return step
         meta = AttentionMetadata(
             slot_mapping=packet[layout.slots],
             block_tables=torch.from_numpy(table[:n]),
@@ -261,8 +267,18 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc.tolist(),
             batch_invariant=self.batch_invariant,
         )
+        self._add_state_pages(meta, scheduled)
         return StepInputs(packet[layout.input_ids], packet[layout.positions], meta,
                           packet[layout.sample_rows], sample_indices, **sent)
+
+    def _add_state_pages(self, meta: AttentionMetadata, scheduled: list) -> None:
+        """A hybrid model's: each request's state pages (batch row order), and which requests start
+        from a zero state (their first tokens: new, or preempted and recomputed)."""
+        if self.recurrent:
+            meta.state_pages = torch.tensor([s.state_pages for s in scheduled], dtype=torch.int64,
+                                            device=self.device)
+            meta.state_fresh = torch.tensor([s.num_computed_tokens == 0 for s in scheduled],
+                                            device=self.device)
 
     def _inputs_from_packet(self, layout: PacketLayout, table_shape: tuple[int, int],
                             packet: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],

@@ -79,6 +79,12 @@ SHAPES: dict[str, tuple[str, dict]] = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=32,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # Hybrid (Qwen3.5): Gated DeltaNet layers (two value heads per key head) around two gated
+    # attention layers with partial rotary; the A_log and dt_bias of the defaults.
+    "qwen3_5_hybrid": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
     "mixtral_moe": ("MixtralConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
 }

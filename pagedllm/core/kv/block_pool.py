@@ -5,6 +5,8 @@ A block is in exactly one of three states:
   - owned: ref_cnt > 0 (one ref per request holding it);
   - free and cached: ref_cnt == 0, has a hash, sits in the free queue and can be revived;
   - free: ref_cnt == 0, no hash, sits in the free queue.
+An owned block holds one kind of page (the model's keys and values, or a recurrent layer's state:
+kinds.py); all kinds come from the one free queue and are counted by kind while owned.
 Free blocks are taken from the head of the queue. Cached blocks are freed to the tail, so the
 head is the least recently used; taking a cached block evicts it (its hash is dropped).
 """
@@ -13,17 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from pagedllm.core.kv.kinds import FULL_ATTENTION
+
 
 class KVBlock:
     """One physical block. The `cache_*` fields describe what a cached block holds."""
 
-    __slots__ = ("block_id", "ref_cnt", "num_filled", "block_hash", "cache_tokens",
+    __slots__ = ("block_id", "ref_cnt", "kind", "num_filled", "block_hash", "cache_tokens",
                  "cache_parent", "cache_parent_epoch", "cache_salt", "cache_epoch",
                  "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.kind: str | None = None  # what an owned (or cached) block holds; None while plain free
         # Slots holding (or about to hold) a token; frozen while the block is shared.
         self.num_filled = 0
         self.block_hash: bytes | None = None
@@ -114,16 +119,20 @@ class BlockPool:
     slot once) so that usage figures cost O(1) whatever the number or length of requests.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, kv_kind: str = FULL_ATTENTION) -> None:
+        """kv_kind: what the model keeps in its KV pages (kinds.py), the kind a page takes unless
+        told another."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1; got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.kv_kind = kv_kind
         self.free_queue = FreeBlockQueue(self.blocks)
         # hash -> blocks holding it. Usually one; two requests computing the same prefix
         # at once each fill their own copy, and both stay findable.
         self._cached: dict[bytes, list[KVBlock]] = {}
         self.num_cached_free = 0
         self.num_used_slots = 0
+        self.num_owned_by_kind: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -134,8 +143,10 @@ class BlockPool:
         """Free blocks, cached-but-evictable ones included."""
         return self.free_queue.num_free
 
-    def take(self, n: int) -> list[KVBlock]:
-        """n blocks from the head of the free queue, each with one ref; evicts cached ones."""
+    def take(self, n: int, kind: str | None = None) -> list[KVBlock]:
+        """n blocks from the head of the free queue, each with one ref, to hold `kind` (None: the
+        model's keys and values, kv_kind); evicts cached ones."""
+        kind = kind or self.kv_kind
         blocks = self.free_queue.popleft_n(n)
         for block in blocks:
             if block.is_cached:
@@ -143,6 +154,9 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             block.num_filled = 0
+            block.kind = kind
+        if blocks:
+            self.num_owned_by_kind[kind] = self.num_owned_by_kind.get(kind, 0) + n
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -152,6 +166,7 @@ class BlockPool:
                 self.free_queue.remove(block)
                 self.num_cached_free -= block.is_cached
                 self.num_used_slots += block.num_filled
+                self.num_owned_by_kind[block.kind] = self.num_owned_by_kind.get(block.kind, 0) + 1
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -164,12 +179,14 @@ class BlockPool:
             if block.ref_cnt:
                 continue
             self.num_used_slots -= block.num_filled
+            self.num_owned_by_kind[block.kind] -= 1
             if block.is_cached:
                 self.num_cached_free += 1
                 self.free_queue.append(block)
             else:
                 # Nothing worth keeping: reuse it before any cached block.
                 block.num_filled = 0
+                block.kind = None
                 self.free_queue.appendleft(block)
 
     def fill(self, block: KVBlock, num_filled: int) -> None:

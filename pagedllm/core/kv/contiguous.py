@@ -132,6 +132,9 @@ class ContiguousKVManager:
         reservation = self._reservations.get(request.request_id)
         return reservation.ids if reservation is not None else []
 
+    def state_pages(self, request: Request) -> list[int]:
+        return []  # no recurrent states here (plan.make_kv_manager refuses a hybrid model)
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         return self._pending_copies.take()
 

@@ -33,6 +33,13 @@ cached, until evicted). The request's table keeps its logical positions: a freed
 hole, NULL_BLOCK in `ids`, always at the front of the table, and attention never reads it
 (every backend starts reading at the window). A request thus holds at most
 ceil(window / block_size) + 1 blocks while it decodes, however long it runs.
+
+Recurrent states (hybrid models: model/recurrent_state.py): with state_pages_per_request = k,
+a request also holds k pages of kind RECURRENT_STATE from the same pool, taken with its first
+blocks and given back with them. They are never shared: a fork takes k pages of its own and the
+parent's are copied into them before the next step (the same pending copies as copy-on-write).
+A state cannot be rolled back, so such a manager refuses trim() (speculative decoding), and has
+no prefix cache (the state at a cached prefix's end is not kept).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv.block_pool import BlockPool, KVBlock, PendingCopies
+from pagedllm.core.kv.kinds import FULL_ATTENTION, RECURRENT_STATE
 from pagedllm.core.kv.prefix_hash import extend_block_hashes
 from pagedllm.core.kv.snapshot import BlockMap, paged_block_map
 from pagedllm.core.kv.stats import KVStats
@@ -101,6 +109,7 @@ class _BlockTable:
     ids: list[int] = field(init=False)
     num_cached: int = 0  # leading blocks already registered in the prefix cache
     num_freed: int = 0  # leading entries given back: blocks[:num_freed] are holes
+    state: list[KVBlock] = field(default_factory=list)  # the request's recurrent state pages
 
     def __post_init__(self) -> None:
         self.ids = [NULL_BLOCK if b is None else b.block_id for b in self.blocks]
@@ -128,9 +137,12 @@ class _BlockTable:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 bytes_per_block: int = 0, sliding_window: int | None = None) -> None:
+                 bytes_per_block: int = 0, sliding_window: int | None = None,
+                 state_pages_per_request: int = 0, kv_kind: str = FULL_ATTENTION) -> None:
         """sliding_window: keys further back than this are read by no layer of the model
-        (ModelConfig.kv_window), so their blocks are given back as requests advance."""
+        (ModelConfig.kv_window), so their blocks are given back as requests advance.
+        state_pages_per_request: pages of recurrent state each request holds besides its blocks
+        (a hybrid model's). kv_kind: what the KV pages hold (kinds.py), for the figures."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -138,9 +150,13 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.sliding_window = sliding_window
+        if state_pages_per_request and enable_prefix_caching:
+            raise ValueError("prefix caching needs the recurrent state at a cached prefix's end, "
+                             "which is not kept: turn one of them off")
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_block = bytes_per_block
-        self.pool = BlockPool(num_blocks)
+        self.state_pages_per_request = state_pages_per_request
+        self.pool = BlockPool(num_blocks, kv_kind)
         # With a window, the scheduler gives one request at most this many new tokens a step, so
         # a request of any length runs alone in the cache (None: no limit of the cache's).
         self.max_step_tokens = window_step_cap(num_blocks, block_size, sliding_window)
@@ -152,7 +168,7 @@ class KVCacheManager:
     def max_tokens_per_request(self, max_chunk_tokens: int) -> int:
         """The longest request that can run alone in the whole cache, computed in steps of at
         most max_chunk_tokens new tokens (UNBOUNDED where a window keeps any length within it)."""
-        whole = self.num_blocks * self.block_size
+        whole = (self.num_blocks - self.state_pages_per_request) * self.block_size
         if self.sliding_window is None:
             return whole
         chunk = min(max_chunk_tokens, self.max_step_tokens or max_chunk_tokens)
@@ -258,13 +274,15 @@ class KVCacheManager:
         needed = hit.blocks[num_holes:]
         # Reviving a free hit block uses up a free block as surely as taking a new one.
         num_revived = sum(1 for b in needed if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        num_state = self.state_pages_per_request
+        if num_new_blocks + num_revived + num_state > self.pool.num_free_blocks:
             return False
         # Revive the hits before taking new blocks, so taking cannot evict them.
         self.pool.touch(needed)
         table = _BlockTable([None] * num_holes + list(needed), num_cached=len(hit.blocks),
                             num_freed=num_holes)
         table.extend(self.pool.take(num_new_blocks))
+        table.state = self._take_state_pages(num_state)
         self._tables[request.request_id] = table
         self._fill(table, start, end)
         if self.enable_prefix_caching:
@@ -345,6 +363,8 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if table is None:
             raise ValueError(f"cannot trim {request.request_id}: it holds no blocks")
+        if table.state:
+            raise ValueError(f"cannot trim {request.request_id}: a recurrent state cannot be rolled back")
         bs = self.block_size
         capacity = len(table.blocks) * bs
         if not max(1, request.num_computed_tokens) <= num_kept_tokens <= capacity:
@@ -376,6 +396,7 @@ class KVCacheManager:
         # Last block first: a prefix is useless without its beginning, so the tail of a
         # cached sequence should be evicted before its head.
         self.pool.release(reversed(table.held))
+        self.pool.release(table.state)
         if self._pending_copies:
             self._pending_copies.discard_into(lambda dst: not self.pool.blocks[dst].ref_cnt)
 
@@ -388,15 +409,31 @@ class KVCacheManager:
             raise ValueError(f"cannot fork {parent.request_id}: it holds no blocks")
         if child.request_id in self._tables:
             raise ValueError(f"cannot fork into {child.request_id}: it already holds blocks")
+        if len(table.state) > self.pool.num_free_blocks:
+            return False  # no room for the state's copy: the child is recomputed later
+        state = self._take_state_pages(len(table.state))
+        for src, dst in zip(table.state, state):
+            self._pending_copies.add(src.block_id, dst.block_id)
         self.pool.touch(table.held)
         child_table = _BlockTable(list(table.blocks), num_cached=table.num_cached,
-                                  num_freed=table.num_freed)
+                                  num_freed=table.num_freed, state=state)
         self._tables[child.request_id] = child_table
         return True
+
+    def _take_state_pages(self, n: int) -> list[KVBlock]:
+        pages = self.pool.take(n, RECURRENT_STATE)
+        for page in pages:  # a state fills its pages: they count as used slots, not waste
+            self.pool.fill(page, self.block_size)
+        return pages
 
     def block_ids(self, request: Request) -> list[int]:
         table = self._tables.get(request.request_id)
         return table.ids if table is not None else []
+
+    def state_pages(self, request: Request) -> list[int]:
+        """The pages of the request's recurrent state, in order (none without recurrent layers)."""
+        table = self._tables.get(request.request_id)
+        return [b.block_id for b in table.state] if table is not None else []
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) copies to do before the next model run: no block is both a source and
@@ -411,7 +448,8 @@ class KVCacheManager:
         """Every block's state, ref count, fill and owners: the dashboard's picture."""
         return paged_block_map(
             self.pool.blocks, self.block_size,
-            ((rid, table.ids[table.num_freed:], table.num_freed) for rid, table in self._tables.items()),
+            ((rid, table.ids[table.num_freed:] + [b.block_id for b in table.state], table.num_freed)
+             for rid, table in self._tables.items()),
             self._pending_copies.destinations())
 
     def stats(self) -> KVStats:
@@ -421,4 +459,6 @@ class KVCacheManager:
             allocated_slots=(self.num_blocks - num_free) * self.block_size,
             used_slots=self.pool.num_used_slots, bytes_per_block=self.bytes_per_block,
             num_cached_free_blocks=self.pool.num_cached_free,
-            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits)
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            pages_by_kind={kind: n for kind, n in self.pool.num_owned_by_kind.items() if n},
+            state_pages_per_request=self.state_pages_per_request)

@@ -25,6 +25,10 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     # Each row's result independent of the rest of the batch (pagedllm.model.batch_invariant).
     batch_invariant: bool = False
+    # A hybrid model's recurrent layers (model/recurrent_state.py): each request's state pages
+    # [B, pages] int64, and whether it starts from a zero state ([B] bool: its first tokens).
+    state_pages: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

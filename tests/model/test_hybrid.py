@@ -1,0 +1,101 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet layers around gated attention layers) through the engine:
+its recurrent states live in pages of the one KV pool, carried across prefill chunks, recomputed
+after preemption, copied at forks, and given back when requests end. The oracle is transformers'
+float32 greedy decoding on the same tiny random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.gated_deltanet import _chunked_delta_rule, _recurrent_step
+from pagedllm.model.recurrent_state import pages_per_request
+
+PROMPTS = [list(range(1, 30)), list(range(40, 51)), [5, 6, 7, 8, 9] * 5, [200, 3, 17]]
+MAX_TOKENS = 12
+
+
+def _reference(hf_model, prompt: list[int]) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            min_new_tokens=MAX_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("qwen3_5_hybrid")
+    return checkpoint, [_reference(checkpoint.hf_model, p) for p in PROMPTS]
+
+
+def _greedy(n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+
+
+def test_chunked_prefill_preemption_and_forks_give_transformers_tokens(hybrid):
+    checkpoint, expected = hybrid
+    # Chunks of at most 8 tokens (the prompts run to 29); 24 blocks of 4 tokens hold one request
+    # of 64 tokens (16 blocks) and its 4 state pages, so running all at once preempts.
+    llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=8, max_num_seqs=8)
+    assert llm.engine.kv_plan.state_pages_per_request == 4
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(n=3), use_tqdm=False)
+    for result, tokens in zip(out, expected):
+        assert [c.token_ids for c in result.outputs] == [tokens] * 3
+    stats = llm.memory_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["pages_by_kind"] == {}
+
+
+def test_memory_stats_show_state_pages_as_their_own_kind(hybrid):
+    checkpoint, _ = hybrid
+    llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=64)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        llm.engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy())
+    llm.engine.step()  # both prompts whole: 8 + 3 blocks of 4 tokens, and 4 state pages each
+    stats = llm.memory_stats()
+    assert stats["pages_by_kind"] == {"full_attention": 8 + 3, "recurrent_state": 2 * 4}
+    assert stats["num_used_blocks"] == 8 + 3 + 2 * 4
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.memory_stats()["pages_by_kind"] == {}
+
+
+def test_the_start_up_plan_counts_state_pages_and_turns_prefix_caching_off(hybrid, caplog):
+    checkpoint, _ = hybrid
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=40,
+                  enable_prefix_caching=True)
+    plan = llm.engine.kv_plan
+    # 2 attention layers x keys and values x 4 tokens x 2 heads x 16 dims x 4 bytes per page; per
+    # recurrent layer, a conv state of 96 x 3 and a delta state of 4 x 16 x 8 float32s.
+    assert plan.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+    assert plan.state_pages_per_request == pages_per_request([(96, 3), (4, 16, 8)] * 2, 2048) == 4
+    assert plan.blocks_per_request == 16 + 4
+    assert not llm.engine.engine_core.scheduler.kv_manager.enable_prefix_caching
+    assert "prefix caching is off for this model" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [dict(kv_cache_dtype="int8"), dict(kv_layout="contiguous")])
+def test_what_a_hybrid_model_cannot_run_is_refused(hybrid, bad):
+    checkpoint, _ = hybrid
+    with pytest.raises(ValueError, match="hybrid model"):
+        LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=40, **bad)
+
+
+def test_the_chunked_delta_rule_is_the_recurrence():
+    torch.manual_seed(0)
+    length, heads, dk, dv = 150, 3, 8, 5  # more than two chunks, the last one partial
+    q, k = (torch.nn.functional.normalize(torch.randn(length, heads, dk), dim=-1) for _ in range(2))
+    v = torch.randn(length, heads, dv)
+    decay, beta = -torch.rand(length, heads), torch.rand(length, heads)
+    start = torch.randn(heads, dk, dv)
+    chunked_state = start.clone()
+    chunked = _chunked_delta_rule(q, k, v, decay, beta, chunked_state)
+    state = start.clone()[None]
+    stepped = torch.stack([_recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1],
+                                           beta[t:t + 1], state)[0] for t in range(length)])
+    torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked_state, state[0], atol=1e-4, rtol=1e-4)
