@@ -237,7 +237,8 @@ def stub_runner(block_size: int, max_num_batched_tokens: int, max_model_len: int
     from pagedllm.worker.runner import ModelRunner
 
     stub = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1,
-                                                  head_dim=1, kv_lora_rank=0))
+                                                  head_dim=1, kv_lora_rank=0, attention_layers=(0,),
+                                                  is_hybrid=False))
     runner = ModelRunner(stub, num_blocks=1, block_size=block_size,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=torch.float32)

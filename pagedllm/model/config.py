@@ -101,6 +101,24 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Granite 4's hybrids: their "linear_attention" layers are Mamba2 (model/mamba2.py), of these
+    # sizes; dt is clamped to mamba_time_step_limit.
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # Granite's scalings: embeddings times embedding_multiplier, each layer's attention (or mixer)
+    # and MLP outputs times residual_multiplier before they join the residual stream, attention
+    # scores times attention_multiplier (not head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    use_rope: bool = True  # False: no position embedding at all (Granite 4's "nope")
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -16,17 +16,28 @@ def hf_sparse_and_latent_fields(config: dict[str, Any], architecture: str) -> di
     fields = _hf_moe(config, architecture)
     if architecture in _DEEPSEEK:
         fields.update(_hf_mla(config, architecture))
-    if architecture in _HYBRID:
-        fields.update(_hf_hybrid(config, architecture))
+    if architecture == "Qwen3_5ForCausalLM":
+        fields.update(_hf_qwen3_5(config, architecture))
+    if architecture == "GraniteMoeHybridForCausalLM":
+        fields.update(_hf_granite_hybrid(config, architecture))
     return fields
 
 
-_HYBRID = ("Qwen3_5ForCausalLM",)
+# transformers' older names for layer kinds, which checkpoints still carry.
+_LEGACY_LAYER_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 _LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                  "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
-def _hf_hybrid(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+def _check_hybrid(kinds: list[str], architecture: str) -> tuple[str, ...]:
+    kinds = tuple(_LEGACY_LAYER_KINDS.get(k, k) for k in kinds)
+    if "linear_attention" not in kinds:
+        raise UnsupportedModelError(f"{architecture} without any recurrent (linear_attention) layer "
+                                    "is not supported")
+    return kinds
+
+
+def _hf_qwen3_5(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Qwen3.5's layer kinds (layer_types, or every full_attention_interval-th layer attending, as
     transformers fills them in) and its Gated DeltaNet sizes."""
     layers = config["num_hidden_layers"]
@@ -39,7 +50,45 @@ def _hf_hybrid(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     sizes = {name: config[name] for name in _LINEAR_SIZES}
     if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
         raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    return dict(layer_types=tuple(kinds), **sizes)
+    return dict(layer_types=_check_hybrid(kinds, architecture), **sizes)
+
+
+def _hf_granite_hybrid(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Granite 4's Mamba2 sizes, layer kinds (layer_types or layers_block_type, all Mamba2 where
+    neither is given), scalings, and its routed experts beside a shared MLP (none: dense)."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or config.get("layers_block_type") or ["linear_attention"] * layers
+    hidden, heads = config["hidden_size"], config.get("mamba_n_heads", 128)
+    intermediate = config.get("mamba_expand", 2) * hidden
+    head_dim = config.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = intermediate // heads
+    groups = config.get("mamba_n_groups", 1)
+    if head_dim * heads != intermediate or heads % groups:
+        raise UnsupportedModelError(f"{architecture}: mamba_n_heads x mamba_d_head must be "
+                                    "mamba_expand x hidden_size, in whole groups")
+    position = config.get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise UnsupportedModelError(f"{architecture}: position_embedding_type {position!r} is not "
+                                    "supported (rope, nope)")
+    # transformers writes an infinite limit as {"__float__": "Infinity"}
+    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)
+             for v in config.get("time_step_limit") or (0.0, float("inf"))]
+    experts = config.get("num_local_experts") or 0
+    shared = config.get("shared_intermediate_size") or 0
+    moe = dict(num_experts=experts, num_experts_per_tok=config.get("num_experts_per_tok") or 0,
+               moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True,
+               shared_expert_intermediate_size=shared) if experts else dict(intermediate_size=shared)
+    return dict(
+        layer_types=_check_hybrid(kinds, architecture), mamba_n_heads=heads,
+        mamba_d_head=head_dim, mamba_n_groups=groups, mamba_d_state=config.get("mamba_d_state", 256),
+        mamba_d_conv=config.get("mamba_d_conv", 4), mamba_conv_bias=bool(config.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(config.get("mamba_proj_bias", False)),
+        mamba_time_step_limit=(limit[0], limit[1]),
+        embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+        attention_multiplier=float(config.get("attention_multiplier", 1.0)),
+        logits_scaling=float(config.get("logits_scaling", 1.0)), use_rope=position == "rope", **moe)
 
 
 def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:

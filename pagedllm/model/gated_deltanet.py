@@ -1,5 +1,6 @@
 """Gated DeltaNet (Qwen3.5's linear attention layers): a causal depthwise convolution over the
-projected q/k/v, then the gated delta rule, a linear recurrence over a fixed-size state per head:
+projected q/k/v (causal_conv.py), then the gated delta rule, a linear recurrence over a fixed-size
+state per head:
 
     S_t = exp(g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   o_t = S_t^T q_t
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.causal_conv import conv_chunk, conv_step
 from pagedllm.model.config import ModelConfig
 
 CHUNK = 64  # tokens solved at once in a prefill: the triangular system is CHUNK x CHUNK per head
@@ -70,30 +72,15 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=x.device)
         starts, ends = query_start_loc[:-1], query_start_loc[1:]
         if ends[-1] == len(starts):  # decodes only: one recurrence step for the whole batch
-            qkv = self._conv_step(mixed.float(), conv_state)
-            q, k, v = self._heads(qkv)
+            q, k, v = self._heads(conv_step(mixed, conv_state, self.conv_weight, None))
             core[:] = _recurrent_step(q, k, v, decay, beta, ssm_state)
         else:
             for i, (s, e) in enumerate(zip(starts, ends)):
                 if e > s:
-                    q, k, v = self._heads(self._conv_chunk(mixed[s:e].float(), conv_state[i]))
+                    q, k, v = self._heads(conv_chunk(mixed[s:e], conv_state[i], self.conv_weight, None))
                     core[s:e] = _chunked_delta_rule(q, k, v, decay[s:e], beta[s:e], ssm_state[i])
         out = self._gated_norm(core.to(x.dtype), z.view(-1, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(x.shape[0], self.value_size))
-
-    def _conv_chunk(self, mixed: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        """One request's L new rows [L, channels] through the causal convolution after its saved
-        inputs; conv_state [channels, kernel - 1] becomes the last kernel - 1 inputs."""
-        history = torch.cat([conv_state, mixed.t()], dim=1)  # [channels, kernel - 1 + L]
-        out = F.conv1d(history[None], self.conv_weight.float()[:, None], groups=self.conv_dim)[0]
-        conv_state.copy_(history[:, history.shape[1] - conv_state.shape[1]:])
-        return F.silu(out.t())
-
-    def _conv_step(self, mixed: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        """One new row per request [B, channels]; conv_state [B, channels, kernel - 1]."""
-        window = torch.cat([conv_state, mixed[:, :, None]], dim=2)  # [B, channels, kernel]
-        conv_state.copy_(window[:, :, 1:])
-        return F.silu((window * self.conv_weight.float()).sum(-1))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [N, value heads, dk] (normalized, q scaled; each key head serves consecutive value

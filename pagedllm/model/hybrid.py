@@ -1,7 +1,8 @@
-"""Qwen3.5's hybrid decoder: most layers are Gated DeltaNets (model/gated_deltanet.py), which keep
-a fixed-size recurrent state per request; every few layers a gated full-attention layer reads the
-paged KV cache. Llama's pre-norm residual structure, MLP and LM head otherwise (the class reuses
-LlamaForCausalLM's logits, prepacking and byte counts).
+"""Hybrid decoders: Qwen3.5 here (Granite 4 in granite_hybrid.py). In Qwen3.5 most layers are
+Gated DeltaNets (model/gated_deltanet.py), which keep a fixed-size recurrent state per request;
+every few layers a gated full-attention layer reads the paged KV cache. Llama's pre-norm residual
+structure, MLP and LM head otherwise (the class reuses LlamaForCausalLM's logits, prepacking and
+byte counts).
 
 The runner allocates KV caches for the attention layers only (ModelConfig.attention_layers); the
 recurrent states live in each request's state pages of the same pool (model/recurrent_state.py),
@@ -24,12 +25,6 @@ from pagedllm.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from pagedllm.model.quant_weight import QuantizedWeight
 from pagedllm.model.recurrent_state import StatePages
 from pagedllm.model.rope import RotaryEmbedding, apply_rotary
-
-
-def recurrent_state_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
-    """Every recurrent layer's state tensors, in layer order: one request's whole state."""
-    num_linear = config.num_hidden_layers - len(config.attention_layers)
-    return state_shapes(config) * num_linear
 
 
 class GatedAttention(nn.Module):
@@ -65,30 +60,45 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    """Pre-norm residual layer: a mixer (recurrent, reading the request's state; or attention,
+    reading the paged cache), then an MLP."""
+
+    def __init__(self, config: ModelConfig, mixer: nn.Module, mlp: nn.Module, recurrent: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        recurrent = config.layer_types[layer_index] == "linear_attention"
-        self.linear_attn = GatedDeltaNet(config) if recurrent else None
-        self.self_attn = None if recurrent else GatedAttention(config)
-        self.mlp = MLP(config)
+        self.mixer, self.mlp, self.recurrent = mixer, mlp, recurrent
 
 
 class HybridForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's hybrid; subclasses change the layers, the scalings and the checkpoint's names
+    (granite_hybrid.py)."""
+
     def __init__(self, config: ModelConfig):
         nn.Module.__init__(self)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config) if config.use_rope else None
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.vocab_gather = None
-        self.state_shapes = recurrent_state_shapes(config)
+        num_recurrent = config.num_hidden_layers - len(config.attention_layers)
+        self.state_shapes = self.layer_state_shapes(config) * num_recurrent  # one request's state
         self._states: StatePages | None = None  # over the runner's KV caches, made on first use
+
+    @staticmethod
+    def make_layer(config: ModelConfig, layer_index: int) -> HybridDecoderLayer:
+        recurrent = config.layer_types[layer_index] == "linear_attention"
+        mixer = GatedDeltaNet(config) if recurrent else GatedAttention(config)
+        return HybridDecoderLayer(config, mixer, MLP(config), recurrent)
+
+    @staticmethod
+    def layer_state_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+        """One recurrent layer's state tensors."""
+        return state_shapes(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -99,21 +109,26 @@ class HybridForCausalLM(LlamaForCausalLM):
         store = self._state_store(kv_caches)
         states = store.read(attn_metadata.state_pages, attn_metadata.state_fresh)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, attn_metadata, x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        cos, sin = self.rotary(positions, attn_metadata, x.dtype) if self.rotary is not None else (None, None)
         caches, recurrent = iter(kv_caches), iter(zip(states[0::2], states[1::2]))
+        scale = self.config.residual_multiplier
         residual = None
         for layer in self.layers:
             if residual is None:
                 x, residual = layer.input_layernorm(x), x
             else:
                 x, residual = layer.input_layernorm(x, residual)
-            if layer.linear_attn is not None:
+            if layer.recurrent:
                 conv_state, ssm_state = next(recurrent)
-                x = layer.linear_attn(x, conv_state, ssm_state, attn_metadata.query_start_loc_cpu)
+                x = layer.mixer(x, conv_state, ssm_state, attn_metadata.query_start_loc_cpu)
             else:
-                x = layer.self_attn(x, cos, sin, next(caches), attn_metadata)
-            x, residual = layer.post_attention_layernorm(x, residual)
+                x = layer.mixer(x, cos, sin, next(caches), attn_metadata)
+            x, residual = layer.post_attention_layernorm(x * scale if scale != 1.0 else x, residual)
             x = layer.mlp(x)
+            if scale != 1.0:
+                x = x * scale
         store.write(attn_metadata.state_pages, states)
         return self.norm(x, residual)[0]
 
@@ -126,27 +141,35 @@ class HybridForCausalLM(LlamaForCausalLM):
     def from_hf_tensors(cls, config: ModelConfig, names: set[str], get_tensor: Callable[[str], torch.Tensor],
                         dtype: torch.dtype, device: str | torch.device = "cpu",
                         shard=None) -> HybridForCausalLM:
-        """Build the model from tensors under Qwen3.5's Hugging Face names, fusing each layer's
-        projections (one get_tensor call per name)."""
+        """Build the model from tensors under the checkpoint's Hugging Face names, fusing each
+        layer's projections (one get_tensor call per name)."""
         if shard is not None:
             raise UnsupportedModelError("tensor parallelism is not supported for hybrid models")
-        expected = _checkpoint_names(config)
-        missing = sorted(name for group in expected.values() for name in group if name not in names)
+        expected = cls.checkpoint_names(config)
+        missing = sorted({_source_name(n) for group in expected.values() for n in group} - names)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise MissingTensorError(
                 f"the weights lack {len(missing)} tensors: {', '.join(missing[:5])}{more}")
         with torch.device("meta"):
             model = cls(dataclasses.replace(config, dtype=dtype))
+        stacked: dict[str, torch.Tensor] = {}  # read once, then cut into its entries
 
-        def load(name: str) -> torch.Tensor:
+        def read(name: str) -> torch.Tensor:
             tensor = get_tensor(name)
             if isinstance(tensor, QuantizedWeight):
                 raise UnsupportedModelError(f"{name}: quantized weights are not supported for hybrid models")
-            if name.endswith("layernorm.weight") or name.endswith(("q_norm.weight", "k_norm.weight")) \
-                    or name == "model.norm.weight":  # stored as offsets from 1 (not the gated norm's)
+            if cls.norm_offset(name):  # stored as offsets from 1
                 tensor = tensor.float() + 1.0
             return tensor.to(device=device, dtype=dtype)
+
+        def load(source: str) -> torch.Tensor:
+            name = _source_name(source)
+            if name == source:
+                return read(name)
+            if name not in stacked:
+                stacked[name] = read(name)
+            return stacked[name][int(source[len(name) + 1:-1])].clone()  # "name[e]": entry e
 
         state = {target: torch.cat([load(n) for n in sources]) if len(sources) > 1 else load(sources[0])
                  for target, sources in expected.items()}
@@ -155,28 +178,51 @@ class HybridForCausalLM(LlamaForCausalLM):
         model.load_state_dict(state, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 
+    @staticmethod
+    def norm_offset(name: str) -> bool:
+        """Whether the checkpoint stores this norm weight as an offset from 1: Qwen3.5's RMSNorms,
+        but not its gated norm."""
+        return name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or \
+            name == "model.norm.weight"
 
-def _checkpoint_names(config: ModelConfig) -> dict[str, list[str]]:
-    """Each of the model's parameters -> the checkpoint tensors concatenated into it."""
+    @staticmethod
+    def checkpoint_names(config: ModelConfig) -> dict[str, list[str]]:
+        return _checkpoint_names(config)
+
+
+def _source_name(source: str) -> str:
+    """The tensor's name in a source "name" or "name[index]"."""
+    return source.split("[", 1)[0]
+
+
+def common_checkpoint_names(config: ModelConfig) -> dict[str, list[str]]:
+    """The embeddings, final norm, LM head and each layer's two norms, under transformers' names."""
     names = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[f"layers.{i}.{norm}.weight"] = [f"model.layers.{i}.{norm}.weight"]
+    return names
+
+
+def _checkpoint_names(config: ModelConfig) -> dict[str, list[str]]:
+    """Each of the model's parameters -> the checkpoint tensors concatenated into it ("name[e]":
+    entry e of a stacked tensor)."""
+    names = common_checkpoint_names(config)
     for i, kind in enumerate(config.layer_types):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            names[f"{ours}{norm}.weight"] = [f"{theirs}{norm}.weight"]
         names[f"{ours}mlp.gate_up_proj.weight"] = [f"{theirs}mlp.{p}_proj.weight" for p in ("gate", "up")]
         names[f"{ours}mlp.down_proj.weight"] = [f"{theirs}mlp.down_proj.weight"]
         if kind == "linear_attention":
-            src = f"{theirs}linear_attn."
-            dst = f"{ours}linear_attn."
+            src, dst = f"{theirs}linear_attn.", f"{ours}mixer."
             names[f"{dst}in_proj.weight"] = [f"{src}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
             names[f"{dst}conv_weight"] = [f"{src}conv1d.weight"]
             names[f"{dst}norm_weight"] = [f"{src}norm.weight"]
             for same in ("dt_bias", "A_log", "out_proj.weight"):
                 names[dst + same] = [src + same]
         else:
-            src, dst = f"{theirs}self_attn.", f"{ours}self_attn."
+            src, dst = f"{theirs}self_attn.", f"{ours}mixer."
             names[f"{dst}qkv_proj.weight"] = [f"{src}{p}_proj.weight" for p in "qkv"]
             if config.attention_bias:
                 names[f"{dst}qkv_proj.bias"] = [f"{src}{p}_proj.bias" for p in "qkv"]

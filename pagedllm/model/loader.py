@@ -34,6 +34,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.gguf_file import GGUFCheckpoint
+from pagedllm.model.granite_hybrid import GraniteHybridForCausalLM
 from pagedllm.model.hybrid import HybridForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
@@ -166,6 +167,12 @@ class _WeightPolicy:
         return ", ".join(f"{count} x {key}" for key, count in self.tally.items())
 
 
+# The hybrid families' model classes (recurrent layers beside attention); every other family is
+# a LlamaForCausalLM.
+_HYBRID_CLASSES = {"Qwen3_5ForCausalLM": HybridForCausalLM,
+                   "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}
+
+
 def _model_path(path: str | Path | None) -> Path:
     """The path asked for, or the default model's."""
     if path is None:
@@ -219,8 +226,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
-        model_class = HybridForCausalLM if config.is_hybrid else LlamaForCausalLM
-        model = model_class.from_hf_tensors(
+        model = _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)
 

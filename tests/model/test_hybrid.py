@@ -1,4 +1,5 @@
-"""A hybrid model (Qwen3.5: Gated DeltaNet layers around gated attention layers) through the engine:
+"""Hybrid models (Qwen3.5: Gated DeltaNet layers around gated attention layers; Granite 4: Mamba2
+layers around attention layers, with experts) through the engine:
 its recurrent states live in pages of the one KV pool, carried across prefill chunks, recomputed
 after preemption, copied at forks, and given back when requests end. The oracle is transformers'
 float32 greedy decoding on the same tiny random weights."""
@@ -10,6 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gated_deltanet import _chunked_delta_rule, _recurrent_step
+from pagedllm.model.mamba2 import _chunked_scan, _scan_step
 from pagedllm.model.recurrent_state import pages_per_request
 
 PROMPTS = [list(range(1, 30)), list(range(40, 51)), [5, 6, 7, 8, 9] * 5, [200, 3, 17]]
@@ -22,9 +24,17 @@ def _reference(hf_model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module")
-def hybrid(tiny_checkpoint):
-    checkpoint = tiny_checkpoint("qwen3_5_hybrid")
+# Each tiny shape's recurrent state per recurrent layer (conv inputs, then the scan's state) and
+# the pages one request's state takes: 2 attention layers x keys and values x 4 tokens x 2 heads
+# x 16 dims x 4 bytes = 2048 bytes per page.
+STATES = {"qwen3_5_hybrid": ([(96, 3), (4, 16, 8)], 4),  # GatedDeltaNet: 4 value heads, dk 16, dv 8
+          "granite4_hybrid": ([(160, 3), (8, 16, 8)], 6)}  # Mamba2: 8 heads of 16, d_state 8
+PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module", params=list(STATES))
+def hybrid(request, tiny_checkpoint):
+    checkpoint = tiny_checkpoint(request.param)
     return checkpoint, [_reference(checkpoint.hf_model, p) for p in PROMPTS]
 
 
@@ -35,10 +45,10 @@ def _greedy(n: int = 1) -> SamplingParams:
 def test_chunked_prefill_preemption_and_forks_give_transformers_tokens(hybrid):
     checkpoint, expected = hybrid
     # Chunks of at most 8 tokens (the prompts run to 29); 24 blocks of 4 tokens hold one request
-    # of 64 tokens (16 blocks) and its 4 state pages, so running all at once preempts.
+    # of 64 tokens (16 blocks) and its state pages, so running all at once preempts.
     llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=24,
               max_num_batched_tokens=8, max_num_seqs=8)
-    assert llm.engine.kv_plan.state_pages_per_request == 4
+    assert llm.engine.kv_plan.state_pages_per_request == STATES[checkpoint.shape][1]
     out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(n=3), use_tqdm=False)
     for result, tokens in zip(out, expected):
         assert [c.token_ids for c in result.outputs] == [tokens] * 3
@@ -54,10 +64,11 @@ def test_memory_stats_show_state_pages_as_their_own_kind(hybrid):
               max_num_batched_tokens=64)
     for i, prompt in enumerate(PROMPTS[:2]):
         llm.engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy())
-    llm.engine.step()  # both prompts whole: 8 + 3 blocks of 4 tokens, and 4 state pages each
+    llm.engine.step()  # both prompts whole: 8 + 3 blocks of 4 tokens, and their state pages
     stats = llm.memory_stats()
-    assert stats["pages_by_kind"] == {"full_attention": 8 + 3, "recurrent_state": 2 * 4}
-    assert stats["num_used_blocks"] == 8 + 3 + 2 * 4
+    state_pages = STATES[checkpoint.shape][1]
+    assert stats["pages_by_kind"] == {"full_attention": 8 + 3, "recurrent_state": 2 * state_pages}
+    assert stats["num_used_blocks"] == 8 + 3 + 2 * state_pages
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.memory_stats()["pages_by_kind"] == {}
@@ -69,11 +80,10 @@ def test_the_start_up_plan_counts_state_pages_and_turns_prefix_caching_off(hybri
         llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, num_kv_blocks=40,
                   enable_prefix_caching=True)
     plan = llm.engine.kv_plan
-    # 2 attention layers x keys and values x 4 tokens x 2 heads x 16 dims x 4 bytes per page; per
-    # recurrent layer, a conv state of 96 x 3 and a delta state of 4 x 16 x 8 float32s.
-    assert plan.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
-    assert plan.state_pages_per_request == pages_per_request([(96, 3), (4, 16, 8)] * 2, 2048) == 4
-    assert plan.blocks_per_request == 16 + 4
+    shapes, num_pages = STATES[checkpoint.shape]
+    assert plan.bytes_per_block == PAGE_BYTES
+    assert plan.state_pages_per_request == pages_per_request(shapes * 2, PAGE_BYTES) == num_pages
+    assert plan.blocks_per_request == 16 + num_pages
     assert not llm.engine.engine_core.scheduler.kv_manager.enable_prefix_caching
     assert "prefix caching is off for this model" in caplog.text
 
@@ -97,5 +107,22 @@ def test_the_chunked_delta_rule_is_the_recurrence():
     state = start.clone()[None]
     stepped = torch.stack([_recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1],
                                            beta[t:t + 1], state)[0] for t in range(length)])
+    torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked_state, state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_chunked_mamba2_scan_is_the_recurrence():
+    torch.manual_seed(0)
+    length, heads, head_dim, d_state = 150, 3, 4, 5
+    x, b, c = torch.randn(length, heads, head_dim), torch.randn(length, heads, d_state), \
+        torch.randn(length, heads, d_state)
+    dt = torch.rand(length, heads)
+    decay = -dt * torch.rand(heads)
+    start = torch.randn(heads, head_dim, d_state)
+    chunked_state = start.clone()
+    chunked = _chunked_scan(x, dt, decay, b, c, chunked_state)
+    state = start.clone()[None]
+    stepped = torch.stack([_scan_step(x[t:t + 1], dt[t:t + 1], decay[t:t + 1], b[t:t + 1],
+                                      c[t:t + 1], state)[0] for t in range(length)])
     torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(chunked_state, state[0], atol=1e-4, rtol=1e-4)

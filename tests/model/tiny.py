@@ -85,6 +85,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+    # Hybrid (Granite 4): Mamba2 layers (8 heads in 2 groups) around two attention layers with
+    # rotary, routed experts beside the shared MLP, and every one of Granite's scalings.
+    "granite4_hybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=4, intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=16,
+        mamba_d_conv=4, mamba_expand=2, layer_types=["mamba", "attention", "mamba", "attention"],
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
+        position_embedding_type="rope")),
     "mixtral_moe": ("MixtralConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
 }

@@ -18,7 +18,8 @@ BLOCK_SIZE = 4
 class RecordingModel(torch.nn.Module):
     """Hidden state of a token = its input id; logits = that id spread over a vocab of 100."""
 
-    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=2, kv_lora_rank=0)
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=2, kv_lora_rank=0,
+                             attention_layers=(0, 1), is_hybrid=False)
 
     def __init__(self) -> None:
         super().__init__()

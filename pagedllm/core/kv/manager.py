@@ -157,9 +157,11 @@ class KVCacheManager:
         self.bytes_per_block = bytes_per_block
         self.state_pages_per_request = state_pages_per_request
         self.pool = BlockPool(num_blocks, kv_kind)
+        # What one request's keys and values may take when it runs alone: all but its state pages.
+        self._kv_blocks_alone = num_blocks - state_pages_per_request
         # With a window, the scheduler gives one request at most this many new tokens a step, so
         # a request of any length runs alone in the cache (None: no limit of the cache's).
-        self.max_step_tokens = window_step_cap(num_blocks, block_size, sliding_window)
+        self.max_step_tokens = window_step_cap(self._kv_blocks_alone, block_size, sliding_window)
         self._tables: dict[str, _BlockTable] = {}
         self._pending_copies = PendingCopies()
         self._prefix_queries = 0
@@ -168,12 +170,12 @@ class KVCacheManager:
     def max_tokens_per_request(self, max_chunk_tokens: int) -> int:
         """The longest request that can run alone in the whole cache, computed in steps of at
         most max_chunk_tokens new tokens (UNBOUNDED where a window keeps any length within it)."""
-        whole = (self.num_blocks - self.state_pages_per_request) * self.block_size
+        whole = self._kv_blocks_alone * self.block_size
         if self.sliding_window is None:
             return whole
         chunk = min(max_chunk_tokens, self.max_step_tokens or max_chunk_tokens)
         fits_any_length = peak_blocks(UNBOUNDED, self.block_size, self.sliding_window,
-                                      chunk) <= self.num_blocks
+                                      chunk) <= self._kv_blocks_alone
         return UNBOUNDED if fits_any_length else whole
 
     # -- prefix cache lookups -------------------------------------------------------------

@@ -72,7 +72,7 @@ def plan_kv_cache(config: EngineConfig, bytes_per_block: int, model_max_len: int
     # On a windowed layout a request holds its window plus one step's tokens; the scheduler keeps
     # each request's step within what the whole cache holds (KVCacheManager.max_step_tokens), so
     # any length the model allows fits, prefilled in shorter chunks where the cache is small.
-    step_cap = window_step_cap(max(num_blocks, 1), block_size, window)
+    step_cap = window_step_cap(max(num_blocks - state_pages_per_request, 1), block_size, window)
     max_chunk = min(config.max_num_batched_tokens, step_cap or config.max_num_batched_tokens)
 
     num_states = state_pages_per_request

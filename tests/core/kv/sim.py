@@ -9,6 +9,12 @@ table, so a wrong prefix hit, a missed copy-on-write or a block handed to two wr
 up as a content mismatch. With a sliding window it reads what attention reads: the window of
 the step's first new token on; the entries before it must be holes (given back), those in it
 real blocks.
+
+A hybrid model's recurrent state (a manager with state pages) depends on the computed tokens: each
+of a request's state pages holds (its index, the computed prefix) in its first slot. A step reads
+them back (except on a request's first tokens, which start from zero) and writes the state after
+its tokens; a fork's copies carry the parent's. So a state page lost, shared, or not copied at a
+fork shows up as a mismatch.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedllm.core.kv.contiguous import ContiguousKVManager
+from pagedllm.core.kv.kinds import RECURRENT_STATE
 from pagedllm.core.kv.manager import NULL_BLOCK, KVCacheManager, peak_blocks
 from pagedllm.core.kv.slots import request_slots
 from pagedllm.core.kv.snapshot import CACHED, COPYING, FREE, SHARED, USED, BlockMap, runs
@@ -53,6 +60,8 @@ class SimRunner:
                                  new_token_slots(item), strict=True):
                 self.slots[slot] = kv_content(item.request, pos)
         for item in output.scheduled:
+            self.run_state(item)
+        for item in output.scheduled:
             first = self.first_read(item)
             first_block = first // bs
             ids = item.block_ids
@@ -65,6 +74,15 @@ class SimRunner:
                 assert got == want, (f"{item.request.request_id} position {pos}: "
                                      f"read {got}, expected {want}")
 
+    def run_state(self, item: ScheduledRequest) -> None:
+        tokens = tuple(item.request.token_ids)
+        for i, page in enumerate(item.state_pages):
+            if item.num_computed_tokens:
+                got = self.slots[page * self.block_size]
+                want = ("state", i, tokens[:item.num_computed_tokens])
+                assert got == want, f"{item.request.request_id} state page {i}: read {got}, expected {want}"
+            self.slots[page * self.block_size] = ("state", i, tokens[:item.num_context_tokens])
+
     def first_read(self, item: ScheduledRequest) -> int:
         """The first position attention reads this step, rounded down to its block."""
         if self.sliding_window is None:
@@ -75,7 +93,7 @@ class SimRunner:
 
 def check_paged_manager(manager: KVCacheManager) -> None:
     pool = manager.pool
-    owners = Counter(b.block_id for t in manager._tables.values() for b in t.held)
+    owners = Counter(b.block_id for t in manager._tables.values() for b in t.held + t.state)
     num_free = 0
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], block
@@ -92,6 +110,7 @@ def check_paged_manager(manager: KVCacheManager) -> None:
             assert len(block.cache_tokens) == manager.block_size
     assert sum(len(pool.cached_blocks(h)) for h in list(pool._cached)) == \
         sum(1 for b in pool.blocks if b.is_cached)
+    check_page_kinds(manager)
     for table in manager._tables.values():
         assert table.ids == [NULL_BLOCK] * table.num_freed + [b.block_id for b in table.held]
         assert None not in table.held and not any(table.blocks[:table.num_freed])
@@ -99,6 +118,28 @@ def check_paged_manager(manager: KVCacheManager) -> None:
         assert manager.sliding_window is not None or not table.num_freed
     if not manager.enable_prefix_caching:
         assert not any(b.is_cached for b in pool.blocks)
+
+
+def check_page_kinds(manager: KVCacheManager) -> None:
+    """Every owned page holds one kind, the kind of where it is used, and the counts per kind add
+    up: KV pages in block tables (shared or not, cached or not), a fixed number of state pages per
+    request (never shared, never cached)."""
+    pool = manager.pool
+    kv_ids = {b.block_id for t in manager._tables.values() for b in t.held}
+    state_ids = [b.block_id for t in manager._tables.values() for b in t.state]
+    assert len(state_ids) == len(set(state_ids)) and kv_ids.isdisjoint(state_ids)
+    for table in manager._tables.values():
+        assert len(table.state) == manager.state_pages_per_request
+        for page in table.state:
+            assert page.kind == RECURRENT_STATE and page.ref_cnt == 1 and not page.is_cached
+            assert page.num_filled == manager.block_size
+    for block_id in kv_ids:
+        assert pool.blocks[block_id].kind == pool.kv_kind
+    by_kind = Counter(b.kind for b in pool.blocks if b.ref_cnt)
+    assert {k: n for k, n in pool.num_owned_by_kind.items() if n} == dict(by_kind)
+    assert by_kind[RECURRENT_STATE] == len(state_ids) and by_kind[pool.kv_kind] == len(kv_ids)
+    assert manager.stats().pages_by_kind == dict(by_kind)
+    assert sum(by_kind.values()) + pool.num_free_blocks == manager.num_blocks
 
 
 def check_contiguous_manager(manager: ContiguousKVManager) -> None:
@@ -134,7 +175,8 @@ def check_block_map(manager) -> None:
     in_use = [i for i, state in enumerate(picture.states) if state not in (FREE, CACHED)]
     assert len(in_use) == stats.num_used_blocks
     assert sum(picture.filled[i] for i in in_use) == stats.used_slots
-    tables = ({rid: t.ids[t.num_freed:] for rid, t in manager._tables.items()}
+    tables = ({rid: t.ids[t.num_freed:] + [b.block_id for b in t.state]
+               for rid, t in manager._tables.items()}
               if isinstance(manager, KVCacheManager)
               else {rid: r.ids for rid, r in manager._reservations.items()})
     if isinstance(manager, KVCacheManager):
@@ -168,6 +210,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for request in waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0 and not manager.block_ids(request)
+        assert not manager.state_pages(request)
 
 
 def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:

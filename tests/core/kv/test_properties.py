@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv import ContiguousKVManager, KVCacheManager
+from pagedllm.core.kv.kinds import kv_page_kind
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
@@ -19,17 +20,19 @@ from pagedllm.utils import cdiv
 from tests.core.kv.sim import SimRunner, check_output, check_scheduler
 
 EOS = 0
+# "+state": a hybrid model's pool, KV pages and each request's recurrent state pages mixed.
 LAYOUTS = ["paged", "paged+prefix", "paged+window", "paged+prefix+window", "contiguous-max",
-           "contiguous-request"]
+           "contiguous-request", "paged+state", "paged+window+state"]
 
 
 def make_manager(layout: str, num_blocks: int, block_size: int, max_model_len: int,
-                 sliding_window: int | None):
+                 sliding_window: int | None, state_pages: int = 0):
     if layout.startswith("contiguous"):
         return ContiguousKVManager(num_blocks, block_size, max_model_len,
                                    reserve=layout.removeprefix("contiguous-"))
     return KVCacheManager(num_blocks, block_size, enable_prefix_caching="prefix" in layout,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, state_pages_per_request=state_pages,
+                          kv_kind=kv_page_kind(sliding_window, latent=False))
 
 
 class Harness:
@@ -49,9 +52,11 @@ class Harness:
         # Windows from one token (every block but the newest freed) to wider than the longest
         # request (nothing freed).
         window = self.draw(st.integers(1, max_model_len + 2), "window") if "window" in layout else None
-        self.manager = make_manager(layout, num_blocks, block_size, max_model_len, window)
+        state_pages = self.draw(st.integers(1, 3), "state_pages") if "state" in layout else 0
+        self.manager = make_manager(layout, num_blocks + state_pages, block_size, max_model_len, window,
+                                    state_pages)
         self.scheduler = Scheduler(self.config, self.manager)
-        self.runner = SimRunner(num_blocks, block_size, window)
+        self.runner = SimRunner(num_blocks + state_pages, block_size, window)
         self.ids = itertools.count()
         self.prompts: list[list[int]] = []
         self.arrival: dict[str, int] = {}  # request id -> add order, for FCFS checks
