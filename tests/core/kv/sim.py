@@ -234,15 +234,16 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
             held = len(item.block_ids) - item.block_ids.count(NULL_BLOCK)
             assert held <= peak_blocks(item.num_context_tokens, manager.block_size,
                                        manager.sliding_window, config.max_num_batched_tokens)
-    assert_copies_commute(output.block_copies)
+    assert_copies_batchable(output.block_copies)
 
 
-def assert_copies_commute(copies: list[tuple[int, int]]) -> None:
-    """The runner does a step's copies at once (every source read, then every destination
-    written): that must give what doing them in order gives. So no block is written twice, and a
-    block both read and written (a freed source reused as a destination in the same step) is read
-    by every copy before the one that writes it."""
+def assert_copies_batchable(copies: list[tuple[int, int]]) -> None:
+    """The runner does a step's copies at once (every source read, then every destination written:
+    kv_quant.copy_blocks), and each copy means "the source's contents before this step" (pending
+    copies resolve chains to their first source): so no block is written twice or into itself. A
+    block may be both read and written, even crosswise: a freed state page still to be copied from
+    can be taken again as another fork's state page, a swap that no order of single copies does
+    but the batched one does (the SimRunner, which copies the same way, checks the contents)."""
     dsts = [dst for _, dst in copies]
     assert len(set(dsts)) == len(dsts), copies
-    for written_at, (_, dst) in enumerate(copies):
-        assert all(src != dst for src, _ in copies[written_at:]), copies
+    assert all(src != dst for src, dst in copies), copies
