@@ -23,6 +23,7 @@ import signal
 import sys
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -73,7 +74,9 @@ class _Aborted(Exception):
 
 
 def _start(store: dist.Store, rank: int, size: int, spawned: bool) -> tuple[ModelRunner, TensorParallelGroup]:
-    config = EngineConfig(**json.loads(store.get(protocol.CONFIG_KEY)))
+    # Decoded by the fields' types, as the core process decodes its config: a tuple setting arrives
+    # as a JSON list and must be a tuple again (EngineConfig(**json.loads(...)) refused it).
+    config = msgspec.json.decode(store.get(protocol.CONFIG_KEY), type=EngineConfig)
     store.set(protocol.hello_key(rank), "")
     # Rank 0's device (resolved there) and this rank's place on its machine give this rank's.
     device = rank_device(torch.device(config.device), rank if envs.LOCAL_RANK is None else envs.LOCAL_RANK)

@@ -1,9 +1,9 @@
 """Tensor parallelism end to end, with the workers the engine spawns (gloo on the CPU): in float32
 the greedy tokens at tensor_parallel_size 2 are those of size 1 (tiny Llama, Qwen2 with q/k/v
 bias, Mistral's window, mixtures of experts, one KV head replicated on both ranks, quantized GGUF
-weights, the default model); preemption, prefix caching, copy-on-write forks, prompt logprobs and
-aborts go through the workers; a killed or hung worker is a clear error, never a hang; sizes that
-do not split are refused before anything starts.
+weights, the default model); preemption, prefix caching, copy-on-write forks, prompt logprobs,
+a pooling engine's vectors and scores and aborts go through the workers; a killed or hung worker
+is a clear error, never a hang; sizes that do not split are refused before anything starts.
 
 Each engine spawns a worker process (seconds): engines are shared where the tests allow.
 """
@@ -103,6 +103,18 @@ def test_prompt_logprobs_come_from_every_rank(llama):
         assert a.keys() == b.keys()
         for token in a:
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+def test_pooling_vectors_and_scores_equal_size_one(tmp_path):
+    """A pooling engine's embeddings (the full hidden state on rank 0) and reranker scores (label
+    logits from every rank's share of the LM head); its tuple settings reach the workers."""
+    folder = save_checkpoint(make_hf_model("qwen3_qk_norm", max_position_embeddings=512), tmp_path)
+    options = dict(ENGINE, runner="pooling", score_tokens=("n", "y"), num_kv_blocks=256)
+    whole, split = LLM(str(folder), **options), LLM(str(folder), tensor_parallel_size=2, **options)
+    for llm_call in (lambda llm: [o.outputs.data for o in llm.embed(PROMPTS, use_tqdm=False)],
+                     lambda llm: [[o.outputs.score] for o in llm.score("fox?", PROMPTS[:2], use_tqdm=False)]):
+        torch.testing.assert_close(torch.tensor(llm_call(split)), torch.tensor(llm_call(whole)),
+                                   rtol=0, atol=1e-5)
 
 
 def test_abort_under_tensor_parallelism(llama):
