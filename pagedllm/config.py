@@ -54,6 +54,9 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "hal
                  "fp16": "float16"}
 VALID_BLOCK_SIZES = tuple(2**i for i in range(8))  # 1 .. 128
 KV_LAYOUTS = ("paged", "contiguous")
+# Which waiting request runs first: arrival order, or a request's priority (lower first; ties by
+# arrival); pagedllm.core.priority says the rule.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 CONTIGUOUS_RESERVES = ("max", "request")
 # What the KV cache stores (vLLM's names): "auto" is the model's dtype; the others compress it
 # (pagedllm.kernels.attention.kv_quant). "fp8" is vLLM's alias for fp8_e4m3.
@@ -251,12 +254,15 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise _choice_error("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
 
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
@@ -309,6 +315,10 @@ class EngineConfig:
     # (SERVE_MAX_NUM_BATCHED_TOKENS): a shorter step delays the streams it runs beside less.
     max_num_batched_tokens: int = setting(
         4096, "tokens in one step at most, prompt chunks and decodes together")
+    scheduling_policy: str = setting(
+        "fcfs", "which waiting request runs first: fcfs (arrival order) or priority (a request's "
+        "priority, lower first, ties by arrival; a better priority preempts a worse one for blocks)",
+        choices=SCHEDULING_POLICIES)
     kv_layout: str = setting(
         "paged", "paged: blocks taken as tokens come; contiguous: the traditional reservation "
         "per request, for side-by-side measurement", choices=KV_LAYOUTS)

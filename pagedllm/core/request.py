@@ -38,6 +38,7 @@ class Request:
     # hashes (LoRARequest.key), and its slot in the model's LoRA weights (the core's LoRASlots).
     lora_key: str | None = None
     lora_slot: int = -1
+    priority: int = 0  # lower first, under --scheduling-policy priority (pagedllm.core.priority)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -92,7 +93,8 @@ class Request:
             raise ValueError(f"cannot fork {self.request_id}: it has no output token to replace")
         child = Request(request_id, self.prompt_token_ids, self.sampling_params,
                         eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-                        cache_salt=self.cache_salt, lora_key=self.lora_key, lora_slot=self.lora_slot)
+                        cache_salt=self.cache_salt, lora_key=self.lora_key, lora_slot=self.lora_slot,
+                        priority=self.priority)
         child.token_ids.extend(self.token_ids[self.num_prompt_tokens:-1])
         child.append_token(last_token)
         return child

@@ -15,19 +15,24 @@ preempted (recompute: its blocks are freed and it goes back to the front of the 
 queue with every token it has, to be prefilled again). The oldest running request thus
 always makes progress, and add_request refuses anything that could not run alone in an
 empty cache, so every request finishes.
+
+Under --scheduling-policy priority (pagedllm.core.priority) every rule above holds within a
+priority, and a better priority comes first: both queues are in (priority, arrival) order,
+preemption for blocks takes the worst priority first, and a waiting request that lacks blocks, a
+seat or step tokens preempts running requests of a worse priority in the same step, so it runs in
+the step it is admitted. fcfs is the same code with every priority 0.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core import shares
+from pagedllm.core import priority, shares
 from pagedllm.core.kv.manager import NO_HIT, PrefixHit
 from pagedllm.core.kv.stats import KVStats
 from pagedllm.core.request import Request, RequestStatus
@@ -92,8 +97,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
         self.config = config
         self.kv_manager = kv_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order; the newest is last
+        self.waiting = priority.WaitingQueue()  # (priority, arrival) order
+        self.running: list[Request] = []  # (priority, admission) order; the newest last in its priority
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_since_schedule: list[Request] = []
         self._num_preemptions = 0
@@ -125,7 +130,7 @@ class Scheduler:
         self.check_admissible(request)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def check_admissible(self, request: Request) -> None:
         """What only the scheduler knows: its request ids and the cache's capacity. Prompts
@@ -141,6 +146,7 @@ class Scheduler:
         # checks, and a value no step can run would fail every request in its step.
         try:
             check_runnable(request.sampling_params)
+            priority.check_priority(self.config.scheduling_policy, request.priority)
         except ValueError as exc:
             raise ValueError(f"request {request.request_id!r}: {exc}") from None
         # Anything that could not run alone in an empty cache would wait (or preempt) forever.
@@ -161,8 +167,9 @@ class Scheduler:
         self._preempt_for_share(preempted)
         num_share_preempted = len(preempted)
         budget = self._schedule_running(budget, scheduled, preempted)
-        if len(preempted) == num_share_preempted:  # a step short of blocks has none to give
-            budget = self._schedule_waiting(budget, scheduled)
+        # A step short of blocks has none to give, but to a request that outranks a running one.
+        budget = self._schedule_waiting(budget, scheduled, preempted,
+                                        outranking_only=len(preempted) > num_share_preempted)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
             scheduled=scheduled, block_copies=self.kv_manager.take_block_copies(),
@@ -189,10 +196,10 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request],
                              index: int, counts) -> bool:
         """Blocks for request (self.running[index]), preempting running requests not yet
-        scheduled this step until they fit: the newest of the largest group (shares.pick_victim).
-        False if request itself had to go."""
+        scheduled this step until they fit: of the worst priority, the newest of the largest group
+        (shares.pick_victim). False if request itself had to go."""
         while not self.kv_manager.allocate_slots(request, num_new):
-            victim = shares.pick_victim(self.running[index:], counts)
+            victim = shares.pick_victim(priority.worst(self.running[index:]), counts)
             self.running.remove(victim)
             counts[shares.share_key(victim.request_id)] -= 1
             self._preempt(victim)
@@ -207,8 +214,15 @@ class Scheduler:
         starved, self._starved = self._starved, None
         if starved is None:
             return
-        victim = shares.share_victim(self.running, shares.running_counts(self.running), starved)
-        if victim is not None and any(shares.share_key(r.request_id) == starved for r in self.waiting):
+        waiting = next((r for r in self.waiting if shares.share_key(r.request_id) == starved), None)
+        if waiting is None:
+            return
+        # Only from the worst priority running, and never a better one than the starved group's.
+        candidates = priority.worst(self.running) if self.running else []
+        if candidates and candidates[0].priority < waiting.priority:
+            candidates = []
+        victim = shares.share_victim(candidates, shares.running_counts(candidates), starved)
+        if victim is not None:
             self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim)
@@ -219,29 +233,35 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
-        # Victims come newest first, so the oldest ends up at the very front.
-        self.waiting.appendleft(request)
+        # Victims come newest first, so the oldest ends up at the front of its priority.
+        self.waiting.add_front(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id,
                      request.num_tokens)
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        max_num_seqs = self.config.max_num_seqs
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[Request], outranking_only: bool) -> int:
+        """Admit waiting requests, best priority first and least-served first within it, while
+        seats, budget and blocks last; one that lacks them preempts running requests it outranks
+        (pagedllm.core.priority). outranking_only: admit only such requests (the step preempted)."""
         counts = shares.running_counts(self.running)
         admitted: set[int] = set()
-        while len(admitted) < len(self.waiting) and budget > 0 and len(scheduled) < max_num_seqs:
+        while len(admitted) < len(self.waiting):
             request = shares.least_served(self.waiting, counts, admitted)
+            if outranking_only and not priority.outranked_by(request, self.running):
+                break
+            num_preempted = len(preempted)
+            budget = self._take_seat(request, budget, scheduled, preempted, counts)
             key = shares.share_key(request.request_id)
-            if len(self.running) >= max_num_seqs:
+            if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
                 self._starve(key, counts)
                 break
-            # Prompt logprobs need every prompt position run: no cache read (its blocks are
-            # still written, and hashed, for others to hit).
-            hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
-                   else self.kv_manager.find_cached_prefix(request))
-            num_new = min(request.num_tokens - hit.num_tokens, self._step_limit(budget))
-            if not self.kv_manager.allocate_slots(request, num_new, hit):
+            allocated = self._allocate_first(request, budget, scheduled, preempted, counts)
+            if allocated is None:
                 self._starve(key, counts)
                 break  # no one overtakes the request whose turn it is
+            hit, num_new, budget = allocated
             admitted.add(id(request))
             counts[key] += 1
             request.num_computed_tokens = hit.num_tokens
@@ -249,12 +269,60 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            priority.insert_running(self.running, request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            # What was preempted for this one is not for the next to take back.
+            outranking_only = outranking_only or len(preempted) > num_preempted
         if admitted:
-            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+            self.waiting.remove_all(admitted)
         return budget
+
+    def _take_seat(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+                   preempted: list[Request], counts) -> int:
+        """The budget left once request has a seat and step tokens, preempting running requests
+        it outranks while it lacks them (none under fcfs)."""
+        while budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            freed = self._preempt_outranked(request, scheduled, preempted, counts)
+            if freed is None:
+                break
+            budget += freed
+        return budget
+
+    def _allocate_first(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+                        preempted: list[Request], counts) -> tuple[PrefixHit, int, int] | None:
+        """Blocks for a waiting request's first chunk, preempting running requests it outranks
+        until they fit: (its prefix hit, its new tokens, the budget), or None if they never do."""
+        while True:
+            # Prompt logprobs need every prompt position run: no cache read (its blocks are
+            # still written, and hashed, for others to hit).
+            hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
+                   else self.kv_manager.find_cached_prefix(request))
+            num_new = min(request.num_tokens - hit.num_tokens, self._step_limit(budget))
+            if self.kv_manager.allocate_slots(request, num_new, hit):
+                return hit, num_new, budget
+            freed = self._preempt_outranked(request, scheduled, preempted, counts)
+            if freed is None:
+                return None
+            budget += freed
+
+    def _preempt_outranked(self, request: Request, scheduled: list[ScheduledRequest],
+                           preempted: list[Request], counts) -> int | None:
+        """Preempt one running request that `request` outranks (the newest of the largest group
+        of the worst priority), scheduled this step or not: the step tokens it gave back, or
+        None when there is none."""
+        candidates = priority.outranked_by(request, self.running)
+        if not candidates:
+            return None
+        victim = shares.pick_victim(candidates, counts)
+        self.running.remove(victim)
+        counts[shares.share_key(victim.request_id)] -= 1
+        item = next((s for s in scheduled if s.request is victim), None)
+        if item is not None:
+            scheduled.remove(item)
+        self._preempt(victim)
+        preempted.append(victim)
+        return 0 if item is None else item.num_new_tokens
 
     def _starve(self, key: str, counts) -> None:
         """Note a group that could not be admitted with none of its sequences running."""
@@ -366,4 +434,4 @@ class Scheduler:
         else:  # no room to copy into (contiguous layout): recompute it when room frees up
             child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
-            self.waiting.appendleft(child)
+            self.waiting.add_front(child)

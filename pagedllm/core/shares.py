@@ -38,11 +38,14 @@ def running_counts(running: Iterable[Request]) -> Counter:
 
 def least_served(waiting: Sequence[Request], counts: Counter, skip: set[int]) -> Request | None:
     """The waiting sequence to admit next: of the group with the fewest running sequences, its
-    first in queue order (ids in skip already taken this step). None when all are taken."""
+    first in queue order (ids in skip already taken this step), among those of the best priority
+    (the queue's first; pagedllm.core.priority). None when all are taken."""
     best, best_count = None, None
     for request in waiting:
         if id(request) in skip:
             continue
+        if best is not None and request.priority != best.priority:
+            break  # the queue is in priority order: a worse priority waits for this one's turn
         count = counts[share_key(request.request_id)]
         if best_count is None or count < best_count:
             best, best_count = request, count

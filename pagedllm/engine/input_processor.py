@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from functools import cached_property
 
+from pagedllm.core.priority import check_priority
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams, PoolingSetup
@@ -76,12 +77,15 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  sampling_defaults: dict | None = None,
                  grammar_compiler: GrammarCompiler | None = None,
-                 chat_template: str | None = None, pooling: PoolingSetup | None = None) -> None:
+                 chat_template: str | None = None, pooling: PoolingSetup | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         """chat_template: the template every chat renders with unless a call names another (the
         server's --chat-template); None: the model's. pooling: a pooling engine's setup (None: the
-        engine generates tokens)."""
+        engine generates tokens). scheduling_policy: the engine's (a request's priority must be
+        one it runs)."""
         self.tokenizer = tokenizer
         self.pooling = pooling
+        self.scheduling_policy = scheduling_policy
         self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -106,16 +110,21 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                 *, arrival_time: float | None = None, cache_salt: str | None = None,
                 max_tokens_must_fit: bool = False, lora_request: LoRARequest | None = None,
-                add_special_tokens: bool = True) -> tuple[str | None, EngineCoreRequest]:
+                add_special_tokens: bool = True, priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
         """The prompt's text (None if given as ids only) and the core request.
 
         params None: default_sampling_params(). max_tokens_must_fit (OpenAI's rule, the
         server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
         the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
-        add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds."""
+        add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds.
+        priority: lower first, under --scheduling-policy priority (pagedllm.core.priority)."""
         if self.pooling is not None:
             raise InvalidInput("this model is served with --runner pooling: it returns embeddings and "
                                "scores (/v1/embeddings, /v1/rerank, /score), not generated text", "model")
+        try:
+            check_priority(self.scheduling_policy, priority)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), param="priority") from None
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
                                         add_special_tokens=add_special_tokens)
@@ -129,7 +138,7 @@ class InputProcessor:
             request_id, token_ids, params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt, bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            lora=lora_request)
+            lora=lora_request, priority=priority)
         return text, request
 
     def pooling_params(self, task: str = "embed", dimensions: int | None = None,

@@ -53,8 +53,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
             sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path),
-            grammar_compiler=self.grammar_compiler,
-            pooling=self.engine_core.facts.pooling)
+            grammar_compiler=self.grammar_compiler, pooling=self.engine_core.facts.pooling,
+            scheduling_policy=self.config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; start-up %.2fs", self.engine_core.facts.describe(self.weights_note), self.startup_s)
@@ -68,15 +68,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     sampling_params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """Queue a request (sampling_params None: the model's defaults, as
         InputProcessor.default_sampling_params). lora_request: the LoRA adapter it runs with
-        (enable_lora). Bad input raises ValueError and leaves nothing behind."""
+        (enable_lora); priority: lower first (scheduling_policy="priority"). Bad input raises
+        ValueError and leaves nothing behind."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, sampling_params,
                                                      arrival_time=arrival_time, cache_salt=cache_salt,
-                                                     lora_request=lora_request)
+                                                     lora_request=lora_request, priority=priority)
         self.engine_core.add_request(request)  # raises if it can never fit the cache
         self.output_processor.add_request(request, text)
 

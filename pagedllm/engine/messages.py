@@ -42,6 +42,7 @@ class EngineCoreRequest(msgspec.Struct):
     # back in place of tokens.
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    priority: int = 0  # lower first, under --scheduling-policy priority (pagedllm.core.priority)
 
 
 # Per-step outputs are many small objects: array_like encodes them as arrays (no field names on

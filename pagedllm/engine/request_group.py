@@ -114,7 +114,8 @@ class RequestGroup:
             group.prompt_logprobs = [None] * len(request.prompt_token_ids)
         first = Request(request.request_id, request.prompt_token_ids, params,
                         eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time,
-                        cache_salt=request.cache_salt, lora_key=request.lora and request.lora.key)
+                        cache_salt=request.cache_salt, lora_key=request.lora and request.lora.key,
+                        priority=request.priority)
         group._add(first)
         return group
 

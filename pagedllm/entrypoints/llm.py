@@ -38,14 +38,20 @@ class LLM:
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """lora_request (LLM(enable_lora=True)): the LoRA adapter every prompt runs with, or one
-        per prompt (None: the base model); prompts of different adapters share each step."""
+        per prompt (None: the base model); prompts of different adapters share each step.
+        priority: one per prompt, lower first (scheduling_policy="priority"; None: all 0)."""
         prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
-        request_ids = self._add_all(prompts, params, _per_prompt(lora_request, len(prompts)))
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        request_ids = self._add_all(prompts, params, _per_prompt(lora_request, len(prompts)), priority)
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Conversation | list[Conversation],
@@ -129,10 +135,11 @@ class LLM:
         return self.engine.memory_stats()
 
     def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams],
-                 loras: list[LoRARequest | None]) -> list[str]:
+                 loras: list[LoRARequest | None], priorities: list[int]) -> list[str]:
         """Add every prompt, or none: a bad prompt aborts the ones already queued."""
-        return self._add_each([(functools.partial(self.engine.add_request, lora_request=lora), prompt, p)
-                               for prompt, p, lora in zip(prompts, params, loras)])
+        add = self.engine.add_request
+        return self._add_each([(functools.partial(add, lora_request=lora, priority=priority), prompt, p)
+                               for prompt, p, lora, priority in zip(prompts, params, loras, priorities)])
 
     def _add_pooling(self, prompts: list[PromptInput], params: PoolingParams) -> list[str]:
         return self._add_each([(self.engine.add_pooling_request, prompt, params) for prompt in prompts])

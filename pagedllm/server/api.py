@@ -205,7 +205,8 @@ class Api:
         try:
             return [self.processor.process(f"{response_id}-{i}", prompt, params,
                                            cache_salt=body.cache_salt, max_tokens_must_fit=True,
-                                           add_special_tokens=add_special_tokens, lora_request=lora)
+                                           add_special_tokens=add_special_tokens, lora_request=lora,
+                                           priority=body.priority)
                     for i, prompt in enumerate(prompts)]
         except InvalidInput as exc:
             raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc

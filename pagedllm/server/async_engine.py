@@ -94,7 +94,7 @@ class AsyncEngine:
             tokenizer, self.ready.vocab_size, self.ready.max_model_len,
             sampling_defaults=read_generation_defaults(core.config.generation_config,
                                                        Path(self.ready.model_path)),
-            pooling=self.ready.pooling)
+            pooling=self.ready.pooling, scheduling_policy=core.config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
         self.num_failed_requests = 0  # ended by a failed engine step (/metrics counts them)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 from pydantic_core import PydanticCustomError
 
+from pagedllm.core.priority import MAX_PRIORITY, MIN_PRIORITY
 from pagedllm.sampling_bounds import (
     LIST_BOUNDS,
     MAX_BAD_WORDS,
@@ -72,7 +73,6 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     "modalities": (["text"],),
     "prediction": (),
     "mm_processor_kwargs": ({},),
-    "priority": (0,),
 }
 # Names of ignored fields the log has mentioned (the log says each once); bounded, so that
 # clients sending ever new names cannot grow it.
@@ -198,6 +198,8 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     cache_salt: Annotated[str, Field(min_length=1), _UNICODE] | None = None
+    # vLLM's: lower first, under --scheduling-policy priority (a 400 naming it under fcfs).
+    priority: Int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     allowed_token_ids: Annotated[list[TokenId], Field(
         min_length=1, max_length=LIST_BOUNDS["allowed_token_ids"])] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN),

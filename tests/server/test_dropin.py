@@ -154,7 +154,7 @@ def test_generation_config_defaults_apply_unless_the_request_sets_the_field(serv
 def test_every_unsupported_field_gives_a_400_naming_it(server, name):
     value = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
              "tool_choice": "auto", "best_of": 3, "echo": True, "modalities": ["audio"],
-             "priority": 1, "length_penalty": 0.5}.get(name, "x")
+             "length_penalty": 0.5}.get(name, "x")
     for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 2})]:
