@@ -39,6 +39,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("pagedllm:kv_cache_bytes_per_block",
                                 "Bytes one KV block takes, all layers, keys and values (scales included)",
                                 value=kv.bytes_per_block)
+        pages = GaugeMetricFamily("pagedllm:kv_cache_pages_in_use", "KV pool pages in use, by what they "
+                                  "hold (keys and values, or a hybrid model's recurrent states)",
+                                  labels=["kind"])
+        for kind, count in kv.pages_by_kind.items():
+            pages.add_metric([kind], count)
+        yield pages
         info = GaugeMetricFamily("pagedllm:kv_cache_info", "What the KV cache stores (value always 1)",
                                  labels=["kv_cache_dtype"])
         info.add_metric([s.kv_cache_dtype], 1)

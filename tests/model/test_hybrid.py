@@ -55,7 +55,7 @@ def test_chunked_prefill_preemption_and_forks_give_transformers_tokens(hybrid):
     stats = llm.memory_stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"]
-    assert stats["pages_by_kind"] == {}
+    assert stats["pages_by_kind"] == {"full_attention": 0, "recurrent_state": 0}
 
 
 def test_memory_stats_show_state_pages_as_their_own_kind(hybrid):
@@ -71,7 +71,7 @@ def test_memory_stats_show_state_pages_as_their_own_kind(hybrid):
     assert stats["num_used_blocks"] == 8 + 3 + 2 * state_pages
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    assert llm.memory_stats()["pages_by_kind"] == {}
+    assert llm.memory_stats()["pages_by_kind"] == {"full_attention": 0, "recurrent_state": 0}
 
 
 def test_the_start_up_plan_counts_state_pages_and_turns_prefix_caching_off(hybrid, caplog):

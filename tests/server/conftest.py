@@ -73,7 +73,7 @@ class RunningServer:
         self.core_log = open(core_log, "w") if core_log is not None else None
         self.core = CoreProcess(config, num_threads=1, stderr=self.core_log,
                                 extensions=[*([core_hooks.EXTENSION] if with_hooks else []), *extensions])
-        ready = self.core.wait_ready()
+        self.ready = ready = self.core.wait_ready()  # its description: the start-up line
         self.async_engine = AsyncEngine(self.core, load_tokenizer(ready.model_path),
                                         **(async_engine_kwargs or {}))
         self.app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, **app_kwargs)

@@ -454,6 +454,11 @@ class KVCacheManager:
              for rid, table in self._tables.items()),
             self._pending_copies.destinations())
 
+    def _pages_by_kind(self) -> dict[str, int]:
+        """Pages in use by kind: every kind this pool holds, none in use included."""
+        kinds = [self.pool.kv_kind] + [RECURRENT_STATE] * bool(self.state_pages_per_request)
+        return {kind: self.pool.num_owned_by_kind.get(kind, 0) for kind in kinds}
+
     def stats(self) -> KVStats:
         num_free = self.pool.num_free_blocks
         return KVStats(
@@ -462,5 +467,5 @@ class KVCacheManager:
             used_slots=self.pool.num_used_slots, bytes_per_block=self.bytes_per_block,
             num_cached_free_blocks=self.pool.num_cached_free,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
-            pages_by_kind={kind: n for kind, n in self.pool.num_owned_by_kind.items() if n},
+            pages_by_kind=self._pages_by_kind(),
             state_pages_per_request=self.state_pages_per_request)

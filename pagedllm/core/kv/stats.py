@@ -16,8 +16,8 @@ class KVStats:
     num_cached_free_blocks: int = 0  # free, but still holding a prefix that can be hit
     prefix_cache_queries: int = 0  # tokens of the new requests looked up
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
-    # Blocks in use by what they hold (core/kv/kinds.py): the model's KV pages under its kind's
-    # name, and a hybrid model's recurrent state pages.
+    # Blocks in use by what they hold (core/kv/kinds.py), for every kind the pool holds: the
+    # model's KV pages under its kind's name, and a hybrid model's recurrent state pages.
     pages_by_kind: dict[str, int] = field(default_factory=dict)
     state_pages_per_request: int = 0  # a hybrid model's: each running request holds this many
 
