@@ -83,7 +83,12 @@ def pooling_params(api, task: str, dimensions: int | None = None,
 
 def process_pooling(api, response_id: str, prompts: list[PromptInput], params: PoolingParams, param: str,
                     add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
-    """Each prompt through the input processor (in the input workers: tokenizing)."""
+    """Each prompt through the input processor (in the input workers: tokenizing); a 400 for more
+    prompts than the server ever queues at once (they would get a 503 however long one waits)."""
+    limit = api.engine.max_waiting_requests
+    if limit is not None and len(prompts) > limit:
+        raise APIError(f"this request makes {len(prompts)} prompts; this server queues at most {limit} "
+                       "at once (--max-waiting-requests): send fewer per request", param=param)
     try:
         return [api.processor.process_pooling(f"{response_id}-{i}", prompt, params,
                                               add_special_tokens=add_special_tokens)

@@ -205,3 +205,16 @@ def test_a_request_the_engine_ends_without_a_vector_is_a_503(monkeypatch):
     with pytest.raises(APIError, match="before its vector was ready") as caught:
         asyncio.run(embeddings.run_pooling(Starts(), None, []))
     assert caught.value.status_code == 503
+
+
+def test_more_prompts_than_the_server_ever_queues_is_a_400_not_a_503():
+    from types import SimpleNamespace
+
+    from pagedllm.pooling_params import PoolingParams
+    from pagedllm.server.embeddings import process_pooling
+    from pagedllm.server.protocol import APIError
+
+    api = SimpleNamespace(engine=SimpleNamespace(max_waiting_requests=2))
+    with pytest.raises(APIError, match="makes 3 prompts; this server queues at most 2") as caught:
+        process_pooling(api, "embd-1", ["a", "b", "c"], PoolingParams(), "input")
+    assert caught.value.param == "input" and caught.value.status_code == 400
