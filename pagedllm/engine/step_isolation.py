@@ -7,6 +7,9 @@ then runs again without them, and everyone else's tokens are what they would hav
 
 Where every lone run succeeds (the fault lies in no single request: memory, a bad kernel, the
 sampler) or every one fails, nothing can be pinned: the caller fails the whole step as before.
+So does a hybrid model's step: its run advances each request's recurrent state in place (the
+failed attempt may have, after the model ran), so a second run of the same tokens would apply
+them twice.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class StepIsolation:
         model alone (they end here; the caller reports them); StepError, the step's requests
         ended, where none can be pinned or the second run fails too."""
         seqs = self.requests.seqs
+        if getattr(self.executor.runner, "recurrent", False):  # a re-run would advance states twice
+            raise StepError(self._fail(out), exc) from exc
         culprits = find_culprits(partial(self.executor.execute, argmax_only=True), out,
                                  lambda request_id: seqs[request_id].group.request_id)
         if not culprits:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.core import StepError
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.model.gated_deltanet import _chunked_delta_rule, _recurrent_step
 from pagedllm.model.mamba2 import _chunked_scan, _scan_step
 from pagedllm.model.recurrent_state import pages_per_request
@@ -126,3 +128,32 @@ def test_the_chunked_mamba2_scan_is_the_recurrence():
                                       c[t:t + 1], state)[0] for t in range(length)])
     torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(chunked_state, state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_step_of_a_hybrid_model_fails_all_its_requests_and_states_start_afresh(hybrid):
+    """Request 0 fails every step it is in, after the model ran. Elsewhere the core would run each
+    request alone to pin the culprit and then the step again without it; here that would advance
+    request 1's state three times for one step's tokens, so the whole step fails instead."""
+    checkpoint, expected = hybrid
+    core = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4,
+               num_kv_blocks=64).engine.engine_core
+    for i, prompt in enumerate(PROMPTS[:2]):
+        core.add_request(EngineCoreRequest(str(i), prompt, _greedy(), (257,), 0.0))
+    real_execute = core.executor.execute
+
+    def fail_after_the_model(out, *args, **kwargs):
+        result = real_execute(out, *args, **kwargs)
+        if any(item.request.request_id == "0" for item in out.scheduled):
+            raise RuntimeError("injected")
+        return result
+
+    core.executor.execute = fail_after_the_model
+    with pytest.raises(StepError) as failed:
+        core.step()
+    assert sorted(failed.value.request_ids) == ["0", "1"]
+    assert core.stats().kv.num_used_blocks == 0
+    core.add_request(EngineCoreRequest("again", PROMPTS[0], _greedy(), (257,), 0.0))
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+    assert tokens == expected[0]
