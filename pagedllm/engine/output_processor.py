@@ -234,9 +234,11 @@ class OutputProcessor:
         seq.cumulative_logprob += lp.logprob
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        """The top-N and the chosen (or given) token, by id, with their decoded text."""
-        entry = {tid: Logprob(val, rank, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top, 1)}
-        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
+        """The chosen (or given) token first, then the top-N by rank (vLLM's order, which its
+        API's logprobs lists keep), by id, with their decoded text."""
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))}
+        for rank, (tid, val) in enumerate(lp.top, 1):
+            entry.setdefault(tid, Logprob(val, rank, self._decode_one(tid)))
         return entry
 
     def _decode_one(self, token_id: int) -> str:

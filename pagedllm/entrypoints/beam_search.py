@@ -7,6 +7,11 @@ continues itself and forks k - 1 new sequences that share all its blocks by refe
 the first write into a shared partial block is copied (copy-on-write). A beam not chosen gets no
 token, which ends it, so blocks only it held go straight back to the pool. A candidate ending in
 an EOS id becomes a finished hypothesis; a beam reaching max_tokens is finished by the core.
+With early_stopping, a prompt's search ends as soon as it has W finished hypotheses (Hugging
+Face's and vLLM's early_stopping=True); without, its beams go on to max_tokens.
+
+The rules that pick the beams (select_candidates, beam_score, best_sequences) are the server's
+too: pagedllm/server/beam_search.py drives them through ordinary requests of the serving core.
 """
 
 from __future__ import annotations
@@ -55,13 +60,42 @@ class _Prompt:
     finished: list[BeamSequence] = field(default_factory=list)
 
 
+Candidate = tuple[float, int, int]  # (cumulative logprob, token, the beam (row) it extends)
+
+
+def select_candidates(ranked: list[Candidate], width: int,
+                      eos_ids: tuple[int, ...]) -> tuple[list[Candidate], list[Candidate]]:
+    """Of one prompt's candidates, best first: the `width` best that go on as beams, and those
+    ending in an EOS id ranked above the last of them (finished hypotheses)."""
+    going_on: list[Candidate] = []
+    ending: list[Candidate] = []
+    for candidate in ranked:
+        if len(going_on) == width:
+            break
+        (ending if candidate[1] in eos_ids else going_on).append(candidate)
+    return going_on, ending
+
+
+def beam_score(cum_logprob: float, num_tokens: int, length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty (Hugging Face's and vLLM's)."""
+    return cum_logprob / max(num_tokens, 1) ** length_penalty
+
+
+def best_sequences(finished: list[BeamSequence], width: int) -> list[BeamSequence]:
+    return sorted(finished, key=lambda s: -s.score)[:width]
+
+
+def check_beam_args(beam_width, max_tokens) -> None:
+    if not isinstance(beam_width, int) or beam_width < 1:
+        raise ValueError(f"beam_width must be a positive integer; got {beam_width!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer; got {max_tokens!r}")
+
+
 class BeamSearch:
     def __init__(self, core: EngineCore, tokenizer: Tokenizer, beam_width: int, max_tokens: int,
-                 length_penalty: float = 1.0) -> None:
-        if not isinstance(beam_width, int) or beam_width < 1:
-            raise ValueError(f"beam_width must be a positive integer; got {beam_width!r}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer; got {max_tokens!r}")
+                 length_penalty: float = 1.0, early_stopping: bool = False) -> None:
+        check_beam_args(beam_width, max_tokens)
         if core.has_unfinished_requests():
             raise ValueError("beam search needs an idle engine: finish or abort other requests first")
         self.core = core
@@ -69,6 +103,7 @@ class BeamSearch:
         self.width = beam_width
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
         self.eos_ids = tuple(tokenizer.eos_token_ids)
         self._ids = itertools.count()
         self.peak_blocks_used = 0
@@ -149,13 +184,14 @@ class BeamSearch:
         the rest fork new ones); EOS candidates become finished hypotheses."""
         new_beams: dict[int, _Beam] = {}
         forks = []
-        for cum, token, j in ranked:
-            if len(new_beams) + len(forks) == self.width:
-                break
+        going_on, ending = select_candidates(ranked, self.width, self.eos_ids)
+        for cum, token, j in ending:
+            p.finished.append(self._sequence(p.beams[rows[j][1]].token_ids + [token], cum, "stop"))
+        if self.early_stopping and len(p.finished) >= self.width:
+            p.beams = {}  # no row of it gets a token: every beam ends
+            return
+        for cum, token, j in going_on:
             beam = p.beams[rows[j][1]]
-            if token in self.eos_ids:
-                p.finished.append(self._sequence(beam.token_ids + [token], cum, "stop"))
-                continue
             if choices[j]:
                 forks.append((j, len(choices[j]), _Beam(beam.token_ids + [token], cum)))
             else:
@@ -172,10 +208,8 @@ class BeamSearch:
                 p.beams[index] = beam
 
     def _sequence(self, token_ids: list[int], cum: float, reason: str) -> BeamSequence:
-        length = max(len(token_ids), 1)
-        return BeamSequence(list(token_ids), cum, cum / length ** self.length_penalty,
+        return BeamSequence(list(token_ids), cum, beam_score(cum, len(token_ids), self.length_penalty),
                             self.tokenizer.decode(token_ids), reason)
 
     def _output(self, p: _Prompt) -> BeamSearchOutput:
-        best = sorted(p.finished, key=lambda s: -s.score)[:self.width]
-        return BeamSearchOutput(p.token_ids, best, self.peak_blocks_used)
+        return BeamSearchOutput(p.token_ids, best_sequences(p.finished, self.width), self.peak_blocks_used)

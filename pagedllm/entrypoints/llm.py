@@ -73,13 +73,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], beam_width: int,
-                    max_tokens: int, length_penalty: float = 1.0) -> list:
-        """Beam search; returns one BeamSearchOutput (sequences best first) per prompt."""
+                    max_tokens: int, length_penalty: float = 1.0, early_stopping: bool = False) -> list:
+        """Beam search; returns one BeamSearchOutput (sequences best first) per prompt.
+        early_stopping: a prompt's search ends once it has beam_width finished hypotheses."""
         from pagedllm.entrypoints.beam_search import BeamSearch
 
         token_lists = [self.engine.input_processor.tokenize(p)[1] for p in prompt_list(prompts)]
         search = BeamSearch(self.engine.engine_core, self.engine.tokenizer, beam_width, max_tokens,
-                            length_penalty)
+                            length_penalty, early_stopping)
         return search.run(token_lists)
 
     def embed(self, prompts: PromptInput | list[PromptInput], *, dimensions: int | None = None,

@@ -16,16 +16,20 @@ from pagedllm.engine.input_processor import InvalidInput, PromptInput, prompt_li
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from pagedllm.server.beam_search import ServerBeamSearch, beam_settings
 from pagedllm.server.errors import short_repr
 from pagedllm.server.formats import ChatFormat, CompletionFormat
 from pagedllm.server.limits import InputWorkers
 from pagedllm.server.lora_modules import LoRAModules
+from pagedllm.server.logprob_counts import resolve_count
 from pagedllm.server.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,
     MAX_SEQUENCES_PER_REQUEST,
     APIError,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -50,10 +54,13 @@ class Api:
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None,
                  workers: InputWorkers, reasoning_parser: str | None = None,
-                 loras: LoRAModules | None = None) -> None:
-        """loras: the LoRA adapters offered beside the base model (--enable-lora), by name."""
+                 loras: LoRAModules | None = None,
+                 options: AnswerOptions = AnswerOptions()) -> None:
+        """loras: the LoRA adapters offered beside the base model (--enable-lora), by name;
+        options: how answers are written (server/answer_options.py)."""
         self.engine = engine
         self.loras = loras
+        self.options = options
         self.workers = workers
         self.model_name = model_name
         self.chat_template = chat_template  # None: the model's
@@ -79,12 +86,20 @@ class Api:
         self._check_common(body, response_id)
         prompts = _completion_prompts(body.prompt)
         _check_sequences(len(prompts), body.n)
+        if body.use_beam_search:
+            settings = beam_settings(body)
+            requests = await self.workers.run(self._process, response_id, body, prompts,
+                                              self._beam_prompt_params(body.max_tokens), "prompt",
+                                              add_special_tokens=body.add_special_tokens)
+            return await self._beam_search(body, raw, response_id, requests, settings,
+                                           CompletionFormat(self, body))
+        logprobs = self._logprob_count("logprobs", body.logprobs)
         # echo with logprobs: the prompt's tokens get theirs too (vLLM's rule).
-        prompt_logprobs = body.prompt_logprobs
+        prompt_logprobs = self._logprob_count("prompt_logprobs", body.prompt_logprobs)
         if prompt_logprobs is None and body.echo:
-            prompt_logprobs = body.logprobs
+            prompt_logprobs = logprobs
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs,
+        params = self._sampling_params(body, body.max_tokens, logprobs, prompt_logprobs,
                                        constraint.spec)
         requests = await self.workers.run(self._process, response_id, body, prompts, params,
                                           "prompt", add_special_tokens=body.add_special_tokens)
@@ -94,15 +109,44 @@ class Api:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
-        prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
-        spec = constraint_after_reasoning(self.reasoning, prompt["prompt"], constraint.spec,
-                                          body.thinking_token_budget)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, spec)
-        requests = await self.workers.run(self._process, response_id, body, [prompt], params,
-                                          "messages")
+        if body.use_beam_search:
+            settings = beam_settings(body)
+            prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
+            requests = await self.workers.run(self._process, response_id, body, [prompt],
+                                              self._beam_prompt_params(_chat_max_tokens(body)), "messages")
+            return await self._beam_search(body, raw, response_id, requests, settings,
+                                           ChatFormat(self, body, constraint))
+        requests = await self._chat_requests(body, response_id, [body.messages], constraint)
         return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
+
+    async def chat_batch(self, body: BatchChatCompletionRequest, raw: Request):
+        """vLLM's batch of conversations: each its own prompt, one answer with all the choices."""
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_common(body, response_id)
+        if body.stream:
+            raise APIError("the batch endpoint answers whole: stream is not available; send the "
+                           "conversations one by one to /v1/chat/completions to stream them", param="stream")
+        _check_sequences(len(body.messages), body.n)
+        constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        requests = await self._chat_requests(body, response_id, body.messages, constraint)
+        return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
+
+    async def _chat_requests(self, body: ChatCompletionRequest, response_id: str, conversations,
+                             constraint) -> list[tuple[str | None, EngineCoreRequest]]:
+        """Each conversation through the template and the input processor, with the body's
+        sampling parameters (its constraint continued after any reasoning its prompt opens)."""
+        max_tokens = _chat_max_tokens(body)
+        logprobs = (self._logprob_count("top_logprobs", body.top_logprobs) or 0) if body.logprobs else None
+        prompt_logprobs = self._logprob_count("prompt_logprobs", body.prompt_logprobs)
+        requests = []
+        for i, messages in enumerate(conversations):
+            prompt = await self.workers.run(self._chat_prompt, body, constraint.tools, messages)
+            spec = constraint_after_reasoning(self.reasoning, prompt["prompt"], constraint.spec,
+                                              body.thinking_token_budget)
+            params = self._sampling_params(body, max_tokens, logprobs, prompt_logprobs, spec)
+            requests += await self.workers.run(self._process, response_id, body, [prompt], params,
+                                               "messages", first_index=i)
+        return requests
 
     def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: a text's or a conversation's token ids, with the context length."""
@@ -115,9 +159,8 @@ class Api:
                 token_ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             except InvalidInput as exc:
                 raise APIError(str(exc), param=exc.param) from exc
-        decode = self.processor.tokenizer.decode
-        token_strs = [decode([t], skip_special_tokens=False) for t in token_ids] \
-            if body.return_token_strs else None
+        # vLLM's token_strs: vocabulary pieces ('Ġis'), not decoded text (' is').
+        token_strs = self.processor.tokenizer.pieces(token_ids) if body.return_token_strs else None
         return {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids,
                 "token_strs": token_strs}
 
@@ -131,11 +174,11 @@ class Api:
             raise APIError(str(exc), param=exc.param) from exc
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest,
-                     tools: Sequence[Tool] = ()) -> dict:
-        """The conversation (and tools) through the chat template (the server's
-        --chat-template, else the model's): {"prompt": text, "prompt_token_ids": ids}."""
+                     tools: Sequence[Tool] = (), conversation: list | None = None) -> dict:
+        """The conversation (body's messages unless given) and tools through the chat template
+        (the server's --chat-template, else the model's): {"prompt": text, "prompt_token_ids": ids}."""
         try:
-            messages = [m.for_template() for m in body.messages]
+            messages = [m.for_template() for m in (body.messages if conversation is None else conversation)]
             return self.processor.chat_prompt(
                 messages, body.add_generation_prompt, tools=tools, chat_template=self.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
@@ -151,6 +194,9 @@ class Api:
                            500, error_type="server_error", code="chat_template_timeout") from exc
 
     # -- checks --------------------------------------------------------------------------------
+    def _logprob_count(self, name: str, requested: int | None) -> int | None:
+        return resolve_count(name, requested, self.processor.vocab_size)
+
     def _check_model(self, body) -> LoRARequest | None:
         """The LoRA adapter body.model names (None: the base model); a 404 if it names neither."""
         if body.model is None or body.model == self.model_name:
@@ -199,21 +245,43 @@ class Api:
             raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
     def _process(self, response_id: str, body, prompts, params: SamplingParams, prompt_param: str,
-                 add_special_tokens: bool = True) -> list[tuple[str | None, EngineCoreRequest]]:
-        """Each prompt through the input processor: checked, tokenized, max_tokens fitted."""
+                 add_special_tokens: bool = True,
+                 first_index: int = 0) -> list[tuple[str | None, EngineCoreRequest]]:
+        """Each prompt through the input processor: checked, tokenized, max_tokens fitted; their
+        request ids count from first_index."""
         lora = self._check_model(body)  # again: an unload may have come since the first look
         try:
             return [self.processor.process(f"{response_id}-{i}", prompt, params,
                                            cache_salt=body.cache_salt, max_tokens_must_fit=True,
                                            add_special_tokens=add_special_tokens, lora_request=lora,
                                            priority=body.priority)
-                    for i, prompt in enumerate(prompts)]
+                    for i, prompt in enumerate(prompts, first_index)]
         except InvalidInput as exc:
             raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
         except ValueError as exc:  # max_tokens fitted into the room left broke a sampling rule
             raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
     # -- running -------------------------------------------------------------------------------
+    @staticmethod
+    def _beam_prompt_params(max_tokens: int | None) -> SamplingParams:
+        """What a beam search's prompts are checked and tokenized with: max_tokens fitted to the
+        context (None: the room left)."""
+        try:
+            return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        except ValueError as exc:
+            raise APIError(str(exc), param="max_tokens") from exc
+
+    async def _beam_search(self, body, raw: Request, response_id: str,
+                           requests: list[tuple[str | None, EngineCoreRequest]], settings, fmt):
+        """Each prompt's beam search (server/beam_search.py), answered as a generation is."""
+        streams = [ServerBeamSearch(self.engine, self.processor, request, text, settings).outputs()
+                   for text, request in requests]
+        prompts = [(text, request.prompt_token_ids) for text, request in requests]
+        if body.stream:
+            return StreamingResponse(fmt.stream(response_id, streams, prompts),
+                                     media_type="text/event-stream")
+        return fmt.full(response_id, await collect_or_abort(streams, raw), prompts)
+
     async def _respond(self, body, raw: Request, response_id: str,
                        requests: list[tuple[str | None, EngineCoreRequest]], fmt):
         _check_prompt_logprobs_work([request for _, request in requests])
@@ -241,6 +309,10 @@ class Api:
             await close_all(streams)
             raise APIError(str(exc), 503) from exc
         return streams
+
+
+def _chat_max_tokens(body: ChatCompletionRequest) -> int | None:
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
 
 def _check_sequences(num_prompts: int, n: int) -> None:

@@ -14,12 +14,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream
+from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.dashboard import dashboard_router, engine_snapshot_fn
 from pagedllm.server.errors import error_response, install_error_handlers
 from pagedllm.server.guard import Guard
 from pagedllm.server.limits import InputWorkers, RequestPrecheck
+from pagedllm.server.load import LoadTracker, ServerLoad
 from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.lora_routes import lora_router
 from pagedllm.server.metrics import ServerMetrics
@@ -27,6 +29,7 @@ from pagedllm.server.protocol import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     APIError,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -34,6 +37,8 @@ from pagedllm.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.server.root_path import RootPath
+from pagedllm.server.tokenizer_info import tokenizer_info
 
 # What /openapi.json documents, so that clients (and the fuzz test) know every answer there is.
 _ERROR = {"model": ErrorResponse}
@@ -72,16 +77,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
               cors: Cors | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               allowed_hosts: tuple[str, ...] | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, options: AnswerOptions = AnswerOptions(),
+              root_path: str = "", enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The app over engine. chat_template: replaces the model's for every chat request;
     allowed_hosts: the Host names answered (pagedllm.server.hosts; None: any); reasoning_parser:
-    splits chat answers into reasoning and content (pagedllm.text.reasoning)."""
+    splits chat answers into reasoning and content (pagedllm.text.reasoning); options: how
+    answers are written (server/answer_options.py); root_path: the path prefix a proxy serves
+    this app under (its routes answer with and without it, as vLLM's --root-path)."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine.on_finished = metrics.observe_finished
     metrics.count_failed_requests(lambda: engine.num_failed_requests)
     workers = InputWorkers()
     loras = lora_modules(engine)
-    api = Api(engine, model_name, chat_template, workers, reasoning_parser, loras)
+    api = Api(engine, model_name, chat_template, workers, reasoning_parser, loras, options)
     stored_responses = responses.ResponseStore()
 
     @asynccontextmanager
@@ -101,11 +109,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                        body_timeout_s=body_timeout_s,
                        precheck=RequestPrecheck(engine.input_processor, workers),
                        allowed_hosts=allowed_hosts)
+    server_load = ServerLoad()  # inside the guard: a request it refuses is no load
+    app.add_middleware(LoadTracker, load=server_load, stats_fn=lambda: engine.stats)
     if cors is not None:  # added last, so outermost: it answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods),
                            allow_headers=list(cors.allowed_headers),
                            allow_credentials=cors.allow_credentials)
+    if root_path:  # outermost: every layer sees the prefix
+        app.add_middleware(RootPath, root_path=root_path)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
@@ -121,6 +133,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the generation requests this server is answering now."""
+        return {"server_load": server_load.in_flight}
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {}}}})
@@ -138,6 +155,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await api.chat(body, raw)
+
+    @app.post("/v1/chat/completions/batch", responses=_GENERATE_RESPONSES)
+    async def chat_completions_batch(body: BatchChatCompletionRequest, raw: Request):
+        return await api.chat_batch(body, raw)
 
     @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
     async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):
@@ -181,6 +202,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     if loras is not None and engine.core.config.allow_runtime_lora_updating:
         app.include_router(lora_router(loras, engine, model_name), responses=_TOKENIZE_RESPONSES)
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info", responses=_V1_ERRORS)
+        async def get_tokenizer_info():
+            return tokenizer_info(api.processor.tokenizer, chat_template, api.max_model_len)
+
     app.include_router(dashboard_router(engine_snapshot_fn(engine)))
     return app
 

@@ -79,13 +79,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                 settings.keep_alive_s))
     chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
     num_threads, why = choose_num_threads(settings.num_threads)
-    check_port_free(settings.host, settings.port)  # before the model load, not after it
+    if settings.uds is None:
+        check_port_free(settings.host, settings.port)  # before the model load, not after it
     remove_stale_socket_dirs()  # what servers killed before (SIGKILL runs no clean-up) left
     core = CoreProcess(config, num_threads)  # loads the model while this process reads the tokenizer
     try:
         import uvicorn
 
         from pagedllm.model.tokenizer_files import load_tokenizer
+        from pagedllm.server.answer_options import AnswerOptions
         from pagedllm.server.app import Cors, build_app
 
         try:
@@ -107,12 +109,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = settings.served_model_name or (config.model or DEFAULT_MODEL_NAME)
         app = build_app(engine, name, api_key=api_key, max_body_bytes=settings.max_body_bytes,
                         chat_template=chat_template, cors=cors, body_timeout_s=settings.body_timeout_s,
-                        allowed_hosts=allowed_hosts, reasoning_parser=settings.reasoning_parser)
+                        allowed_hosts=allowed_hosts, reasoning_parser=settings.reasoning_parser,
+                        options=AnswerOptions(settings.return_tokens_as_token_ids,
+                                              settings.enable_force_include_usage),
+                        root_path=settings.root_path,
+                        enable_tokenizer_info_endpoint=settings.enable_tokenizer_info_endpoint)
         limit_repeated_log_lines()
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight responses finish
         # (bounded by the timeout), then runs the app's shutdown, which stops the core. A core
         # that dies stops the server the same way.
-        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, uds=settings.uds,
                                                log_level="info", timeout_graceful_shutdown=30,
                                                **uvicorn_settings(limits)))
         engine.on_dead = lambda reason: setattr(server, "should_exit", True)

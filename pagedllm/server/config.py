@@ -42,6 +42,12 @@ def _port(name: str, value) -> None:
         raise ValueError(f"{name} must be a TCP port, 0 to 65535 (0: any free one); got {value!r}")
 
 
+def _root_path(name: str, value) -> None:
+    if not isinstance(value, str) or (value and (not value.startswith("/") or value.endswith("/"))):
+        raise ValueError(f"{name} must be a URL path that starts with '/' and does not end with one "
+                         f"(like /llm); got {value!r}")
+
+
 def _reasoning_parser(name: str, value) -> None:
     """One line naming the known parsers (not argparse's usage screen: the settings check it)."""
     if not isinstance(value, str):
@@ -53,6 +59,11 @@ def _reasoning_parser(name: str, value) -> None:
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (loopback only by default; 0.0.0.0 exposes it)")
     port: int = setting(8000, "port to listen on", check=_port)
+    uds: str | None = setting(
+        None, "serve on this Unix domain socket (a file path) instead of --host and --port")
+    root_path: str = setting(
+        "", "the path prefix a proxy serves the API under (like /llm): routes answer with and "
+        "without it, and /openapi.json names it", check=_root_path)
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and on the live "
         "data of the dashboard at / (the page asks for it); or set "
@@ -69,6 +80,15 @@ class ServerConfig:
         "and .reasoning, and in stream deltas), by vLLM's parser names; also lets "
         "response_format and tools apply after the reasoning and caps it with a request's "
         f"thinking_token_budget: {', '.join(REASONING_PARSER_NAMES)}", check=_reasoning_parser)
+    return_tokens_as_token_ids: bool = setting(
+        False, "logprobs name tokens 'token_id:N' (ids are unambiguous, text pieces are not) "
+        "unless a request's return_tokens_as_token_ids says false")
+    enable_force_include_usage: bool = setting(
+        False, "every stream carries the usage so far on every chunk and in a last chunk, "
+        "whatever its stream_options")
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "serve /tokenizer_info: the tokenizer's settings and the chat template "
+        "(tokenizer_config.json's shape), for clients that tokenize on their side")
     max_body_bytes: int = setting(
         DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413", check=check_positive_int)
     max_waiting_requests: int = setting(

@@ -28,6 +28,7 @@ class Api(Protocol):
     model_name: str
     processor: Any  # the input processor: its tokenizer decodes token texts
     reasoning: Any  # the reasoning parser's setting (server/reasoning.py), or None
+    options: Any  # server/answer_options.py's AnswerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,24 @@ def _logprob_json(lp: Logprob) -> dict:
     return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
 
 
+# A logprob of -inf (a token masked out: allowed_token_ids, logit_bias -100) is no JSON number;
+# vLLM and OpenAI write this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def listed_logprobs(entry: dict[int, Logprob], count: int | None) -> list[tuple[int, Logprob]]:
+    """The first count of a token's logprobs as vLLM's API lists them: the scored (chosen) token
+    first, then the others by rank (the output processor's order); count None: all of them."""
+    items = list(entry.items())
+    return items if count is None else items[:count]
+
+
+def top_count(requested: int | None) -> int | None:
+    """How many alternatives a request's logprobs/top_logprobs asks for: -1 (vLLM's whole
+    vocabulary) is all there are."""
+    return None if requested == -1 else (requested or 0)
+
+
 class Format:
     """Shared by both endpoints: choice bookkeeping, usage and the streaming loop. One per
     response."""
@@ -59,11 +78,14 @@ class Format:
         self.api = api
         self.body = body
         self.n = body.n
+        as_ids = body.return_tokens_as_token_ids
+        self.tokens_as_ids = api.options.return_tokens_as_token_ids if as_ids is None else as_ids
+        self.return_token_ids = body.return_token_ids
 
     def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
         """How logprobs name a token: its text, or "token_id:N" if the body asks (vLLM's
         return_tokens_as_token_ids: text pieces can be ambiguous, ids are not)."""
-        if self.body.return_tokens_as_token_ids:
+        if self.tokens_as_ids:
             return f"token_id:{token_id}"
         if lp is not None:
             return lp.decoded_token
@@ -96,19 +118,20 @@ class Format:
         cached: dict[int, int] = {}  # prefix-cache hits per prompt
         prompt_logprobs: dict[int, PromptLogprobs] = {}  # per prompt, from its first output
         options = self.body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        force = self.api.options.force_include_usage  # usage on every chunk and at the end
+        include_usage = force or bool(options and options.include_usage)
+        continuous = force or (include_usage and options.continuous_usage_stats)
 
-        def chunk(choices: list[dict]) -> str:
+        def chunk(choices: list[dict], **fields) -> str:
             body = {"id": response_id, "object": self.object_chunk, "created": created,
-                    "model": self.api.model_name, "choices": choices}
+                    "model": self.api.model_name, "choices": choices, **fields}
             if continuous:
                 body["usage"] = self.usage(prompts, sum(generated.values()), sum(cached.values()))
             return sse(body)
 
         try:
             for first in self.opening_chunks(len(prompts)):
-                yield chunk(first)
+                yield chunk(first, **self.opening_fields(prompts))
             async for i, output in merge_streams(streams):
                 cached[i] = output.num_cached_tokens
                 if output.prompt_logprobs is not None:
@@ -140,6 +163,18 @@ class Format:
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
         return []
 
+    def opening_fields(self, prompts) -> dict:
+        """Top-level fields of the first opening chunk (vLLM's prompt_token_ids)."""
+        return {}
+
+    def token_ids_fields(self, out: CompletionOutput, prompt=None) -> dict:
+        """vLLM's return_token_ids fields of a choice: its token ids (and the prompt's, given
+        prompt); none unless the request asks."""
+        if not self.return_token_ids:
+            return {}
+        fields = {} if prompt is None else {"prompt_token_ids": list(prompt[1])}
+        return {**fields, "token_ids": list(out.token_ids)}
+
     def full_choice(self, index: int, out: CompletionOutput, prompt, final: RequestOutput) -> dict:
         raise NotImplementedError
 
@@ -164,7 +199,8 @@ class CompletionFormat(Format):
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "prompt_logprobs": _prompt_logprobs_json(final.prompt_logprobs)
-                if self.body.prompt_logprobs is not None else None}
+                if self.body.prompt_logprobs is not None else None,
+                **self.token_ids_fields(out, prompt)}
 
     def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
         echo = first and self.body.echo
@@ -173,7 +209,8 @@ class CompletionFormat(Format):
                                   self.chars_sent.get(index, 0))
         self.chars_sent[index] = self.chars_sent.get(index, 0) + len(text)
         return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                **self.token_ids_fields(out, prompt if first else None)}
 
     def _echo_text(self, prompt) -> str:
         text, token_ids = prompt
@@ -188,7 +225,10 @@ class CompletionFormat(Format):
         if out.logprobs is None:
             return None
         tokens, token_logprobs, tops = [], [], []
-        top_n = self.body.logprobs or 0
+        # The chosen token and logprobs alternatives: logprobs + 1 entries at most (vLLM's and
+        # OpenAI's rule), the chosen one first, so logprobs=0 lists the chosen token alone.
+        top_n = top_count(self.body.logprobs)
+        count = None if top_n is None else top_n + 1
 
         def add(token_id: int, entry: dict[int, Logprob] | None) -> None:
             if entry is None:
@@ -198,9 +238,9 @@ class CompletionFormat(Format):
                 return
             chosen = entry[token_id]
             tokens.append(self.token_text(token_id, chosen))
-            token_logprobs.append(chosen.logprob)
-            tops.append({self.token_text(tid, lp): lp.logprob for tid, lp in entry.items()
-                         if tid != token_id or lp.rank <= top_n})
+            token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR))
+            tops.append({self.token_text(tid, lp): max(lp.logprob, LOGPROB_FLOOR)
+                         for tid, lp in listed_logprobs(entry, count)})
 
         for token_id, entry in zip(prompt_ids if prompt_entries is not None else (), prompt_entries or ()):
             add(token_id, entry)
@@ -242,6 +282,9 @@ class ChatFormat(Format):
         return [[{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for j in range(self.n)]]
 
+    def opening_fields(self, prompts) -> dict:
+        return {"prompt_token_ids": list(prompts[0][1])} if self.return_token_ids else {}
+
     def full_choice(self, index, out, prompt, final) -> dict:
         reader = self._reader(index, prompt)
         if reader is None:
@@ -249,11 +292,18 @@ class ChatFormat(Format):
         else:
             message, finish_reason = reader.message(out.text, out.finish_reason)
         return {"index": index, "message": message, "logprobs": self._logprobs(out),
-                "finish_reason": finish_reason, "stop_reason": out.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": out.stop_reason,
+                **self.token_ids_fields(out)}
 
     def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
         response["prompt_logprobs"] = _prompt_logprobs_json(finals[0].prompt_logprobs) \
             if self.body.prompt_logprobs is not None else None
+        if self.return_token_ids:  # one conversation: on the answer (vLLM's); a batch's: per choice
+            if len(finals) == 1:
+                response["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+            else:
+                for choice in response["choices"]:
+                    choice["prompt_token_ids"] = list(finals[choice["index"] // self.n].prompt_token_ids)
         return response
 
     def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
@@ -263,20 +313,21 @@ class ChatFormat(Format):
         else:
             fields, finish_reason = reader.delta(out.text, out.finish_reason)
         return {"index": index, "delta": fields, "logprobs": self._logprobs(out),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, **self.token_ids_fields(out)}
 
     def _logprobs(self, out: CompletionOutput) -> dict | None:
         if out.logprobs is None:
             return None
-        top_n = self.body.top_logprobs or 0
+        # top_logprobs entries, the chosen token first (vLLM's list: with k, the chosen token
+        # and the k - 1 best others).
+        count = top_count(self.body.top_logprobs)
         content = []
         for token_id, entry in zip(out.token_ids, out.logprobs):
-            top = sorted(((tid, lp) for tid, lp in entry.items() if tid != token_id or lp.rank <= top_n),
-                         key=lambda item: item[1].rank)[:top_n]
             content.append({**self._token_json(token_id, entry[token_id]),
-                            "top_logprobs": [self._token_json(tid, lp) for tid, lp in top]})
+                            "top_logprobs": [self._token_json(tid, lp)
+                                             for tid, lp in listed_logprobs(entry, count)]})
         return {"content": content}
 
     def _token_json(self, token_id: int, lp: Logprob) -> dict:
         text = self.token_text(token_id, lp)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": max(lp.logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}

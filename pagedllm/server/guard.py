@@ -9,6 +9,7 @@ import hmac
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.server.dashboard import EVENTS_PATH
@@ -21,9 +22,11 @@ from pagedllm.server.protocol import (
 )
 
 # Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
-GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score", "/pooling", EVENTS_PATH)
+GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/score", "/pooling",
+                 EVENTS_PATH)
 # Bodies measured by RequestPrecheck before the schema reads them.
-PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/tokenize",
+                    "/detokenize")
 
 
 class Guard:
@@ -57,7 +60,8 @@ class Guard:
                                           "(see --allowed-hosts)",
                                           421, code="misdirected_request"))(scope, receive, send)
             return
-        if self.expected_auth is not None and scope["path"].startswith(GUARDED_PATHS):
+        path = get_route_path(scope)  # without the --root-path prefix, if the request has it
+        if self.expected_auth is not None and path.startswith(GUARDED_PATHS):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):  # constant time
                 await error_response(APIError("invalid or missing API key: send 'Authorization: Bearer "
@@ -81,7 +85,7 @@ class Guard:
         if body is None:
             await self._too_large("larger (sent in chunks, without Content-Length)")(scope, receive, send)
             return
-        if self.precheck is not None and scope["path"] in PRECHECKED_PATHS:
+        if self.precheck is not None and path in PRECHECKED_PATHS:
             error = await self.precheck.check(body)
             if error is not None:
                 await error_response(error)(scope, receive, send)

@@ -1,11 +1,14 @@
-"""Prometheus metrics, names prefixed `pagedllm:`. One registry per app (no global state)."""
+"""Prometheus metrics, names prefixed `pagedllm:`, each also under vLLM's `vllm:` prefix (the
+same families, for dashboards and autoscalers written for vLLM: vllm:num_requests_waiting,
+vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, ...). One registry per app (no global
+state)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.outputs import RequestOutput
@@ -64,6 +67,8 @@ class ServerMetrics:
     def __init__(self, stats_fn: Callable[[], EngineCoreStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats_fn))
+        self.vllm_names = CollectorRegistry()
+        self.vllm_names.register(_Renamed(self.registry, PREFIX, VLLM_PREFIX))
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("pagedllm:time_per_output_token_seconds",
@@ -91,4 +96,24 @@ class ServerMetrics:
         self.registry.register(_Failed())
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_names)
+
+
+PREFIX = "pagedllm:"
+VLLM_PREFIX = "vllm:"
+
+
+class _Renamed:
+    """Every family of a registry again, its prefix replaced (the values read at scrape time)."""
+
+    def __init__(self, registry: CollectorRegistry, old: str, new: str) -> None:
+        self.registry, self.old, self.new = registry, old, new
+
+    def collect(self):
+        for family in self.registry.collect():
+            renamed = Metric(self._name(family.name), family.documentation, family.type, family.unit)
+            renamed.samples = [sample._replace(name=self._name(sample.name)) for sample in family.samples]
+            yield renamed
+
+    def _name(self, name: str) -> str:
+        return self.new + name.removeprefix(self.old)

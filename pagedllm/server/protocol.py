@@ -61,8 +61,6 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     # Other generation features.
     "suffix": ("",),
     "best_of": (1,),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
     "prompt_embeds": (),
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
@@ -167,6 +165,15 @@ def bounded(name: str, default=None):
     return Field(default, **NUMBER_BOUNDS[name].pydantic())
 
 
+# vLLM's count of logprobs alternatives meaning "the whole vocabulary" (server/logprob_counts.py).
+WHOLE_VOCABULARY = -1
+
+
+def logprob_count(name: str):
+    """A logprobs count's Field: the table's range, and -1 (the whole vocabulary)."""
+    return Field(None, ge=WHOLE_VOCABULARY, le=NUMBER_BOUNDS[name].high)
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool = False
     # vLLM's: with include_usage, every chunk carries the usage so far (running counts that end
@@ -205,8 +212,15 @@ class _SamplingFields(_Body):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN),
                                         _UNICODE]], Field(max_length=MAX_BAD_WORDS)] | None = None
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
-    prompt_logprobs: Int | None = bounded("prompt_logprobs")
-    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:N"
+    prompt_logprobs: Int | None = logprob_count("prompt_logprobs")
+    # logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: StrictBool | None = None
+    # vLLM's: the prompt's token ids and each choice's generated ones in the answer
+    return_token_ids: StrictBool = False
+    # vLLM's beam search (server/beam_search.py): n beams, scored cum_logprob / len ** length_penalty
+    use_beam_search: StrictBool = False
+    length_penalty: Float = Field(1.0, ge=-10.0, le=10.0)
+    early_stopping: StrictBool = False
     # Structured outputs: one constraint, in any of these spellings (OpenAI's, vLLM's, vLLM's
     # older ones). Their insides are checked by pagedllm.structured.spec, whose messages name
     # the field and what is wrong (a 400 either way).
@@ -221,7 +235,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int | None = bounded("max_tokens", 16)
-    logprobs: Int | None = bounded("logprobs")
+    logprobs: Int | None = logprob_count("logprobs")
     echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too
     add_special_tokens: StrictBool = True  # the tokenizer's BOS/EOS around a text prompt
 
@@ -279,7 +293,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Int | None = bounded("max_tokens")
     max_completion_tokens: Int | None = bounded("max_tokens")
     logprobs: StrictBool = False
-    top_logprobs: Int | None = bounded("logprobs")
+    top_logprobs: Int | None = logprob_count("logprobs")
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the prompt ends inside the last message
     add_special_tokens: StrictBool = False  # the template writes BOS itself
@@ -291,6 +305,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: StrictBool = True
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: several conversations under one set of parameters,
+    answered together (choice i * n + j: conversation i's j-th answer); not streamed."""
+
+    messages: Annotated[list[list[ChatMessage]], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
 
 
 class TokenizeCompletionRequest(_Body):

@@ -34,6 +34,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedllm.structured.compiler import check_grammar
+from pagedllm.structured.schema_defs import NestedSchemas
 from pagedllm.structured.spec import GrammarSpec
 
 MAX_TOOLS = 128
@@ -117,10 +118,15 @@ def tool_call_spec(tools: Sequence[Tool], choice: ToolChoice,
         return GrammarSpec.json_schema(_tool_named(tools, choice.name).parameters)
     if choice.mode != "required":
         return None
-    call = {"anyOf": [_call_schema(tool) for tool in tools]} if len(tools) > 1 else _call_schema(tools[0])
-    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    # Each tool's parameters sit inside the array's schema: their $defs move to its root.
+    nested = NestedSchemas()
+    calls = [_call_schema(tool.name, nested.nest(dict(tool.parameters), tool.name)) for tool in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls} if len(calls) > 1 else calls[0],
+                              "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    if nested.defs:
+        schema["$defs"] = nested.defs
     return GrammarSpec.json_schema(schema)
 
 
@@ -223,9 +229,9 @@ def _check_parameters(name: str, parameters: Any) -> None:
         raise ValueError(f"tool {name!r}: parameters is not a usable JSON schema: {exc}") from None
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object",
-            "properties": {"name": {"const": tool.name}, "parameters": dict(tool.parameters)},
+            "properties": {"name": {"const": name}, "parameters": parameters},
             "required": ["name", "parameters"], "additionalProperties": False}
 
 

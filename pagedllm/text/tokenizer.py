@@ -151,6 +151,11 @@ class Tokenizer:
         copy.encode_special_tokens = True
         return copy
 
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own spelling of each id ('Ġis' in a byte-level BPE, '▁is' in a
+        SentencePiece one), as transformers' convert_ids_to_tokens gives it; not decoded text."""
+        return [self.backend.id_to_token(token_id) or "" for token_id in ids]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

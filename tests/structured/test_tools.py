@@ -173,3 +173,49 @@ def test_tool_round_trip_through_openai_shape():
     tool = Tool("f", {"type": "object"}, None)
     assert tool.to_openai() == {"type": "function",
                                 "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+# Tools whose parameters use definitions: two define "Place" differently, one refers to its own
+# root (a recursive tree, bounded by maxItems so that walks end).
+ROUTE = {"type": "function", "function": {"name": "route", "parameters": {
+    "type": "object", "$defs": {"Place": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 6}}, "required": ["city"], "additionalProperties": False}},
+    "properties": {"from": {"$ref": "#/$defs/Place"}, "to": {"$ref": "#/$defs/Place"}},
+    "required": ["from", "to"], "additionalProperties": False}}}
+LOCATE = {"type": "function", "function": {"name": "locate", "parameters": {
+    "type": "object", "definitions": {"Place": {"enum": ["home", "work"]}},
+    "properties": {"where": {"$ref": "#/definitions/Place"}}, "required": ["where"],
+    "additionalProperties": False}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"leaf": {"type": "boolean"},
+                                     "children": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
+    "required": ["leaf"], "additionalProperties": False}}}
+
+
+def test_required_tool_choice_keeps_the_tools_definitions_working():
+    """Each tool's $defs/definitions move to the root of the array's schema, renamed where two
+    tools define one name differently; a ref to a tool's own root points at a copy of it."""
+    required = json.loads(tool_call_spec(parse_tools([ROUTE, LOCATE, TREE]), ToolChoice("required")).text)
+    route, locate, tree = (call["properties"]["parameters"] for call in required["items"]["anyOf"])
+    assert route["properties"]["from"] == {"$ref": "#/$defs/Place"}
+    assert locate["properties"]["where"] == {"$ref": "#/$defs/locate.Place"}
+    assert required["$defs"]["Place"] == ROUTE["function"]["parameters"]["$defs"]["Place"]
+    assert required["$defs"]["locate.Place"] == {"enum": ["home", "work"]}
+    assert tree["properties"]["children"]["items"] == {"$ref": "#/$defs/parameters"}
+    assert required["$defs"]["parameters"] == tree
+    # The tools' own schemas are left as they were.
+    assert parse_tools([ROUTE])[0].parameters == ROUTE["function"]["parameters"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32))
+def test_required_calls_with_definitions_validate_against_each_tools_schema(smol_compiler, smol_tokenizer,
+                                                                            seed):
+    tools = parse_tools([ROUTE, LOCATE, TREE])
+    by_name = {t.name: t for t in tools}
+    text = _constrained_walk(smol_compiler, smol_tokenizer, tool_call_spec(tools, ToolChoice("required")),
+                             seed)
+    message = parse_tool_calls(text, make_parser("json"))
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), by_name[call.name].parameters)

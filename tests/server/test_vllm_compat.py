@@ -1,0 +1,106 @@
+"""Answers shaped as vLLM's, where clients switching from vLLM read them: logprobs lists (the chosen
+token first, logprobs=0 giving it alone), /tokenize's vocabulary pieces, forced tool calls whose
+parameters use $defs. On the tiny model (byte-level tokenizer), and the default model where a
+forced call needs more room than the tiny model's 64 positions."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
+
+PROMPT = "The cat"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir, one_torch_thread):
+    with RunningServer(tiny_config(tiny_model_dir)) as running:
+        yield running
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    response = httpx.post(f"{server.base_url}{path}", json={"model": MODEL_NAME, **body}, timeout=120)
+    return response
+
+
+def ok(server, path: str, body: dict) -> dict:
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def token_id(name: str) -> int:
+    return int(name.removeprefix("token_id:"))
+
+
+def test_logprobs_zero_lists_the_chosen_token(tiny_server):
+    choice = ok(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 0,
+                                                 "temperature": 1.5, "seed": 3})["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["top_logprobs"] == [{token: value} for token, value in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def sampled(server, k: int, chat: bool) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(chosen id, its logprob, [(id, logprob) listed]) per token of one seeded sample with k
+    alternatives asked for."""
+    common = {"max_tokens": 12, "temperature": 2.0, "seed": 7, "return_tokens_as_token_ids": True,
+              "ignore_eos": True}
+    if chat:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": k}
+        content = ok(server, "/v1/chat/completions", {**body, **common})["choices"][0]["logprobs"]["content"]
+        return [(token_id(e["token"]), e["logprob"],
+                 [(token_id(t["token"]), t["logprob"]) for t in e["top_logprobs"]]) for e in content]
+    lp = ok(server, "/v1/completions", {"prompt": PROMPT, "logprobs": k, **common})["choices"][0]["logprobs"]
+    return [(token_id(t), v, [(token_id(name), x) for name, x in top.items()])
+            for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_top_logprobs_list_the_chosen_token_first_then_by_rank(tiny_server, chat):
+    """vLLM's lists: the chosen token, then the others by rank; completions keep k + 1 entries at
+    most (the chosen one and the best k), chat k (the chosen one and the best k - 1). The best
+    others are read from the same seeded sample with 20 alternatives."""
+    k = 3
+    few, many = sampled(tiny_server, k, chat), sampled(tiny_server, 20, chat)
+    assert [t for t, _, _ in few] == [t for t, _, _ in many]  # the same sample
+    chosen_was_not_best = 0
+    for (chosen, value, listed), (_, _, wide) in zip(few, many):
+        assert listed[0] == (chosen, value)
+        others = [(t, v) for t, v in wide[1:] if t != chosen]
+        assert [v for _, v in others] == sorted((v for _, v in others), reverse=True)
+        best_others = others[:k - 1] if chat else [
+            (t, v) for t, v in sorted(wide, key=lambda item: -item[1])[:k] if t != chosen]
+        assert listed[1:] == best_others
+        chosen_was_not_best += value < max(v for _, v in wide)
+    assert chosen_was_not_best  # the sample took a token that was not the best at least once
+
+
+def test_tokenize_token_strs_are_vocabulary_pieces(tiny_server):
+    tokens = ok(tiny_server, "/tokenize", {"prompt": "a is", "return_token_strs": True})
+    assert tokens["token_strs"] == ["a", "Ġ", "i", "s"]  # byte-level BPE spells the space 'Ġ'
+    chat = ok(tiny_server, "/tokenize", {"messages": [{"role": "user", "content": "a b"}],
+                                         "return_token_strs": True})
+    assert "Ġ" in chat["token_strs"] and "<|bos|>" in chat["token_strs"]
+
+
+# A tool whose parameters name a definition twice.
+ROUTE = {"type": "function", "function": {"name": "route", "parameters": {
+    "type": "object", "$defs": {"Place": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}},
+    "properties": {"from": {"$ref": "#/$defs/Place"}, "to": {"$ref": "#/$defs/Place"}},
+    "required": ["from", "to"], "additionalProperties": False}}}
+
+
+def test_required_tool_choice_with_defs_gives_valid_calls(server):
+    body = {"messages": [{"role": "user", "content": "Route from Paris to Rome, please."}],
+            "tools": [ROUTE], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 60, "temperature": 0}
+    choice = ok(server, "/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "route"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ROUTE["function"]["parameters"])
