@@ -20,16 +20,24 @@ PROMPT = "The cat"
 WIDTH, MAX_TOKENS = 3, 8
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with an end-of-generation id that its best beam writes third, so that
-    beams end on EOS (finished hypotheses, early stopping) as well as at max_tokens."""
-    plain = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, generation_config="none")
-    best = plain.beam_search(PROMPT, WIDTH, MAX_TOKENS)[0].sequences[0].token_ids
-    folder = tmp_path_factory.mktemp("beam-model")
+def with_eos(tiny_model_dir, folder, eos_ids: list[int]):
     for item in tiny_model_dir.iterdir():
         shutil.copy(item, folder / item.name)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [best[2]]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    return LLM(str(folder), dtype="float32", num_kv_blocks=64, generation_config="none")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with end-of-generation ids its beams write: the best beam's first token,
+    then a token the beams still going after that write fourth, so that beams end on EOS as well
+    as at max_tokens, and early stopping cuts searches short (test_the_searches_end_both_ways)."""
+    plain = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, generation_config="none")
+    first = plain.beam_search(PROMPT, WIDTH, MAX_TOKENS)[0].sequences[0].token_ids[0]
+    folder = tmp_path_factory.mktemp("beam-model")
+    one_eos = with_eos(tiny_model_dir, folder, [first]).beam_search(PROMPT, WIDTH, MAX_TOKENS)[0]
+    going_on = next(s for s in one_eos.sequences if s.finish_reason == "length")
+    with_eos(tiny_model_dir, folder, [first, going_on.token_ids[3]])
     return folder
 
 
@@ -57,7 +65,8 @@ def streamed_choices(server, path: str, body: dict) -> list[dict]:
     return [choice for chunk in chunks for choice in chunk["choices"] if choice.get("token_ids")]
 
 
-@pytest.mark.parametrize(("length_penalty", "early_stopping"), [(1.0, False), (0.5, True), (2.0, False)])
+@pytest.mark.parametrize(("length_penalty", "early_stopping"),
+                         [(1.0, False), (1.0, True), (0.5, True), (2.0, False), (2.0, True)])
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_server_beams_are_the_offline_beams(server, offline, endpoint, length_penalty, early_stopping):
     body = {"use_beam_search": True, "n": WIDTH, "max_tokens": MAX_TOKENS, "length_penalty": length_penalty,
@@ -79,15 +88,17 @@ def test_server_beams_are_the_offline_beams(server, offline, endpoint, length_pe
     assert texts == [s.text for s in expected.sequences]
     assert answer.json()["usage"]["completion_tokens"] == sum(len(s.token_ids) for s in expected.sequences)
     streamed = streamed_choices(server, path, body)
-    assert [(c["index"], c["token_ids"]) for c in streamed] == [(i, c["token_ids"]) for i, c in enumerate(choices)]
+    assert [(c["index"], c["token_ids"]) for c in streamed] == [(c["index"], c["token_ids"]) for c in choices]
 
 
 def test_the_searches_end_both_ways(offline):
-    """The cases above reach both ends of a beam: an EOS and max_tokens."""
+    """The cases above reach both ends of a beam (an EOS, max_tokens), and early stopping
+    changes what some of them return."""
     sequences = offline.beam_search(PROMPT, WIDTH, MAX_TOKENS)[0].sequences
     assert {s.finish_reason for s in sequences} == {"stop", "length"}
-    early = offline.beam_search(PROMPT, WIDTH, MAX_TOKENS, early_stopping=True)[0].sequences
-    assert all(s.finish_reason == "stop" for s in early)
+    changed = [lp for lp in (1.0, 2.0) if offline.beam_search(PROMPT, WIDTH, MAX_TOKENS, lp)[0].sequences
+               != offline.beam_search(PROMPT, WIDTH, MAX_TOKENS, lp, early_stopping=True)[0].sequences]
+    assert changed
 
 
 @pytest.mark.parametrize(("field", "value"), [
