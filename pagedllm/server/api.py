@@ -41,7 +41,7 @@ from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.server.streams import close_all, collect_or_abort
 from pagedllm.server.structured import read_constraint_async
 from pagedllm.structured.spec import GrammarSpec
-from pagedllm.structured.tools import Tool
+from pagedllm.structured.tools import Tool, parse_tools
 from pagedllm.text.chat_template import TemplateTimeout
 from pagedllm.text.reasoning import reasoning_format
 
@@ -153,7 +153,11 @@ class Api:
         self._check_model(body)
         self.extra_fields.check(body, "tokenize")
         if isinstance(body, TokenizeChatRequest):
-            token_ids = self._chat_prompt(body)["prompt_token_ids"]
+            try:
+                tools = parse_tools(body.tools or [])
+            except ValueError as exc:
+                raise APIError(str(exc), param="tools") from exc
+            token_ids = self._chat_prompt(body, tools)["prompt_token_ids"]
         else:
             try:
                 token_ids = self.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -333,6 +333,7 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[Text, Any] | None = None
     return_token_strs: StrictBool = False
+    tools: list[Any] | None = None  # in the prompt, as a chat request's tools are
 
 
 class DetokenizeRequest(_Body):
