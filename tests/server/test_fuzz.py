@@ -42,13 +42,14 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GE
              ("POST", "/detokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
              ("POST", "/v1/messages"), ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"),
              ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/score"), ("POST", "/score"),
-             ("POST", "/pooling")]
+             ("POST", "/pooling"), ("POST", "/v1/chat/completions/batch"), ("GET", "/load")]
 WITH_BODY = {path for method, path in ENDPOINTS if method == "POST"}
 # A key every 200 answer of a POST endpoint holds (non-streamed).
 ANSWER_KEY = {"/v1/completions": "choices", "/v1/chat/completions": "choices", "/tokenize": "max_model_len",
               "/detokenize": "prompt", "/v1/responses": "output", "/v1/messages": "content",
               "/v1/embeddings": "data", "/v1/rerank": "results", "/v2/rerank": "results",
-              "/rerank": "results", "/v1/score": "data", "/score": "data", "/pooling": "data"}
+              "/rerank": "results", "/v1/score": "data", "/score": "data", "/pooling": "data",
+              "/v1/chat/completions/batch": "choices"}
 
 
 @pytest.fixture(scope="module")
