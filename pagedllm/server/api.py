@@ -22,8 +22,8 @@ from pagedllm.server.beam_search import ServerBeamSearch, beam_settings
 from pagedllm.server.errors import short_repr
 from pagedllm.server.formats import ChatFormat, CompletionFormat
 from pagedllm.server.limits import InputWorkers
-from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.logprob_counts import resolve_count
+from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,

@@ -22,8 +22,8 @@ from pagedllm.server.protocol import (
 )
 
 # Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
-GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/score", "/pooling",
-                 EVENTS_PATH)
+GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/score",
+                 "/pooling", EVENTS_PATH)
 # Bodies measured by RequestPrecheck before the schema reads them.
 PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/tokenize",
                     "/detokenize")
