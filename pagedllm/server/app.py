@@ -105,12 +105,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    server_load = ServerLoad()  # added first, so inside the guard: a request it refuses is no load
+    app.add_middleware(LoadTracker, load=server_load, stats_fn=lambda: engine.stats)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout_s=body_timeout_s,
                        precheck=RequestPrecheck(engine.input_processor, workers),
                        allowed_hosts=allowed_hosts)
-    server_load = ServerLoad()  # inside the guard: a request it refuses is no load
-    app.add_middleware(LoadTracker, load=server_load, stats_fn=lambda: engine.stats)
     if cors is not None:  # added last, so outermost: it answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods),

@@ -5,6 +5,7 @@ under `vllm:` names, /v1/chat/completions/batch, and the server flags --return-t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 
 from pagedllm.sampling_bounds import MAX_LOGPROBS
 from pagedllm.server.answer_options import AnswerOptions
+from pagedllm.server.load import LoadTracker, ServerLoad
 from pagedllm.server.logprob_counts import resolve_count
 from pagedllm.server.protocol import APIError
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, tiny_config
@@ -154,18 +156,43 @@ def test_load_counts_the_requests_being_answered(server):
         return httpx.get(f"{server.base_url}/load").json()["server_load"]
 
     assert load() == 0
-    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    seen = []
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=AUTH,
-                      timeout=120) as response:
-        for _ in response.iter_lines():
-            if not seen:
-                seen.append(load())
-    assert seen == [1]
-    deadline = time.monotonic() + 10
-    while load() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert httpx.post(f"{server.base_url}/v1/completions", json={}).status_code == 401  # refused: no load
     assert load() == 0
+
+
+def test_load_tracker_counts_a_request_until_its_answer_ends():
+    """The middleware alone, around an app whose answer waits: no timing in the assertions."""
+    load = ServerLoad()
+    release = asyncio.Event()
+    seen = []
+
+    async def slow_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        seen.append(load.in_flight)
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    tracker = LoadTracker(slow_app, load, lambda: None)  # no ORCA header asked: never read
+
+    async def run():
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "headers": []}
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        task = asyncio.ensure_future(tracker(scope, None, send))
+        while not seen:
+            await asyncio.sleep(0)
+        during = load.in_flight
+        release.set()
+        await task
+        other = {**scope, "path": "/health", "method": "GET"}
+        await LoadTracker(lambda *a: asyncio.sleep(0), load, lambda: None)(other, None, send)
+        return during, load.in_flight
+
+    assert asyncio.run(run()) == (1, 0) and seen == [1]
 
 
 def test_orca_load_header_when_asked(server):
