@@ -123,9 +123,10 @@ class ServerBeamSearch:
         self.num_steps += 1
         request_id = f"{self.request.request_id}-beam-{self.num_steps}"
         try:
-            _, request = self.processor.process(request_id, [*self.request.prompt_token_ids, *beam.token_ids],
-                                                self.step_params, cache_salt=self.request.cache_salt,
-                                                lora_request=self.request.lora)
+            base = self.request  # the steps run as the search's own request would: salt, adapter, priority
+            _, request = self.processor.process(request_id, [*base.prompt_token_ids, *beam.token_ids],
+                                                self.step_params, cache_salt=base.cache_salt,
+                                                lora_request=base.lora, priority=base.priority)
             stream = await self.engine.generate(request, None)
         except (InvalidInput, ValueError, QueueFullError) as exc:  # the 200 may be out: fail the stream
             raise RequestFailed(f"the beam search could not go on: {exc}") from exc
