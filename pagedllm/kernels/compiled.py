@@ -47,11 +47,12 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _AVX512_SOURCES = ("paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp", "fused_ops.cpp",
-                   "quant_matmul.cpp", "quant_amx.cpp", "dense_amx.cpp", "sample.cpp")
-_HEADERS = ("vec.h", "quant_packed.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
-            "attention_amx_prefill.h", "attention_amx_decode.h")
+                   "quant_matmul.cpp", "quant_int8_avx512.cpp", "quant_amx.cpp", "dense_amx.cpp",
+                   "sample.cpp")
+_HEADERS = ("vec.h", "quant_packed.h", "quant_int8_rows.h", "generic_quant_layout.h", "amx.h", "dispatch.h",
+            "attention_common.h", "attention_kernel.h", "attention_amx_prefill.h", "attention_amx_decode.h")
 # Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
-_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp")
+_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp")
 # The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
 # they compile (the others run portable torch under that tier; the start-up line says which).
 _TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": _GENERIC_SOURCES}
@@ -64,9 +65,11 @@ _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _AVX512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 _TIER_CFLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "avx512": _AVX512_CFLAGS,
                 "amx": [*_AVX512_CFLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]}
-# Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls) on
-# AVX-512; AVX-VNNI's int8 dot products on AVX2.
-_TIER_OPTIONAL_CFLAGS = {"avx512": {"avx512_bf16": "-mavx512bf16"}, "avx2": {"avx_vnni": "-mavxvnni"}}
+# Compiled in where the CPU has them: bf16 dot products (attention scores, quantized matmuls) and
+# VNNI's int8 ones (quantized matmuls over bf16 activations) on AVX-512; AVX-VNNI's on AVX2. (The
+# amx tier keeps its bf16 paths: no VNNI flag there.)
+_TIER_OPTIONAL_CFLAGS = {"avx512": {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"},
+                         "avx2": {"avx_vnni": "-mavxvnni"}}
 # The activation dtypes the kernels are compiled for.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -26,6 +26,17 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, out: torch.
     tiers.current().ops.quant_linear.default(x, *weight.kernel_args, bias, out)
 
 
+def quant_int8_takes(weight) -> bool:
+    """Whether quant_linear under the chosen tier takes bf16 activations against this
+    QuantizedWeight as int8 blocks and integer dot products (avx512 with VNNI, avx2), as its layout
+    allows (csrc/quant_int8_rows.h: groups of 32k; 4-bit codes whose codebook is consecutive
+    integers, Q4_0 / Q4_1 / Q4_K; int8 codes): each block of 32 activations then rounds to steps of
+    max|x| / 127. float32 activations always take the exact path."""
+    choice = tiers.current()
+    return choice.has("quantized matmul") and bool(
+        choice.ops.quant_int8_takes(weight.codebook, weight.bits, weight.group_size))
+
+
 def quant_amx_available() -> bool:
     """Whether quant_linear_amx runs under the chosen tier (amx, and the OS lets us use it)."""
     return tiers.current().quant_amx

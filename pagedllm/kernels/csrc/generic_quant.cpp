@@ -8,6 +8,8 @@
 // decoded in registers and multiplied with 8 rows of x at a time; elsewhere each weight row is
 // decoded into a buffer (K floats) and dotted with every row of x (16 partial sums). quant_dequantize: the same decode,
 // stored (the tiles QuantLinear multiplies with torch's GEMM for many rows, and embeddings).
+// With AVX2, bf16 x goes through int8 activations and integer dot products instead
+// (quant_int8_avx2.cpp) where the layout allows (quant_int8_rows.h); float32 x stays exact.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,47 +27,12 @@
 #include <optional>
 #include <vector>
 
+#include "generic_quant_layout.h"
+#include "quant_int8_rows.h"
+
 namespace {
-
-struct Layout {
-  const uint8_t* codes;
-  int64_t row_bytes, N, K, G;
-  const void* scales;
-  const void* mins;  // nullptr: none
-  bool half;         // scales (and mins) are float16, else float32
-  const float* book; // 4-bit only
-  int bits;
-
-  float group_value(const void* p, int64_t n, int64_t g) const {
-    const int64_t i = n * (K / G) + g;
-    return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
-  }
-  float scale(int64_t n, int64_t g) const { return group_value(scales, n, g); }
-  float min(int64_t n, int64_t g) const { return mins ? group_value(mins, n, g) : 0.0f; }
-};
-
-Layout make_layout(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                   const std::optional<at::Tensor>& codebook, int64_t bits, int64_t G) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quantized weights: bits must be 4 or 8");
-  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && q.element_size() == 1,
-              "quantized weights: codes must be [N, bytes] uint8/int8 with contiguous rows");
-  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
-  TORCH_CHECK(G > 0 && K % G == 0 && (bits == 8 ? G % 16 == 0 : (G == 16 || G % 32 == 0)),
-              "quantized weights: group size must divide K (a multiple of 16; 4-bit: 16 or 32k)");
-  auto check_groups = [&](const at::Tensor& s, const char* name) {
-    TORCH_CHECK(s.scalar_type() == scales.scalar_type() && (s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat) &&
-                    s.dim() == 2 && s.size(0) == N && s.size(1) == K / G && s.is_contiguous(),
-                "quantized weights: ", name, " must be float16 or float32 [N, K / group_size]");
-  };
-  check_groups(scales, "scales");
-  if (mins) check_groups(*mins, "mins");
-  TORCH_CHECK(bits == 8 || (codebook && codebook->scalar_type() == at::kFloat && codebook->is_contiguous() &&
-                            codebook->numel() == 16),
-              "quantized weights: 4-bit codes need a contiguous float32 codebook of 16 values");
-  return Layout{static_cast<const uint8_t*>(q.data_ptr()), q.stride(0), N, K, G, scales.data_ptr(),
-                mins ? mins->data_ptr() : nullptr, scales.scalar_type() == at::kHalf,
-                bits == 4 ? codebook->const_data_ptr<float>() : nullptr, static_cast<int>(bits)};
-}
+using pagedllm_generic::Layout;
+using pagedllm_generic::make_layout;
 
 // Weight row n as float32 into w[K]: scale * value (exact) + min, one rounding.
 void decode_row(const Layout& l, int64_t n, float* w) {
@@ -181,6 +148,11 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
               "quant_linear: out must be [M, N] of x's dtype with contiguous rows");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == l.N),
               "quant_linear: bias must be contiguous float32 [N]");
+#ifdef __AVX2__
+  if (x.scalar_type() == at::kBFloat16 &&
+      pagedllm_int8::quant_linear_int8(x, qweight, scales, mins, codebook, bits, group_size, bias, out))
+    return;
+#endif
   const at::Tensor x32 = (x.scalar_type() == at::kFloat ? x : x.to(at::kFloat)).contiguous();
   const float* xp = x32.const_data_ptr<float>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
@@ -240,9 +212,19 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   return out;
 }
 
+// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
+bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
+#ifdef __AVX2__
+  return pagedllm_int8::int8_layout(bits, group_size, codebook);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
+  m.def("quant_int8_takes", &quant_int8_takes);  // no tensor to dispatch on: every backend
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "

@@ -10,7 +10,9 @@
 // scales / mins: float16 or float32 [N, K / group]; mins absent means 0.
 //
 // quant_linear computes out = x @ W^T (+ bias) for a few rows of x (decode steps): each weight is
-// read and decoded once per block of up to 8 rows of x. Larger batches go through
+// read and decoded once per block of up to 8 rows of x. With VNNI, bf16 x goes through int8
+// activations and integer dot products instead (quant_int8_avx512.cpp) where the layout allows
+// (quant_int8_rows.h); float32 x always takes the exact path below. Larger batches go through
 // quant_dequantize tile by tile and a GEMM (the caller, pagedllm/model/quant_linear.py, picks).
 //
 // float32 x: each weight is dequantized in registers to exactly the float32 value the GGUF
@@ -41,6 +43,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "quant_int8_rows.h"
 #include "quant_packed.h"
 #include "vec.h"
 
@@ -347,6 +350,11 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: float32 or bfloat16 x");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "quant_linear: bias must be contiguous float32 [N]");
+#ifdef __AVX512VNNI__
+  if (x.scalar_type() == at::kBFloat16 &&
+      pagedllm_int8::quant_linear_int8(x, qweight, scales, mins, codebook, bits, group_size, bias, out))
+    return;
+#endif
   Activations act;
   at::Tensor x32;
   Bf16Rows bf16_rows;
@@ -398,9 +406,19 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   return out;
 }
 
+// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
+bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
+#ifdef __AVX512VNNI__
+  return pagedllm_int8::int8_layout(bits, group_size, codebook);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
+  m.def("quant_int8_takes", &quant_int8_takes);  // no tensor to dispatch on: every backend
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "

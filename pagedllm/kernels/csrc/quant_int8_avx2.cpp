@@ -1,0 +1,149 @@
+// The few-rows quantized matmul with int8 activations (quant_int8_rows.h) on AVX2: for bf16
+// activations, whose decode steps then run on integer dot products, as llama.cpp's do.
+//
+// Per block of 32 inputs and weight row, the codes as unsigned bytes in the inputs' order:
+//  u4: a run's 16 bytes, low nibbles then high ones (codes 0..15, the codebook's u + c);
+//  i8: |w|, with w's sign moved onto x's codes (vpsignb), c = 0.
+// The products of unsigned and signed bytes are summed in fours into 8 int32 lanes: with AVX-VNNI
+// by vpdpbusd, else by vpmaddubsw (pairs into int16: at most 2 * 128 * 127, under its saturation)
+// and vpmaddwd (pairs of those into int32). Started at c * (x's codes' sums), exact; then per row
+// of x converted to fp32, times the block's d and the weight group's scale, summed in fp32; the
+// mins' term last.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "generic_quant_layout.h"
+#include "quant_int8_rows.h"
+
+namespace pagedllm_int8 {
+namespace {
+
+#ifdef __AVX2__
+using pagedllm_generic::Layout;
+
+// acc + the products of u (unsigned bytes) and s (signed), summed in fours.
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// A group's value (scale or min) with F16C's one-instruction conversion.
+inline float group_value(const Layout& l, const void* p, int64_t n, int64_t g) {
+  const int64_t i = n * (l.K / l.G) + g;
+  return l.half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// sum_g min_g * (sum of x over group g) for weight row n and one row of x's group sums.
+inline float min_term(const Layout& l, int64_t n, const float* sums) {
+  const int64_t groups = l.K / l.G;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 mins = l.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                     static_cast<const uint16_t*>(l.mins) + n * groups + g)))
+                               : _mm256_loadu_ps(static_cast<const float*>(l.mins) + n * groups + g);
+    acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sums + g), acc);
+  }
+  float total = hsum(acc);
+  for (; g < groups; ++g) total += group_value(l, l.mins, n, g) * sums[g];
+  return total;
+}
+
+// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1).
+template <int R, bool kU4>
+inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, float* out) {
+  const uint8_t* row = l.codes + n * l.row_bytes;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < l.K / kBlock; ++b) {
+    __m256i u, w;
+    if constexpr (kU4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+      u = _mm256_set_m128i(high, low);
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+      u = _mm256_abs_epi8(w);
+    }
+    const __m256 s = _mm256_set1_ps(group_value(l, l.scales, n, b * kBlock / l.G));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes_of(m) + b * kBlock));
+      if constexpr (!kU4) xq = _mm256_sign_epi8(xq, w);
+      const int32_t* offsets = x.offsets_of(m);
+      const __m256i start = offsets ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + b * 8))
+                                    : _mm256_setzero_si256();
+      const __m256 d = _mm256_loadu_ps(x.scales_of(m) + b * 8);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_add(start, u, xq)), d), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + (l.mins ? min_term(l, n, x.sums_of(m0 + r)) : 0.0f);
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
+
+template <bool kU4, typename T>
+void linear_rows(const Layout& l, int64_t n0, int64_t n1, const Int8Rows& x, const float* bias, T* out, int64_t ldo) {
+  float sums[4];
+  for (int64_t m0 = 0; m0 < x.M;) {
+    const int rows = x.M - m0 >= 4 ? 4 : x.M - m0 >= 2 ? 2 : 1;
+    for (int64_t n = n0; n < n1; ++n) {
+      if (rows == 4) row_dots<4, kU4>(l, n, x, m0, sums);
+      else if (rows == 2) row_dots<2, kU4>(l, n, x, m0, sums);
+      else row_dots<1, kU4>(l, n, x, m0, sums);
+      for (int r = 0; r < rows; ++r) store(out + (m0 + r) * ldo + n, sums[r] + (bias ? bias[n] : 0.0f));
+    }
+    m0 += rows;
+  }
+}
+#endif  // __AVX2__
+
+}  // namespace
+
+bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
+                       int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+#ifdef __AVX2__
+  if (!int8_layout(bits, group_size, codebook)) return false;
+  const Layout l = pagedllm_generic::make_layout(qweight, scales, mins, codebook, bits, group_size);
+  const int offset = bits == 8 ? 0 : *affine_codebook_offset(l.book);
+  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value());
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t ldo = out.stride(0);
+  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(l.K, 1));
+  auto run = [&](auto* op) {
+    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) {
+      if (bits == 4) linear_rows<true>(l, n0, n1, rows, bp, op, ldo);
+      else linear_rows<false>(l, n0, n1, rows, bp, op, ldo);
+    });
+  };
+  if (out.scalar_type() == at::kFloat) run(out.mutable_data_ptr<float>());
+  else run(out.mutable_data_ptr<c10::BFloat16>());
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagedllm_int8

@@ -1,0 +1,203 @@
+// The few-rows quantized matmul with int8 activations (quant_int8_rows.h) and AVX-512 VNNI's
+// vpdpbusd (64 products of an unsigned and a signed byte, summed in fours into 16 int32 lanes):
+// for bf16 activations, where a decode step's matmuls then run on integer dot products, as
+// llama.cpp's do, instead of decoding weights to bf16 or fp32.
+//
+// Per 64 inputs (two blocks of 32, in lanes 0-7 and 8-15) and weight row, the codes as unsigned
+// bytes in the inputs' order:
+//  u4: the 32 bytes of two runs, each run's 16 bytes put twice in a row (one shuffle), the second
+//      copy's high nibbles shifted down, masked to 4 bits: codes 0..15, the codebook's u + c;
+//  i8: the 64 codes with their sign bit flipped: u = w + 128, c = -128.
+// Then per row of x: vpdpbusd started at c * (the codes' sums), exact in int32; converted to fp32,
+// times each block's d and the weight group's scale, summed in fp32; the mins' term last.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "quant_int8_rows.h"
+#include "quant_packed.h"
+
+namespace pagedllm_int8 {
+namespace {
+using namespace pagedllm_quant;
+
+#ifdef __AVX512VNNI__
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// The unsigned codes of weight row `row` for inputs 64p .. 64p+63 (single: only 64p .. 64p+31).
+template <bool kU4, typename S>
+inline __m512i unsigned_codes(const Packed<S>& w, const uint8_t* row, int64_t p, bool single) {
+  if constexpr (kU4) {
+    const uint8_t* at = row + p * 32;
+    const __m256i bytes = single ? _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))
+                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m512i z = _mm512_castsi256_si512(bytes);
+    const __m512i twice = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 1, 0, 0));  // 128-bit lanes [r0, r0, r1, r1]
+    const __m512i high_down = _mm512_mask_srli_epi16(twice, 0xFF00FF00u, twice, 4);
+    return _mm512_and_si512(high_down, _mm512_set1_epi8(0x0F));
+  } else {
+    const uint8_t* at = row + p * 64;
+    const __m512i codes = single ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, at) : _mm512_loadu_si512(at);
+    return _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+// The weight group scales of inputs 64p .. 64p+63, per lane (lanes 0-7: the first block's group).
+// kG: 32, or 64 for any multiple of 64 (group_size: the real one).
+template <int kG, typename S>
+inline __m512 lane_scales(const S* row_scales, int64_t p, bool single, int64_t group_size) {
+  if constexpr (kG == 32) {
+    const __m512 two = load_groups(row_scales + 2 * p, tail_mask(single ? 1 : 2));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two);
+  } else {
+    return _mm512_set1_ps(to_f32(row_scales[p * 64 / group_size]));
+  }
+}
+
+// x's rows as the dot products read them.
+struct RowsView {
+  const int8_t* codes;
+  const float* scales;
+  const int32_t* offsets;  // nullptr: c = 0
+  const float* sums;       // nullptr: no mins
+  int64_t K_pad, groups;
+
+  RowsView offset(int64_t m) const {
+    const int64_t lanes = K_pad / kLane;
+    return RowsView{codes + m * K_pad, scales + m * lanes, offsets ? offsets + m * lanes : nullptr,
+                    sums ? sums + m * groups : nullptr, K_pad, groups};
+  }
+};
+
+// acc[nr][r] = x[r] . w[n0 + nr] for NR weight rows and R rows of x.
+template <int NR, int R, bool kU4, bool kMin, int kG, typename S>
+inline void int8_dot(const Packed<S>& w, int64_t n0, const RowsView& x, float (&acc_out)[NR][R]) {
+  const int64_t pairs = x.K_pad / 64, lanes = x.K_pad / kLane;
+  const bool last_single = w.K % 64 != 0;
+  __m512 acc[NR][R];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bool single = last_single && p == pairs - 1;
+    __m512i xq[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xq[r] = _mm512_loadu_si512(x.codes + r * x.K_pad + p * 64);
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* row = w.q + (n0 + i) * w.row_bytes;
+      if (p % 2 == 0) prefetch(row + NR * w.row_bytes + p * (kU4 ? 32 : 64));  // the next block's rows
+      const __m512i u = unsigned_codes<kU4>(w, row, p, single);
+      const __m512 s = lane_scales<kG>(w.scales + (n0 + i) * w.groups, p, single, w.group_size);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i start = x.offsets ? _mm512_loadu_si512(x.offsets + r * lanes + p * 16) : _mm512_setzero_si512();
+        const __m512i dot = _mm512_dpbusd_epi32(start, u, xq[r]);
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(x.scales + r * lanes + p * 16));
+        acc[i][r] = _mm512_fmadd_ps(scaled, s, acc[i][r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 total = acc[i][r];
+      if constexpr (kMin) {  // + sum_g min_g * (sum of x over group g)
+        for (int64_t g = 0; g < w.groups; g += 16) {
+          const __mmask16 m = tail_mask(w.groups - g);
+          total = _mm512_fmadd_ps(load_groups(w.mins + (n0 + i) * w.groups + g, m),
+                                  _mm512_maskz_loadu_ps(m, x.sums + r * x.groups + g), total);
+        }
+      }
+      acc_out[i][r] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+
+template <typename T>
+inline void store(T* p, float v) { *p = static_cast<T>(v); }
+
+// Output columns [n_begin, n_end) for R rows of x: weight rows in blocks of NR (4 for one row of x,
+// whose independent sums hide each other's latency; fewer as rows of x take registers).
+template <int R, bool kU4, bool kMin, int kG, typename S, typename T>
+void rows_block(const Packed<S>& w, int64_t n_begin, int64_t n_end, const RowsView& x, const float* bias, T* out,
+                int64_t ldo) {
+  constexpr int NR = R == 1 ? 4 : R == 2 ? 2 : 1;
+  float acc[NR][R];
+  int64_t n = n_begin;
+  auto write = [&](int64_t n0, int rows, auto& a) {
+    for (int i = 0; i < rows; ++i)
+      for (int r = 0; r < R; ++r) store(out + r * ldo + n0 + i, a[i][r] + (bias ? bias[n0 + i] : 0.0f));
+  };
+  for (; n + NR <= n_end; n += NR) {
+    int8_dot<NR, R, kU4, kMin, kG>(w, n, x, acc);
+    write(n, NR, acc);
+  }
+  for (; n < n_end; ++n) {
+    float one[1][R];
+    int8_dot<1, R, kU4, kMin, kG>(w, n, x, one);
+    write(n, 1, one);
+  }
+}
+
+template <bool kU4, bool kMin, int kG, typename S, typename T>
+void linear_rows(const Packed<S>& w, int64_t n_begin, int64_t n_end, const RowsView& x, int64_t M, const float* bias,
+                 T* out, int64_t ldo) {
+  for (int64_t m = 0; m < M;) {
+    const RowsView xm = x.offset(m);
+    T* om = out + m * ldo;
+    if (M - m >= 4) {
+      rows_block<4, kU4, kMin, kG>(w, n_begin, n_end, xm, bias, om, ldo), m += 4;
+    } else if (M - m >= 2) {
+      rows_block<2, kU4, kMin, kG>(w, n_begin, n_end, xm, bias, om, ldo), m += 2;
+    } else {
+      rows_block<1, kU4, kMin, kG>(w, n_begin, n_end, xm, bias, om, ldo), m += 1;
+    }
+  }
+}
+#endif  // __AVX512VNNI__
+
+}  // namespace
+
+bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
+                       int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+#ifdef __AVX512VNNI__
+  if (!int8_layout(bits, group_size, codebook)) return false;
+  const Weights t{qweight, scales, mins, codebook, bits, group_size};
+  const int offset = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
+  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value());
+  const RowsView view{rows.codes.data(), rows.lane_scales.data(), rows.offsets_of(0), rows.sums_of(0), rows.K_pad,
+                      rows.groups};
+  const int64_t N = qweight.size(0), M = x.size(0), ldo = out.stride(0);
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 17) / std::max<int64_t>(rows.K * std::min<int64_t>(M, 4), 1));
+  dispatch(t, [&](const auto& w, auto is_u4, auto with_min) {
+    constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
+    auto run = [&](auto* op) {
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (group_size == 32) linear_rows<kU4, kMin, 32>(w, n0, n1, view, M, bp, op, ldo);
+        else linear_rows<kU4, kMin, 64>(w, n0, n1, view, M, bp, op, ldo);  // a multiple of 64
+      });
+    };
+    if (out.scalar_type() == at::kFloat) run(out.mutable_data_ptr<float>());
+    else run(out.mutable_data_ptr<c10::BFloat16>());
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagedllm_int8

@@ -1,0 +1,127 @@
+// Activation rows quantized to int8 for integer dot products against quantized weights, shared by
+// the two kernels that take them: quant_int8_avx512.cpp (AVX-512 VNNI) and quant_int8_avx2.cpp
+// (AVX2's maddubs, or AVX-VNNI).
+//
+// As llama.cpp's q8_0 does: blocks of 32 inputs, each with a scale d = max|x| / 127 and codes
+// q = round(x * (127 / max|x|)) (half to even, fp32 product) in -127..127, so x = d * q within d / 2.
+// A weight of the quantized layouts (quant_packed.h) is s * (u + c) + m for an unsigned code u (a
+// 4-bit code whose codebook is u + c, or an int8 code w stored as u = w + 128, c = -128) and a
+// group's scale s and min m; then
+//   sum_k x_k w_k ~ sum_blocks s * d * sum_k q_k (u_k + c) + sum_groups m * (sum of x over the group)
+// The integer sums are exact (int32), started at c times the codes' sums, so only the rounding of x
+// to d * q (and fp32 sums) separates the result from the dequantized matmul. The min term takes the
+// float sums of x, not of d * q (x's own sums: no rounding of x there).
+//
+// Plain C++, run once per call on a few rows: the compiler vectorizes it for the tier's flags.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace pagedllm_int8 {
+
+constexpr int64_t kBlock = 32;  // inputs per activation scale
+constexpr int64_t kLane = 4;    // inputs one 32-bit lane of an integer dot product sums
+constexpr int64_t kPad = 64;    // rows are padded with zero codes to a multiple of this
+
+// The integer c with codebook[i] == i + c for every 4-bit code i (exact), where there is one.
+inline std::optional<int> affine_codebook_offset(const float* book) {
+  const float c = book[0];
+  if (c != std::nearbyint(c) || c < -128 || c > 127) return std::nullopt;
+  for (int i = 0; i < 16; ++i)
+    if (book[i] != c + static_cast<float>(i)) return std::nullopt;
+  return static_cast<int>(c);
+}
+
+// Whether a weight layout can take int8 activations: groups of whole activation blocks, and 4-bit
+// codes whose codebook is affine (Q4_0, Q4_1, Q4_K; not IQ4_NL's table, nor groups of 16).
+inline bool int8_layout(int64_t bits, int64_t group_size, const std::optional<at::Tensor>& codebook) {
+  if (group_size % kBlock != 0) return false;
+  if (bits == 8) return true;
+  return bits == 4 && codebook && codebook->scalar_type() == at::kFloat && codebook->is_contiguous() &&
+         codebook->numel() == 16 && affine_codebook_offset(codebook->const_data_ptr<float>()).has_value();
+}
+
+// x [M, K] quantized in blocks of 32; every per-row array runs over K padded to kPad.
+struct Int8Rows {
+  int64_t M = 0, K = 0, K_pad = 0, groups = 0;
+  std::vector<int8_t> codes;           // [M, K_pad]
+  std::vector<float> lane_scales;      // [M, K_pad / 4]: each lane's block scale d (one vector load)
+  std::vector<int32_t> lane_offsets;   // [M, K_pad / 4]: c * (the lane's 4 codes' sum); empty for c = 0
+  std::vector<float> group_sums;       // [M, groups]: sum of x over each weight group; empty without mins
+
+  const int8_t* codes_of(int64_t m) const { return codes.data() + m * K_pad; }
+  const float* scales_of(int64_t m) const { return lane_scales.data() + m * (K_pad / kLane); }
+  const int32_t* offsets_of(int64_t m) const {
+    return lane_offsets.empty() ? nullptr : lane_offsets.data() + m * (K_pad / kLane);
+  }
+  const float* sums_of(int64_t m) const { return group_sums.empty() ? nullptr : group_sums.data() + m * groups; }
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool sums, int8_t* codes, float* scales,
+                  int32_t* offsets, float* group_sums) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float v[kBlock];
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) {
+      v[j] = static_cast<float>(x[b * kBlock + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* q = codes + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+    for (int l = 0; l < kBlock / kLane; ++l) {
+      scales[b * kBlock / kLane + l] = d;
+      if (offsets) {
+        int32_t s = 0;
+        for (int j = 0; j < kLane; ++j) s += q[l * kLane + j];
+        offsets[b * kBlock / kLane + l] = offset * s;
+      }
+    }
+  }
+  if (sums) {
+    for (int64_t g = 0; g < K / group_size; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += static_cast<float>(x[k]);
+      group_sums[g] = s;
+    }
+  }
+}
+
+// x: float32 or bfloat16 [M, K] with contiguous rows, K a multiple of 32. offset: the weights' c.
+inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, bool sums) {
+  Int8Rows rows;
+  rows.M = x.size(0), rows.K = x.size(1), rows.K_pad = (rows.K + kPad - 1) / kPad * kPad;
+  rows.groups = rows.K / group_size;
+  const int64_t lanes = rows.K_pad / kLane;
+  rows.codes.assign(rows.M * rows.K_pad, 0);
+  rows.lane_scales.assign(rows.M * lanes, 0.0f);
+  if (offset != 0) rows.lane_offsets.assign(rows.M * lanes, 0);
+  if (sums) rows.group_sums.assign(rows.M * rows.groups, 0.0f);
+  for (int64_t m = 0; m < rows.M; ++m) {
+    int32_t* offsets = offset != 0 ? rows.lane_offsets.data() + m * lanes : nullptr;
+    float* group_sums = sums ? rows.group_sums.data() + m * rows.groups : nullptr;
+    auto run = [&](const auto* xr) {
+      quantize_row(xr, rows.K, group_size, offset, sums, rows.codes.data() + m * rows.K_pad,
+                   rows.lane_scales.data() + m * lanes, offsets, group_sums);
+    };
+    if (x.scalar_type() == at::kBFloat16) run(x.const_data_ptr<c10::BFloat16>() + m * x.stride(0));
+    else run(x.const_data_ptr<float>() + m * x.stride(0));
+  }
+  return rows;
+}
+
+// out = x @ W^T (+ bias) through int8 activations where the layout takes them (int8_layout): true
+// once done, false (nothing written) where it does not. Defined by the tier's kernel file.
+bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
+                       int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
+
+}  // namespace pagedllm_int8

@@ -1,0 +1,124 @@
+"""The few-rows quantized matmul over int8 activations (csrc/quant_int8_rows.h: avx512 with VNNI,
+avx2), which takes bf16 activations against the layouts that allow it: against the dequantized
+matmul of x rounded as the kernel rounds it (tests/int8_activations.py), within fp32 sums and the
+output's bf16 rounding; and against the float matmul, within that rounding of x (half a step of
+max|x| / 127 per input, times |w|)."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from pagedllm.kernels import matmul
+from pagedllm.model.gguf_repack import repack
+from pagedllm.model.quant_weight import QuantizedWeight, quantize
+from pagedllm.utils import cpu_flags
+from tests.int8_activations import int8_rounded, rounding_error_bound
+from tests.model.quant_blocks import random_blocks, write_tensors
+
+Q = gguf.GGMLQuantizationType
+INT8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K]  # groups of 32, affine codes
+OTHER_TYPES = [Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q6_K]  # a codebook table, or groups of 16
+ROWS, COLS = 40, 512
+ROW_COUNTS = [1, 2, 3, 4, 5, 8, 16]
+
+
+@pytest.fixture(scope="module")
+def gguf_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("int8") / "types.gguf"
+    types = INT8_TYPES + OTHER_TYPES
+    write_tensors(path, {t.name: (t, random_blocks(t, ROWS, COLS, seed=i)) for i, t in enumerate(types)})
+    return {t.name: repack(t.tensor_type, t.data, (ROWS, COLS)) for t in gguf.GGUFReader(path).tensors}
+
+
+def tier_has_int8(tier: str) -> bool:
+    return tier == "avx2" or (tier == "avx512" and "avx512_vnni" in cpu_flags())
+
+
+def kernel(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    matmul.quant_linear(x, weight, bias, out)
+    return out
+
+
+def split(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf's weights as scale * code and the mins (zeros where there are none), float64 [N, K]."""
+    values = weight.dequantize().double()
+    mins = torch.zeros_like(values) if weight.mins is None else \
+        weight.mins.double().repeat_interleave(weight.group_size, dim=1)
+    return values - mins, mins
+
+
+def emulated(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor) -> torch.Tensor:
+    """float64: x rounded as the kernel rounds it times gguf's weights, the mins' term on x itself."""
+    scaled, mins = split(weight)
+    return int8_rounded(x) @ scaled.T + x.double() @ mins.T + bias.double()
+
+
+def fp32_sums_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """How far fp32 sums of the two terms (codes, mins: each may be larger than their sum) may be
+    from the exact ones: K * 2^-22 of their magnitudes."""
+    scaled, mins = split(weight)
+    magnitude = x.double().abs() @ (scaled.abs() + mins.abs()).T
+    return weight.shape[1] * 2.0**-22 * magnitude + 1e-30
+
+
+def check(tier: str, weight: QuantizedWeight, x: torch.Tensor) -> None:
+    bias = torch.randn(weight.shape[0])
+    out = kernel(x, weight, bias).double()
+    # Exactly the integer arithmetic: the emulation, to the output's bf16 rounding and fp32 sums.
+    expected = emulated(x, weight, bias)
+    values = weight.dequantize()
+    near = 2**-8 * expected.abs() + fp32_sums_bound(x, weight)
+    assert ((out - expected).abs() <= near).all(), (out - expected).abs().max()
+    # The float matmul, within the rounding of x that the int8 blocks allow.
+    exact = x.double() @ values.double().T + bias.double()
+    allowed = rounding_error_bound(x, values) * (1 + 1e-5) + near
+    assert ((out - exact).abs() <= allowed).all()
+
+
+def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 rows with an outlier channel (as LLM activations have), zeros in one block."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 30
+    x[:, 32:64] = 0
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_gguf_types(tier, gguf_weights, qtype, rows):
+    weight = gguf_weights[qtype.name]
+    assert matmul.quant_int8_takes(weight) == tier_has_int8(tier)
+    if not tier_has_int8(tier):
+        pytest.skip(f"the {tier} tier keeps bf16 activations")
+    check(tier, weight, activations(rows, COLS, rows))
+
+
+@pytest.mark.parametrize("bits,group_size,cols", [(4, 32, 96), (8, 32, 96), (4, 64, 192), (8, 128, 384),
+                                                  (4, 32, 160), (8, 64, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_group_sizes_and_odd_blocks(tier, bits, group_size, cols, rows):
+    """Groups of 32 and of multiples of 64; K an odd number of 32-blocks (the AVX-512 kernel's last
+    pair of blocks has one)."""
+    if not tier_has_int8(tier):
+        pytest.skip(f"the {tier} tier keeps bf16 activations")
+    weight = quantize(torch.randn(24, cols) * 0.1, bits, group_size)
+    assert matmul.quant_int8_takes(weight)
+    check(tier, weight, activations(rows, cols, cols + rows))
+
+
+@pytest.mark.parametrize("qtype", OTHER_TYPES, ids=lambda t: t.name)
+def test_layouts_without_int8_keep_bf16(tier, gguf_weights, qtype):
+    """A codebook table (IQ4_NL) or groups of 16: the bf16 / fp32 kernel, no int8 rounding."""
+    weight = gguf_weights[qtype.name]
+    assert not matmul.quant_int8_takes(weight)
+
+
+def test_float32_activations_stay_exact(tier, gguf_weights):
+    weight = gguf_weights["Q4_1"]
+    x = activations(3, COLS, 0).float()
+    out = kernel(x, weight, torch.zeros(ROWS)).double()
+    exact = x.double() @ weight.dequantize().double().T
+    assert ((out - exact).abs() <= fp32_sums_bound(x, weight) + 1e-6).all()
