@@ -68,13 +68,14 @@ inline float min_term(const Layout& l, int64_t n, const float* sums) {
   return total;
 }
 
-// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1).
+// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1). Even and odd blocks sum into
+// two accumulators: one chain of fmadds would wait on its latency every block.
 template <int R, bool kU4>
 inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, float* out) {
   const uint8_t* row = l.codes + n * l.row_bytes;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < l.K / kBlock; ++b) {
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256 (&acc)[R]) __attribute__((always_inline)) {
     __m256i u, w;
     if constexpr (kU4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
@@ -96,8 +97,16 @@ inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, 
       const __m256 d = _mm256_loadu_ps(x.scales_of(m) + b * 8);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_add(start, u, xq)), d), s, acc[r]);
     }
+  };
+  const int64_t blocks = l.K / kBlock;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    block(b, even);
+    block(b + 1, odd);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + (l.mins ? min_term(l, n, x.sums_of(m0 + r)) : 0.0f);
+  if (b < blocks) block(b, even);
+  for (int r = 0; r < R; ++r)
+    out[r] = hsum(_mm256_add_ps(even[r], odd[r])) + (l.mins ? min_term(l, n, x.sums_of(m0 + r)) : 0.0f);
 }
 
 inline void store(float* p, float v) { *p = v; }

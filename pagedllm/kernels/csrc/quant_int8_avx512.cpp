@@ -3,10 +3,10 @@
 // for bf16 activations, where a decode step's matmuls then run on integer dot products, as
 // llama.cpp's do, instead of decoding weights to bf16 or fp32.
 //
-// Per 64 inputs (two blocks of 32, in lanes 0-7 and 8-15) and weight row, the codes as unsigned
-// bytes in the inputs' order:
-//  u4: the 32 bytes of two runs, each run's 16 bytes put twice in a row (one shuffle), the second
-//      copy's high nibbles shifted down, masked to 4 bits: codes 0..15, the codebook's u + c;
+// Per 64 inputs (two blocks of 32) and weight row, the codes as unsigned bytes in x's order:
+//  u4: the 32 bytes of two runs loaded twice (one broadcast load), the upper copy shifted to its
+//      high nibbles, masked to 4 bits: codes 0..15, the codebook's u + c; x is laid out to match
+//      (quant_int8_rows.h's nibble order), so no shuffle;
 //  i8: the 64 codes with their sign bit flipped: u = w + 128, c = -128.
 // Then per row of x: vpdpbusd started at c * (the codes' sums), exact in int32; converted to fp32,
 // times each block's d and the weight group's scale, summed in fp32; the mins' term last.
@@ -33,16 +33,17 @@ using namespace pagedllm_quant;
 #ifdef __AVX512VNNI__
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
-// The unsigned codes of weight row `row` for inputs 64p .. 64p+63 (single: only 64p .. 64p+31).
-template <bool kU4, typename S>
-inline __m512i unsigned_codes(const Packed<S>& w, const uint8_t* row, int64_t p, bool single) {
+// The unsigned codes of a weight row for inputs 64p .. 64p+63 (single: the first 32 only), in x's
+// order (u4: quant_int8_rows.h's nibble order; i8: as they lie).
+template <bool kU4>
+inline __m512i unsigned_codes(const uint8_t* row, int64_t p, bool single) {
   if constexpr (kU4) {
     const uint8_t* at = row + p * 32;
-    const __m256i bytes = single ? _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))
-                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-    const __m512i z = _mm512_castsi256_si512(bytes);
-    const __m512i twice = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 1, 0, 0));  // 128-bit lanes [r0, r0, r1, r1]
-    const __m512i high_down = _mm512_mask_srli_epi16(twice, 0xFF00FF00u, twice, 4);
+    // 128-bit lanes [run 0, run 1, run 0, run 1] (run 0 four times when single: x is zero past it),
+    // the upper two shifted to their high nibbles.
+    const __m512i twice = single ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))
+                                 : _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    const __m512i high_down = _mm512_mask_srli_epi16(twice, 0xFFFF0000u, twice, 4);
     return _mm512_and_si512(high_down, _mm512_set1_epi8(0x0F));
   } else {
     const uint8_t* at = row + p * 64;
@@ -51,16 +52,14 @@ inline __m512i unsigned_codes(const Packed<S>& w, const uint8_t* row, int64_t p,
   }
 }
 
-// The weight group scales of inputs 64p .. 64p+63, per lane (lanes 0-7: the first block's group).
-// kG: 32, or 64 for any multiple of 64 (group_size: the real one).
-template <int kG, typename S>
-inline __m512 lane_scales(const S* row_scales, int64_t p, bool single, int64_t group_size) {
-  if constexpr (kG == 32) {
-    const __m512 two = load_groups(row_scales + 2 * p, tail_mask(single ? 1 : 2));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two);
-  } else {
-    return _mm512_set1_ps(to_f32(row_scales[p * 64 / group_size]));
-  }
+// Groups of 32: which of a pair's two groups each lane holds (u4: runs of 16 alternate, in the
+// nibble order; i8: lanes 0-7, 8-15), plus 2j for the j-th pair after the one whose first group
+// starts the 16 loaded scales.
+template <bool kU4>
+inline __m512i pair_groups(int j) {
+  const __m512i base = kU4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_add_epi32(base, _mm512_set1_epi32(2 * j));
 }
 
 // x's rows as the dot products read them.
@@ -78,7 +77,9 @@ struct RowsView {
   }
 };
 
-// acc[nr][r] = x[r] . w[n0 + nr] for NR weight rows and R rows of x.
+// acc[nr][r] = x[r] . w[n0 + nr] for NR weight rows and R rows of x. kG: 32, or 64 for any multiple
+// of 64 (one group per pair, w.group_size the real one). Groups of 32 take 16 scales (8 pairs) per
+// load, then one permute per pair.
 template <int NR, int R, bool kU4, bool kMin, int kG, typename S>
 inline void int8_dot(const Packed<S>& w, int64_t n0, const RowsView& x, float (&acc_out)[NR][R]) {
   const int64_t pairs = x.K_pad / 64, lanes = x.K_pad / kLane;
@@ -88,23 +89,36 @@ inline void int8_dot(const Packed<S>& w, int64_t n0, const RowsView& x, float (&
   for (int i = 0; i < NR; ++i)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const bool single = last_single && p == pairs - 1;
-    __m512i xq[R];
+  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
+    __m512 loaded[NR];
+    if constexpr (kG == 32) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xq[r] = _mm512_loadu_si512(x.codes + r * x.K_pad + p * 64);
+      for (int i = 0; i < NR; ++i)
+        loaded[i] = load_groups(w.scales + (n0 + i) * w.groups + 2 * p0, tail_mask(w.groups - 2 * p0));
+    }
+    const int count = static_cast<int>(std::min<int64_t>(8, pairs - p0));
+    for (int j = 0; j < count; ++j) {
+      const int64_t p = p0 + j;
+      const bool single = last_single && p == pairs - 1;
+      __m512i xq[R];
 #pragma GCC unroll 8
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* row = w.q + (n0 + i) * w.row_bytes;
-      if (p % 2 == 0) prefetch(row + NR * w.row_bytes + p * (kU4 ? 32 : 64));  // the next block's rows
-      const __m512i u = unsigned_codes<kU4>(w, row, p, single);
-      const __m512 s = lane_scales<kG>(w.scales + (n0 + i) * w.groups, p, single, w.group_size);
+      for (int r = 0; r < R; ++r) xq[r] = _mm512_loadu_si512(x.codes + r * x.K_pad + p * 64);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512i start = x.offsets ? _mm512_loadu_si512(x.offsets + r * lanes + p * 16) : _mm512_setzero_si512();
-        const __m512i dot = _mm512_dpbusd_epi32(start, u, xq[r]);
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(x.scales + r * lanes + p * 16));
-        acc[i][r] = _mm512_fmadd_ps(scaled, s, acc[i][r]);
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* row = w.q + (n0 + i) * w.row_bytes;
+        // The next block's rows, a cache line at a time (a pair of 4-bit runs is half of one).
+        if (!kU4 || p % 2 == 0) prefetch(row + NR * w.row_bytes + p * (kU4 ? 32 : 64));
+        const __m512i u = unsigned_codes<kU4>(row, p, single);
+        const __m512 s = kG == 32 ? _mm512_permutexvar_ps(pair_groups<kU4>(j), loaded[i])
+                                  : _mm512_set1_ps(to_f32(w.scales[(n0 + i) * w.groups + p * 64 / w.group_size]));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i start =
+              x.offsets ? _mm512_loadu_si512(x.offsets + r * lanes + p * 16) : _mm512_setzero_si512();
+          const __m512i dot = _mm512_dpbusd_epi32(start, u, xq[r]);
+          const __m512 d = _mm512_loadu_ps(x.scales + r * lanes + p * 16);
+          acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), s, acc[i][r]);
+        }
       }
     }
   }
@@ -177,7 +191,7 @@ bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (!int8_layout(bits, group_size, codebook)) return false;
   const Weights t{qweight, scales, mins, codebook, bits, group_size};
   const int offset = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
-  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value());
+  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value(), /*nibble_order=*/bits == 4);
   const RowsView view{rows.codes.data(), rows.lane_scales.data(), rows.offsets_of(0), rows.sums_of(0), rows.K_pad,
                       rows.groups};
   const int64_t N = qweight.size(0), M = x.size(0), ldo = out.stride(0);

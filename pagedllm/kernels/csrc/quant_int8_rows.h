@@ -95,8 +95,20 @@ void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool su
   }
 }
 
+// The 4-bit codes' order (nibble_order): per 64 inputs, the second and third runs of 16 swapped,
+// [0-15, 32-47, 16-31, 48-63], as the low nibbles of two runs of 32 and then their high ones lie in
+// 32 bytes: one broadcast load and a shift of its upper half give the codes in x's order. The
+// lanes' scales and offsets move with their codes; the group sums do not depend on the order.
+template <typename T>
+void swap_middle_runs(T* per_64, int64_t count_per_run, int64_t runs_of_64) {
+  for (int64_t p = 0; p < runs_of_64; ++p)
+    std::swap_ranges(per_64 + (4 * p + 1) * count_per_run, per_64 + (4 * p + 2) * count_per_run,
+                     per_64 + (4 * p + 2) * count_per_run);
+}
+
 // x: float32 or bfloat16 [M, K] with contiguous rows, K a multiple of 32. offset: the weights' c.
-inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, bool sums) {
+inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, bool sums,
+                              bool nibble_order = false) {
   Int8Rows rows;
   rows.M = x.size(0), rows.K = x.size(1), rows.K_pad = (rows.K + kPad - 1) / kPad * kPad;
   rows.groups = rows.K / group_size;
@@ -114,6 +126,12 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
     };
     if (x.scalar_type() == at::kBFloat16) run(x.const_data_ptr<c10::BFloat16>() + m * x.stride(0));
     else run(x.const_data_ptr<float>() + m * x.stride(0));
+    if (nibble_order) {
+      const int64_t runs_of_64 = rows.K_pad / 64;
+      swap_middle_runs(rows.codes.data() + m * rows.K_pad, 16, runs_of_64);
+      swap_middle_runs(rows.lane_scales.data() + m * lanes, 16 / kLane, runs_of_64);
+      if (offsets) swap_middle_runs(offsets, 16 / kLane, runs_of_64);
+    }
   }
   return rows;
 }
