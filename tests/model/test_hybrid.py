@@ -12,9 +12,10 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core import StepError
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.kernels.attention import allocate_kv_cache
 from pagedllm.model.gated_deltanet import _chunked_delta_rule, _recurrent_step
 from pagedllm.model.mamba2 import _chunked_scan, _scan_step
-from pagedllm.model.recurrent_state import pages_per_request
+from pagedllm.model.recurrent_state import StatePages, pages_per_request
 
 PROMPTS = [list(range(1, 30)), list(range(40, 51)), [5, 6, 7, 8, 9] * 5, [200, 3, 17]]
 MAX_TOKENS = 12
@@ -157,3 +158,24 @@ def test_a_failed_step_of_a_hybrid_model_fails_all_its_requests_and_states_start
     while core.has_unfinished_requests():
         tokens += [t for o in core.step().outputs for t in o.new_token_ids]
     assert tokens == expected[0]
+
+
+# A block of 2 x 4 bf16s moves in float32 words; one of 1 x 1 float16 (2 bytes) in bytes.
+@pytest.mark.parametrize("dtype, head_dim, block_size", [(torch.bfloat16, 4, 2), (torch.float16, 1, 1)])
+def test_states_round_trip_through_their_pages_and_touch_nothing_else(dtype, head_dim, block_size):
+    caches = allocate_kv_cache(2, 12, block_size, 1, head_dim, dtype)
+    store = StatePages(caches, [(3, 2), (5,)])
+    assert store.word is (torch.float32 if head_dim == 4 else torch.uint8)
+    k = store.pages_per_request
+    assert 2 * k <= 12
+    pages = torch.tensor([[11 - i for i in range(k)], list(range(k))])  # any pages, any order
+    before = [side.clone() for layer in caches for side in layer]
+    states = [torch.randn(2, 3, 2), torch.randn(2, 5)]
+    store.write(pages, states)
+    for got, want in zip(store.read(pages, torch.tensor([False, False])), states):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    fresh = store.read(pages, torch.tensor([True, False]))
+    assert not fresh[0][0].any() and torch.equal(fresh[1][1], states[1][1])
+    untouched = [p for p in range(12) if p not in pages.flatten().tolist()]
+    for now, then in zip((side for layer in caches for side in layer), before):
+        assert torch.equal(now[untouched], then[untouched])
