@@ -167,11 +167,14 @@ class Format:
         """Top-level fields of the first opening chunk (vLLM's prompt_token_ids)."""
         return {}
 
-    def token_ids_fields(self, out: CompletionOutput, prompt=None) -> dict:
+    def token_ids_fields(self, out: CompletionOutput, prompt=None, whole: bool = False) -> dict:
         """vLLM's return_token_ids fields of a choice: its token ids (and the prompt's, given
-        prompt); none unless the request asks."""
+        prompt). Not asked for, a whole answer has them null (vLLM's shape: clients read
+        choice.token_ids), a stream's chunks leave them out."""
         if not self.return_token_ids:
-            return {}
+            if not whole:
+                return {}
+            return {**({} if prompt is None else {"prompt_token_ids": None}), "token_ids": None}
         fields = {} if prompt is None else {"prompt_token_ids": list(prompt[1])}
         return {**fields, "token_ids": list(out.token_ids)}
 
@@ -200,7 +203,7 @@ class CompletionFormat(Format):
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "prompt_logprobs": _prompt_logprobs_json(final.prompt_logprobs)
                 if self.body.prompt_logprobs is not None else None,
-                **self.token_ids_fields(out, prompt)}
+                **self.token_ids_fields(out, prompt, whole=True)}
 
     def delta_choice(self, index, out, prompt, first, prompt_logprobs) -> dict:
         echo = first and self.body.echo
@@ -293,12 +296,14 @@ class ChatFormat(Format):
             message, finish_reason = reader.message(out.text, out.finish_reason)
         return {"index": index, "message": message, "logprobs": self._logprobs(out),
                 "finish_reason": finish_reason, "stop_reason": out.stop_reason,
-                **self.token_ids_fields(out)}
+                **self.token_ids_fields(out, whole=True)}
 
     def finish_response(self, response: dict, finals: list[RequestOutput]) -> dict:
         response["prompt_logprobs"] = _prompt_logprobs_json(finals[0].prompt_logprobs) \
             if self.body.prompt_logprobs is not None else None
-        if self.return_token_ids:  # one conversation: on the answer (vLLM's); a batch's: per choice
+        if not self.return_token_ids:
+            response["prompt_token_ids"] = None
+        else:  # one conversation: on the answer (vLLM's); a batch's: per choice
             if len(finals) == 1:
                 response["prompt_token_ids"] = list(finals[0].prompt_token_ids)
             else:

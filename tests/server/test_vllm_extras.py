@@ -71,7 +71,7 @@ def test_return_token_ids_in_completions_whole_and_streamed(server):
     # --return-tokens-as-token-ids: the logprobs name the same ids
     assert [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]] == choice["token_ids"]
     plain = ok(server, "/v1/completions", body)["choices"][0]
-    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None  # vLLM's: null, not absent
 
     streamed = events(server, "/v1/completions", {**body, "return_token_ids": True})
     chunks = [c for c in streamed if c["choices"]]
@@ -82,6 +82,8 @@ def test_return_token_ids_in_completions_whole_and_streamed(server):
 
 def test_return_token_ids_in_chat_whole_and_streamed(server):
     body = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = ok(server, "/v1/chat/completions", {**body, "return_token_ids": False})
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
     whole = ok(server, "/v1/chat/completions", body)
     prompt_ids = ok(server, "/tokenize", {"messages": CHAT})["tokens"]
     assert whole["prompt_token_ids"] == prompt_ids and len(whole["choices"][0]["token_ids"]) == 5
