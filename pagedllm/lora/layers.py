@@ -1,12 +1,12 @@
 """Many LoRA adapters in one batch: each target projection is wrapped once at load, and every step
 adds each token's own adapter's low-rank update to the base projection's output.
 
-A wrapped projection holds room for max_loras adapters of rank up to max_rank, in the model's
-dtype: A [max_loras, P * R, in] and B [max_loras, out, P * R], P being the projections fused into
-it (3 for q/k/v, 2 for gate/up, 1 for o and down). Part p's A rows are [p * R, p * R + r) and its B
-block covers the part's own output rows and those columns, scaled by alpha / r at load; the rest
-is zeros. So one adapter is two matmuls per projection over exactly its tokens, fused parts and
-smaller ranks included, and an empty slot or part adds nothing.
+A wrapped projection holds room for max_loras adapters of rank up to max_rank (float32 on the CPU,
+the model's dtype elsewhere): A [max_loras, P * R, in] and B [max_loras, out, P * R], P being the
+projections fused into it (3 for q/k/v, 2 for gate/up, 1 for o and down). Part p's A rows are [p *
+R, p * R + r) and its B block covers the part's own output rows and those columns, scaled by alpha
+/ r at load; the rest is zeros. So one adapter is two matmuls per projection over exactly its
+tokens, fused parts and smaller ranks included, and an empty slot or part adds nothing.
 
 Which token uses which slot is the model's LoRAState, set by the runner before each forward (one
 per model, not global): tokens are sorted by slot once per step (Punica's segmented idea), and
