@@ -46,6 +46,9 @@ class Request:
     # and when that was.
     num_cached_tokens: int = field(default=-1, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
+    # The scheduler's step that last ran it (-1: none yet): a group past its share of a step's
+    # sequence slots runs those that waited longest (pagedllm.core.shares.resting).
+    last_scheduled_step: int = field(default=-1, init=False)
     # prompt + generated ids, one list that only grows (appending is O(1)).
     token_ids: list[int] = field(init=False)
     # The stop token id that finished the request (None for EOS, length or a stop string).

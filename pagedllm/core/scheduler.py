@@ -9,6 +9,9 @@ hits and recompute after preemption need no code paths of their own.
 Waiting requests are admitted least-served first and preemption takes from the largest group
 (pagedllm.core.shares says the rule), so one user request of thousands of sequences cannot hold
 the queue; with one sequence per request this is first come first served, as described here.
+While G request groups have work, each runs at most ceil(max_num_seqs / G) sequences in a step
+(its others rest that step, taking turns; shares.row_share), so one request of hundreds of
+sequences cannot make every step, another client's included, as long as it alone would.
 
 When a running request cannot get blocks, the most recently admitted running request is
 preempted (recompute: its blocks are freed and it goes back to the front of the waiting
@@ -102,6 +105,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_since_schedule: list[Request] = []
         self._num_preemptions = 0
+        self._step = 0  # schedule() calls so far: when each request last ran (shares.resting)
         # A group left waiting with none running last step for want of blocks or a seat
         # (pagedllm.core.shares): the next step preempts one sequence of the largest group for it.
         self._starved: str | None = None
@@ -164,11 +168,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        self._step += 1
         self._preempt_for_share(preempted)
         num_share_preempted = len(preempted)
-        budget = self._schedule_running(budget, scheduled, preempted)
+        # Each request group's share of the step's sequence slots (pagedllm.core.shares' rule).
+        row_share = shares.row_share(self.running, self.waiting, self.config.max_num_seqs)
+        budget = self._schedule_running(budget, scheduled, preempted, row_share)
         # A step short of blocks has none to give, but to a request that outranks a running one.
-        budget = self._schedule_waiting(budget, scheduled, preempted,
+        budget = self._schedule_waiting(budget, scheduled, preempted, row_share,
                                         outranking_only=len(preempted) > num_share_preempted)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
@@ -177,13 +184,14 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
-                          preempted: list[Request]) -> int:
+                          preempted: list[Request], row_share: int | None) -> int:
         i = 0
         counts = shares.running_counts(self.running)
+        resting = shares.resting(self.running, counts, row_share)  # past their group's share
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, self._step_limit(budget))
-            if num_new <= 0:  # nothing to compute (cannot happen after a normal update)
+            if num_new <= 0 or id(request) in resting:  # nothing to compute, or not its turn
                 i += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, preempted, i, counts):
@@ -239,19 +247,22 @@ class Scheduler:
                      request.num_tokens)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest],
-                          preempted: list[Request], outranking_only: bool) -> int:
+                          preempted: list[Request], row_share: int | None, outranking_only: bool) -> int:
         """Admit waiting requests, best priority first and least-served first within it, while
-        seats, budget and blocks last; one that lacks them preempts running requests it outranks
-        (pagedllm.core.priority). outranking_only: admit only such requests (the step preempted)."""
+        seats, budget and blocks last and their group is within its row_share; one that lacks
+        them preempts running requests it outranks (pagedllm.core.priority). outranking_only:
+        admit only such requests (the step preempted)."""
         counts = shares.running_counts(self.running)
         admitted: set[int] = set()
         while len(admitted) < len(self.waiting):
             request = shares.least_served(self.waiting, counts, admitted)
+            key = shares.share_key(request.request_id)
             if outranking_only and not priority.outranked_by(request, self.running):
                 break
+            if row_share is not None and counts[key] >= row_share:
+                break  # the least served group has its share: so has every other
             num_preempted = len(preempted)
             budget = self._take_seat(request, budget, scheduled, preempted, counts)
-            key = shares.share_key(request.request_id)
             if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -336,6 +347,7 @@ class Scheduler:
         return budget if cap is None else min(budget, cap)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        request.last_scheduled_step = self._step
         return ScheduledRequest(request, num_new, request.num_computed_tokens,
                                 self.kv_manager.block_ids(request), self.kv_manager.block_size,
                                 self.kv_manager.state_pages(request))

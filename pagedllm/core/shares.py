@@ -13,12 +13,23 @@ prompts x n=64 is one group of 4,096 sequences; see share_key). The scheduler th
   instead of after the whole large request.
 A group never loses its last running sequence to another, so every group keeps making progress,
 and the oldest running sequence is still never preempted while anything newer runs.
+
+A share of each step (issue 32): on a CPU a step's time grows with its rows, so a group of 256
+sequences decoding beside one stream made every step, the stream's included, ~36x longer. While G
+groups have sequences running or waiting (G >= 2), each group may run at most ceil(max_num_seqs /
+G) sequences in a step (row_share): its others rest that step, keeping their blocks, and take the
+next turns (those that ran least recently first, so none of them starves); a group at its share
+admits no more from the queue. The share is not lent out: the step is shorter rather than filled by
+the big group, which is the point. A group alone takes the whole step. Tokens are not capped
+beyond the rows: a prefill chunk is already bounded by the step's budget, and splitting the budget
+among groups would delay every long prompt's first token behind decodes that need one token each.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from math import ceil
 
 from pagedllm.core.request import Request
 
@@ -34,6 +45,29 @@ def share_key(request_id: str) -> str:
 
 def running_counts(running: Iterable[Request]) -> Counter:
     return Counter(share_key(r.request_id) for r in running)
+
+
+def row_share(running: Iterable[Request], waiting: Iterable[Request], max_num_seqs: int) -> int | None:
+    """The sequences one group may run in a step: ceil(max_num_seqs / G) for the G groups with
+    sequences running or waiting; None (no cap) with fewer than two."""
+    groups = {share_key(r.request_id) for r in running} | {share_key(r.request_id) for r in waiting}
+    return ceil(max_num_seqs / len(groups)) if len(groups) >= 2 else None
+
+
+def resting(running: Sequence[Request], counts: Counter, share: int | None) -> set[int]:
+    """The id()s of running sequences past their group's share this step: of a group running more
+    than `share`, all but the `share` that ran least recently (admission order among equals)."""
+    if share is None or max(counts.values(), default=0) <= share:
+        return set()
+    by_group: dict[str, list[Request]] = {}
+    for request in running:
+        if counts[key := share_key(request.request_id)] > share:
+            by_group.setdefault(key, []).append(request)
+    rest: set[int] = set()
+    for group in by_group.values():
+        # sorted() is stable: among equal steps, admission order.
+        rest.update(id(r) for r in sorted(group, key=lambda r: r.last_scheduled_step)[share:])
+    return rest
 
 
 def least_served(waiting: Sequence[Request], counts: Counter, skip: set[int]) -> Request | None:

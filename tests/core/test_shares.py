@@ -4,11 +4,13 @@ largest group, and with any mix of groups every request still finishes (property
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.shares import share_key
+from pagedllm.core.shares import row_share, share_key
 from tests.core.kv.sim import SimRunner
 from tests.core.test_scheduler import make, req, step
 
@@ -93,7 +95,58 @@ def test_every_group_finishes_whatever_the_mix(groups, arrivals, num_blocks, max
                 added.append((r, max_tokens))
         if not pending and not scheduler.has_unfinished_requests():
             break
-        step(scheduler, runner=runner)
+        share = row_share(scheduler.running, scheduler.waiting, max_num_seqs)
+        out = step(scheduler, runner=runner)
+        rows = Counter(share_key(s.request.request_id) for s in out.scheduled)
+        assert share is None or max(rows.values(), default=0) <= share, (rows, share)
     assert not scheduler.has_unfinished_requests() and not pending
     for r, max_tokens in added:
         assert r.is_finished and r.num_output_tokens == min(max_tokens, 32 - r.num_prompt_tokens)
+
+
+def forked_group(scheduler, runner, name: str, count: int) -> list:
+    """A request of `count` sequences as n > 1 makes them: one prompt, forked after its first token."""
+    scheduler.add_request(parent := req(name, 6, max_tokens=30, ignore_eos=True))
+    step(scheduler, runner=runner)
+    children = [parent.fork(f"{name}#{i}", 20 + i) for i in range(1, count)]
+    for child in children:
+        scheduler.fork_request(parent, child)
+    return [parent, *children]
+
+
+def test_a_stream_beside_a_group_of_many_runs_every_step_and_the_group_takes_turns():
+    """Issue 32: a group of 8 sequences and one stream share 8 seats: once admitted, the stream
+    runs every step, and the group at most half the seats, its sequences taking turns."""
+    scheduler = make(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=64)
+    runner = SimRunner(64, 4)
+    group = forked_group(scheduler, runner, "big", 8)
+    scheduler.add_request(stream := req("stream", 4, max_tokens=12, ignore_eos=True, first=50))
+    # The group holds every seat: the stream waits one step, then one of the group makes room.
+    assert [r.request_id for r in step(scheduler, runner=runner).preempted] == []
+    assert stream.status is RequestStatus.WAITING
+    last_two: list[set[str]] = []
+    while not stream.is_finished:
+        out = step(scheduler, runner=runner)
+        ran = {s.request.request_id for s in out.scheduled}
+        assert "stream" in ran and len(ran - {"stream"}) == 4  # its share: ceil(8 / 2) rows
+        last_two = [*last_two[-1:], ran]
+        if len(last_two) == 2:  # in any two steps running, every running sequence of the group ran
+            assert last_two[0] | last_two[1] >= {r.request_id for r in group if r in scheduler.running}
+    assert stream.num_output_tokens == 12
+    out = step(scheduler, runner=runner)  # alone again: the whole step is the group's
+    assert len(out.scheduled) == 8
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner=runner)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 30 for r in group)
+
+
+def test_a_group_alone_fills_the_step_and_a_group_at_its_share_admits_no_more():
+    scheduler = make(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=64)
+    alone = hog(scheduler, 8, max_tokens=4)
+    assert len(step(scheduler).scheduled) == 8  # one group: no share
+    scheduler = make(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=64)
+    hog(scheduler, 8, max_tokens=4)
+    scheduler.add_request(req("other", 3, max_tokens=4))
+    out = step(scheduler)
+    assert sorted(share_key(s.request.request_id) for s in out.scheduled) == ["hog"] * 4 + ["other"]
+    assert all(r.status is RequestStatus.RUNNING for r in alone)
