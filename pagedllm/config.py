@@ -221,11 +221,11 @@ def _speculative_config(name: str, value) -> None:
     """A dict or its JSON text that pagedllm.spec_decode.config accepts (it imports no torch)."""
     from pagedllm.spec_decode.config import SpeculativeConfig
 
-    if SpeculativeConfig.parse(value) is not None:
-        # Refused rather than accepted and ignored: the proposers, the rejection sampler and the KV
-        # rollback exist (pagedllm.spec_decode) but the engine's step does not run them yet.
-        raise ValueError("speculative_config: speculative decoding is not run by the engine's step yet "
-                         "(its proposers and verifier are in pagedllm.spec_decode); leave it unset")
+    config = SpeculativeConfig.parse(value)
+    if config is not None and config.method == "draft_model":
+        # Refused rather than accepted and ignored: the step runs the model-free proposers only.
+        raise ValueError("speculative_config: method 'draft_model' is not run by the engine yet; "
+                         "use 'ngram' or 'suffix'")
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -464,6 +464,10 @@ class EngineConfig:
             parts.append("batch-invariant")
         if self.runner == "pooling":
             parts.append(f"pooling runner ({self.pooling_type} pooling)")
+        if self.speculative_config is not None:
+            from pagedllm.spec_decode.config import SpeculativeConfig
+
+            parts.append(SpeculativeConfig.parse(self.speculative_config).describe())
         from pagedllm.kernels import tiers  # the choice tiers.select made when the model loaded
 
         choice = tiers.chosen()

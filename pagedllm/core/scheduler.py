@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,10 +76,21 @@ class ScheduledRequest:
     state_pages: list[int] = field(default_factory=list)
     # Fixed when scheduled, because update_from_output appends the sampled token.
     samples: bool = field(init=False)
+    # Proposed tokens (request.spec_token_ids' first ones) this step runs after the known ones:
+    # their positions' logits verify them (pagedllm.spec_decode).
+    num_spec_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         # True when this step reaches the end of the known tokens, so a token gets sampled.
-        self.samples = self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        end = self.num_computed_tokens + self.num_new_tokens
+        self.samples = end >= self.request.num_tokens
+        self.num_spec_tokens = max(0, end - self.request.num_tokens)
+
+    def input_token_ids(self) -> list[int]:
+        """The ids this step feeds the model: known tokens, then the proposed ones it verifies."""
+        request, start = self.request, self.num_computed_tokens
+        known = request.token_ids[start:start + self.num_new_tokens]
+        return known + request.spec_token_ids[:self.num_spec_tokens] if self.num_spec_tokens else known
 
     @property
     def num_context_tokens(self) -> int:
@@ -190,31 +201,48 @@ class Scheduler:
         resting = shares.resting(self.running, counts, row_share)  # past their group's share
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self._step_limit(budget))
-            if num_new <= 0 or id(request) in resting:  # nothing to compute, or not its turn
+            num_new = 0 if id(request) in resting else self._fit_proposal(request, self._step_limit(budget))
+            if num_new <= 0:  # not its turn (a proposal is made again when it is), or nothing to compute
+                request.spec_token_ids.clear()
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted, i, counts):
+            num_new = self._allocate_or_preempt(request, num_new, preempted, i, counts)
+            if not num_new:
                 break  # it preempted itself: it was the last running request
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         return budget
 
+    @staticmethod
+    def _fit_proposal(request: Request, limit: int) -> int:
+        """The request's new tokens this step, within limit: its known tokens not yet computed,
+        then its proposed ones (speculative decoding), whose tail goes where the limit cuts."""
+        num_known = request.num_tokens - request.num_computed_tokens
+        if request.spec_token_ids:
+            del request.spec_token_ids[max(0, limit - num_known):]
+        return min(num_known + len(request.spec_token_ids), limit)
+
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request],
-                             index: int, counts) -> bool:
+                             index: int, counts) -> int:
         """Blocks for request (self.running[index]), preempting running requests not yet
         scheduled this step until they fit: of the worst priority, the newest of the largest group
-        (shares.pick_victim). False if request itself had to go."""
+        (shares.pick_victim). A proposal is dropped before anyone is preempted (speculation is
+        optional, a preemption is not free). The new tokens it got blocks for; 0 if request itself
+        had to go."""
         while not self.kv_manager.allocate_slots(request, num_new):
+            if request.spec_token_ids:
+                num_new -= len(request.spec_token_ids)
+                request.spec_token_ids.clear()
+                continue
             victim = shares.pick_victim(priority.worst(self.running[index:]), counts)
             self.running.remove(victim)
             counts[shares.share_key(victim.request_id)] -= 1
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
-                return False
-        return True
+                return 0
+        return num_new
 
     def _preempt_for_share(self, preempted: list[Request]) -> None:
         """One sequence of the largest group preempted for a group that last step waited with
@@ -239,6 +267,7 @@ class Scheduler:
         self.kv_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self._num_preemptions += 1
         # Victims come newest first, so the oldest ends up at the front of its priority.
@@ -355,27 +384,48 @@ class Scheduler:
     # -- after the model ran --------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
+                           sampled_token_ids: Mapping[str, int | list[int]]) -> list[Request]:
+        """Each request that reached the end of its tokens takes its new tokens: one sampled
+        token, or for a speculating request its accepted proposal tokens then the one after them
+        (only those accepted count as computed; the slots of the rejected go back). A stop ends
+        it at that token, the ones after are dropped."""
         finished: list[Request] = []
         for item in output.scheduled:
             request = item.request
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue  # aborted (or preempted) since it was scheduled
-            request.num_computed_tokens = item.num_context_tokens
+            request.num_computed_tokens = item.num_context_tokens - item.num_spec_tokens
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk short of the end: nothing sampled yet
-            token = sampled_token_ids.get(request.request_id)
-            if token is None:
+            tokens = sampled_token_ids.get(request.request_id)
+            if tokens is None:
                 raise ValueError(f"no sampled token for {request.request_id}, whose step "
                                  "reached the end of its tokens")
-            request.append_token(token)
-            status = self.stop_status(request, token)
+            status = self._append(request, [tokens] if isinstance(tokens, int) else tokens,
+                                  item.num_spec_tokens)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
+            elif item.num_spec_tokens:
+                self.kv_manager.trim(request, request.num_computed_tokens)
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _append(self, request: Request, tokens: list[int], num_spec: int) -> RequestStatus | None:
+        """Append tokens (at most num_spec + 1) one by one, each stop-checked; the status of the
+        one that stops the request, if one does. All but the last have computed K/V."""
+        if not 1 <= len(tokens) <= num_spec + 1:
+            raise ValueError(f"{len(tokens)} new tokens for {request.request_id}, which ran "
+                             f"{num_spec} proposed ones")
+        request.spec_token_ids.clear()
+        for token in tokens:
+            request.append_token(token)
+            status = self.stop_status(request, token)
+            if status is not None:
+                return status
+        request.num_computed_tokens += len(tokens) - 1
+        return None
 
     def stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """The finished status a request reaches by having just appended `token`, if any

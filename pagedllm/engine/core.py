@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv.snapshot import BlockMap
 from pagedllm.core.request import Request, RequestStatus
@@ -33,6 +35,7 @@ from pagedllm.engine.lora_admission import LoRAAdmission
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
 from pagedllm.engine.request_group import Choice, CoreSequence, RequestGroup
+from pagedllm.engine.speculation import Run
 from pagedllm.engine.step_isolation import StepError, StepIsolation
 from pagedllm.engine.token_choice import Chooser, choose_tokens
 from pagedllm.lora.request import LoRARequest
@@ -51,6 +54,7 @@ class EngineCore(StepIsolation):
         self.structured, self.grammar_compiler = parts.structured, parts.grammar_compiler
         self.facts, self.kv_manager = parts.facts, parts.scheduler.kv_manager
         self.device, self.dtype, self.kv_plan = parts.facts.device, parts.facts.dtype, parts.facts.kv_plan
+        self.speculator = parts.speculator  # None: no speculative decoding
         self.requests = CoreRequests()
         self.lora = LoRAAdmission(parts.lora, self.requests)
         self._counts = dict(prompt=0, generation=0, computed=0, step_requests=0, step_blocks=0)
@@ -97,6 +101,8 @@ class EngineCore(StepIsolation):
                 self.scheduler.finish_requests(
                     [s.request.request_id for s in group.seqs if not s.request.is_finished], ABORTED)
                 self.requests.forget(group)
+                for seq in group.seqs:
+                    self._forget_speculation(seq.request.request_id)
 
     def abort_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
         """End single sequences, given as (request id, index): one output of an n > 1 request
@@ -106,6 +112,7 @@ class EngineCore(StepIsolation):
             if group is not None and 0 <= index < len(group.seqs):
                 if self.scheduler.finish_requests(group.seqs[index].request.request_id, ABORTED):
                     self.requests.retire(group.seqs[index])
+                    self._forget_speculation(group.seqs[index].request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -122,6 +129,8 @@ class EngineCore(StepIsolation):
         refused = self.requests.admit_compiled_grammars(self.structured, self.scheduler)
         if self.lora.waiting:
             refused += self._admit_lora_waiting()
+        if self.speculator is not None and choose is None:
+            self.speculator.propose(self.scheduler.running, self.requests.seqs)
         out = self.scheduler.schedule()
         counts = self._counts
         counts.update(step_requests=len(out.scheduled), step_blocks=self.kv_manager.stats().num_used_blocks,
@@ -153,16 +162,50 @@ class EngineCore(StepIsolation):
         if not out.scheduled:
             return []
         seqs = [seqs_by_id[out.scheduled[i].request.request_id] for i in result.sample_indices]
-        choices = choose_tokens(seqs, result.logits, argmax_only, choose, self.sampler, self.structured)
-        return self._update(out, seqs, choices)
+        counts = [1 + out.scheduled[i].num_spec_tokens for i in result.sample_indices]
+        if len(counts) == len(result.logits):  # no speculating sequence this step
+            choices = choose_tokens(seqs, result.logits, argmax_only, choose, self.sampler, self.structured)
+            return self._update(out, seqs, choices)
+        plain, speculating = self._split_rows(seqs, counts, result.logits)
+        choices = choose_tokens(*plain, argmax_only, choose, self.sampler, self.structured)
+        spec_seqs, spec_counts, spec_logits = speculating
+        runs = self.speculator.verify(spec_seqs, spec_counts, spec_logits, argmax_only)
+        return self._update(out, plain[0], choices, list(zip(spec_seqs, spec_counts, runs)))
 
-    def _update(self, out: SchedulerOutput, seqs: list[CoreSequence],
-                choices: list[Choice]) -> list[EngineCoreOutput]:
+    @staticmethod
+    def _split_rows(seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor):
+        """(sequences, rows) of those that sample one row, and (sequences, row counts, rows) of
+        those that verify a proposal."""
+        plain, spec, plain_rows, spec_rows, spec_counts = [], [], [], [], []
+        row = 0
+        for seq, n in zip(seqs, counts):
+            if n == 1:
+                plain.append(seq)
+                plain_rows.append(row)
+            else:
+                spec.append(seq)
+                spec_counts.append(n)
+                spec_rows.extend(range(row, row + n))
+            row += n
+
+        def rows(index: list[int]) -> torch.Tensor:
+            return logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+
+        return (plain, rows(plain_rows)), (spec, spec_counts, rows(spec_rows))
+
+    def _update(self, out: SchedulerOutput, seqs: list[CoreSequence], choices: list[Choice],
+                runs: list[tuple[CoreSequence, int, Run]] = ()) -> list[EngineCoreOutput]:
+        """runs: each speculating sequence, the rows it verified (k + 1), and its run."""
         dropped = [s.request.request_id for s, (tokens, _) in zip(seqs, choices) if not tokens]
         finished = self.scheduler.finish_requests(dropped, ABORTED) if dropped else []
-        finished += self.scheduler.update_from_output(
-            out, {s.request.request_id: tokens[0] for s, (tokens, _) in zip(seqs, choices) if tokens})
+        sampled: dict[str, int | list[int]] = {
+            s.request.request_id: tokens[0] for s, (tokens, _) in zip(seqs, choices) if tokens}
+        before = [seq.request.num_tokens for seq, _, _ in runs]
+        sampled.update((seq.request.request_id, tokens) for seq, _, (tokens, _) in runs)
+        finished += self.scheduler.update_from_output(out, sampled)
         outputs: dict[str, EngineCoreOutput] = {}
+        for (seq, num_rows, run), num_tokens in zip(runs, before):
+            finished += self._take_run(seq, num_rows - 1, run, num_tokens, outputs)
         for seq, (tokens, logprobs) in zip(seqs, choices):
             if not tokens:
                 continue
@@ -171,18 +214,37 @@ class EngineCore(StepIsolation):
             children = seq.group.branch(seq, tokens) if len(tokens) > 1 else ()
             if seq.matcher is not None:
                 finished += self._finish(seq.request, seq.advance_grammar(tokens[0]))
-            outputs[seq.request.request_id] = output = seq.output(tokens[0], logprobs[0])
+            outputs[seq.request.request_id] = output = seq.output(tokens[:1], logprobs[:1])
             if self.requests.num_collecting:
                 output.prompt_logprobs = self.requests.take_prompt_logprobs(seq)
             for child, token, lp in zip(children, tokens[1:], logprobs[1:]):
                 finished += self._start_child(seq, child, token)
-                outputs[child.request.request_id] = child.output(token, lp)
+                outputs[child.request.request_id] = child.output([token], [lp])
         for request in finished:
             if (output := outputs.get(request.request_id)) is not None:
                 output.finish_reason, output.stop_reason = request.status.value, request.stop_reason
                 output.num_preemptions = request.num_preemptions
             self.requests.retire(self.requests.seqs[request.request_id])
+            self._forget_speculation(request.request_id)
         return list(outputs.values())
+
+    def _take_run(self, seq: CoreSequence, num_proposed: int, run: Run, num_tokens: int,
+                  outputs: dict[str, EngineCoreOutput]) -> list[Request]:
+        """A speculating sequence's output: the tokens of its run the scheduler kept (up to a
+        stop; it appended them after num_tokens), its grammar advanced by each (a completed
+        grammar ends it there)."""
+        tokens, logprobs = run
+        self.speculator.observe(seq.request.request_id, num_proposed, len(tokens) - 1)
+        kept = seq.request.token_ids[num_tokens:]
+        finished: list[Request] = []
+        for i, token in enumerate(kept):
+            finished = self._finish(seq.request, seq.advance_grammar(token))
+            if finished:
+                kept = kept[:i + 1]
+                break
+        self._counts["generation"] += len(kept)
+        outputs[seq.request.request_id] = seq.output(kept, logprobs[:len(kept)])
+        return finished
 
     def _start_child(self, parent: CoreSequence, child: CoreSequence, token: int) -> list[Request]:
         """Schedule a forked sequence: sharing parent's blocks, or recomputing the prompt where
@@ -194,6 +256,10 @@ class EngineCore(StepIsolation):
         self.requests.add(child)
         finished = self._finish(child.request, self.scheduler.stop_status(child.request, token))
         return finished + self._finish(child.request, child.advance_grammar(token))
+
+    def _forget_speculation(self, request_id: str) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _finish(self, request: Request, status: RequestStatus | None) -> list[Request]:
         return self.scheduler.finish_requests(request.request_id, status) if status else []
@@ -211,4 +277,5 @@ class EngineCore(StepIsolation):
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=counts["prompt"],
             num_generation_tokens=counts["generation"], num_computed_tokens=counts["computed"],
             kv_cache_dtype=self.facts.kv_cache_dtype, step_num_requests=counts["step_requests"],
-            step_num_used_blocks=counts["step_blocks"])
+            step_num_used_blocks=counts["step_blocks"],
+            spec_decode=None if self.speculator is None else self.speculator.stats.copy())

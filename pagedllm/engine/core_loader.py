@@ -26,6 +26,7 @@ from pagedllm.core.kv.plan import KVPlan, describe_plan, make_kv_manager, plan_k
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.driver import TensorParallelDriver, load_engine_model
 from pagedllm.distributed.executor import TensorParallelExecutor
+from pagedllm.engine.speculation import Speculator
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import kv_cache_bytes_per_block
 from pagedllm.kernels.attention.kv_quant import stored_dtype_name
@@ -36,6 +37,7 @@ from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import LoadedModel, resolve_dtype
 from pagedllm.model.recurrent_state import pages_per_request
 from pagedllm.pooling_params import PoolingSetup
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
@@ -80,6 +82,7 @@ class CoreParts:
     grammar_compiler: GrammarCompiler | None  # one process's input processor shares it
     facts: CoreFacts
     lora: LoRASlots | None = None  # with enable_lora
+    speculator: Speculator | None = None  # speculative decoding's, where it is on
 
 
 def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
@@ -140,8 +143,11 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     lora = _lora_slots(config, executor, model_config) if config.enable_lora else None
-    return CoreParts(scheduler, executor, Sampler(config.seed, device),
-                     StructuredOutputManager(grammar_compiler), grammar_compiler, facts, lora)
+    sampler = Sampler(config.seed, device)
+    spec_config = SpeculativeConfig.parse(config.speculative_config)
+    speculator = None if spec_config is None else Speculator(spec_config, sampler, kv_plan.max_model_len)
+    return CoreParts(scheduler, executor, sampler, StructuredOutputManager(grammar_compiler),
+                     grammar_compiler, facts, lora, speculator)
 
 
 def _hybrid_config(config: EngineConfig) -> EngineConfig:

@@ -23,6 +23,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.metrics import SpecDecodeStats
 
 
 class EngineCoreRequest(msgspec.Struct):
@@ -80,11 +81,15 @@ class EngineCoreStats:
     kv_cache_dtype: str  # what the KV cache stores: the model's dtype, or int8 / fp8_e4m3 / fp8_e5m2
     step_num_requests: int = 0  # requests the last step ran
     step_num_used_blocks: int = 0  # blocks in use while it ran (before finished ones went back)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, where it is on
 
     def to_dict(self) -> dict:
         """Flat figures, as LLM.memory_stats() gives them to users."""
-        figures = {name: value for name, value in asdict(self).items() if name != "kv"}
+        figures = {name: value for name, value in asdict(self).items() if name not in ("kv", "spec_decode")}
         figures.update(self.kv.to_dict())
+        if self.spec_decode is not None:
+            spec = self.spec_decode.to_dict()
+            figures.update({f"spec_decode_{name}": value for name, value in spec.items()})
         figures["kv_cache_bytes"] = self.kv.num_blocks * self.kv.bytes_per_block
         return figures
 

@@ -71,12 +71,12 @@ class CoreSequence:
                      self.request.request_id, token, matcher.error)
         return RequestStatus.FINISHED_ABORTED
 
-    def output(self, token: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
-        """Its output for a new token, with its prompt's prefix-cache hit and first run (as its
-        group's first sequence had them)."""
+    def output(self, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> EngineCoreOutput:
+        """Its output for new tokens (one, or a speculative step's run), with its prompt's
+        prefix-cache hit and first run (as its group's first sequence had them)."""
         first = self.group.seqs[0].request
-        return EngineCoreOutput(self.group.request_id, self.index, [token],
-                                None if logprobs is None else [logprobs],
+        return EngineCoreOutput(self.group.request_id, self.index, tokens,
+                                None if logprobs[0] is None else logprobs,
                                 num_cached_tokens=first.num_cached_tokens,
                                 first_scheduled_time=first.first_scheduled_time)
 

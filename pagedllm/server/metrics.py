@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pagedllm.engine.messages import EngineCoreStats
 from pagedllm.outputs import RequestOutput
+from pagedllm.spec_decode.metrics import METRIC_NAMES, SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -61,6 +62,24 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=value)
+        if s.spec_decode is not None:
+            yield from _spec_decode_counters(s.spec_decode)
+
+
+def _spec_decode_counters(stats: SpecDecodeStats):
+    """Speculative decoding's counters, as vLLM names them (pagedllm.spec_decode.metrics)."""
+    names = METRIC_NAMES
+    yield CounterMetricFamily(names["num_drafts"], "Sequence steps that verified a proposal",
+                              value=stats.num_drafts)
+    yield CounterMetricFamily(names["num_draft_tokens"], "Proposed tokens verified",
+                              value=stats.num_draft_tokens)
+    yield CounterMetricFamily(names["num_accepted_tokens"], "Proposed tokens accepted",
+                              value=stats.num_accepted_tokens)
+    per_pos = CounterMetricFamily(names["num_accepted_tokens_per_pos"], "Proposed tokens accepted, "
+                                  "by position in the proposal", labels=["position"])
+    for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
 
 
 class ServerMetrics:

@@ -50,6 +50,10 @@ class SpecDecodeStats:
         """Tokens a draft's step emitted on average: the accepted ones and the one after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.num_accepted_tokens_per_pos))
+
     def to_dict(self) -> dict:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length}

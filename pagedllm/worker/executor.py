@@ -42,9 +42,10 @@ class PromptLogprobs(NamedTuple):
 
 
 class ExecutorOutput(NamedTuple):
-    # [S, vocab] float32 logits of the rows that sample; with argmax_only, [S] int64 tokens.
+    # [R, vocab] float32 logits of the rows that sample (a speculating request's 1 + k in a row,
+    # ScheduledRequest.num_spec_tokens); with argmax_only, [R] int64 tokens.
     logits: torch.Tensor
-    sample_indices: list[int]  # [S]: each row's request's index in the scheduled list
+    sample_indices: list[int]  # [S]: each sampling request's index in the scheduled list
     prompt_logprobs: dict[str, PromptLogprobs]  # by the scheduler's request id
     # A pooling engine's: the vectors of the requests whose last chunk ran (PoolingParams).
     pooled: dict[str, list[float]] = {}

@@ -45,7 +45,9 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] int64: the row of each sampling request's last new token
+    # [R] int64: the rows whose logits are sampled: each sampling request's last new token's, a
+    # speculating request's last 1 + k (ScheduledRequest.num_spec_tokens), in sample_indices' order
+    sample_rows: torch.Tensor
     # [S]: those requests' indices in the scheduled list (the batch runs them in block-table row
     # order, which need not be the scheduled order)
     sample_indices: list[int]
@@ -67,8 +69,9 @@ class StepInputs(NamedTuple):
 class StepOutput(NamedTuple):
     """What one model step gives back."""
 
-    # [S, vocab] float32: of each request that reached the end of its known tokens; with
-    # execute(argmax_only=True), [S] int64: each such request's argmax token instead.
+    # [R, vocab] float32: of each request that reached the end of its known tokens (1 + k rows
+    # for one that ran k proposed tokens); with execute(argmax_only=True), [R] int64: each such
+    # row's argmax token instead.
     logits: torch.Tensor
     sample_indices: list[int]  # [S]: those requests' indices in the scheduled list
     # [T, hidden]: every new token's final hidden state, in the flat batch's order (the executor
@@ -222,7 +225,8 @@ class ModelRunner:
         seq_lens = starts + counts
         sampled = [i for i, s in enumerate(scheduled) if s.samples]  # batch positions
         sample_indices = [order[i] for i in sampled]
-        num_samples = len(sample_indices)
+        sample_rows = self._sample_rows(scheduled, sampled, query_start_loc)
+        num_samples = len(sample_rows)
         changes = self.block_table.take_changes() if self._packs_table else []
         copies = copies if self.mirrored else ()
         layout = PacketLayout(num_tokens, num_samples, n, sum(end - start for _, start, end in changes),
@@ -234,15 +238,14 @@ class ModelRunner:
                 (s.request.token_ids[s.num_computed_tokens] for s in scheduled), np.int64, n)
         else:
             for s, loc in zip(scheduled, query_start_loc[:-1].tolist()):
-                input_ids[loc:loc + s.num_new_tokens] = \
-                    s.request.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+                input_ids[loc:loc + s.num_new_tokens] = s.input_token_ids()
         # positions: for each request, start .. start + count - 1, laid end to end
         positions = host[layout.positions]
         np.add(self._arange[:num_tokens], np.repeat(starts - query_start_loc[:-1], counts), out=positions)
         table = self.block_table.table
         slot_mapping(table, np.repeat(rows, counts), positions, self.block_size, out=host[layout.slots])
         self._touch_new_blocks(host[layout.slots])
-        np.subtract(query_start_loc[1:][sampled], 1, out=host[layout.sample_rows])
+        host[layout.sample_rows] = sample_rows
         if self._packs_table:
             host[layout.lengths] = np.concatenate([seq_lens, query_start_loc])
             pack_changes(table, changes, host[layout.changes])
@@ -279,6 +282,20 @@ class ModelRunner:
                                             device=self.device)
             meta.state_fresh = torch.tensor([s.num_computed_tokens == 0 for s in scheduled],
                                             device=self.device)
+
+    @staticmethod
+    def _sample_rows(scheduled: list, sampled: list[int], query_start_loc: np.ndarray) -> np.ndarray:
+        """The flat batch's rows whose logits are sampled: each sampling request's last new
+        token's; a speculating request's last 1 + k (the token before its proposal and each
+        proposed one: their logits verify the proposal and give the token after)."""
+        ends = query_start_loc[1:][sampled]
+        spec = np.fromiter((scheduled[i].num_spec_tokens for i in sampled), np.int64, len(sampled))
+        if not spec.any():
+            return ends - 1
+        counts = spec + 1
+        firsts = np.repeat(ends - counts, counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return firsts + within
 
     def _inputs_from_packet(self, layout: PacketLayout, table_shape: tuple[int, int],
                             packet: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],

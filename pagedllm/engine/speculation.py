@@ -1,0 +1,133 @@
+"""Speculative decoding in the engine core's step: proposals before the schedule, verification
+after the model ran (the plan in pagedllm.spec_decode's docstring; the pieces are there).
+
+- propose(): each running sequence whose next step is a decode gets up to k proposed tokens in
+  request.spec_token_ids, k = choose_k(its recent acceptance rate, the running batch's size,
+  num_speculative_tokens), capped so that the step cannot pass max_tokens or max_model_len. A
+  constrained sequence's proposal is cut where its grammar refuses a token, and the grammar's
+  mask of each position it verifies is kept for verify(). The scheduler may cut a proposal
+  further (budget, blocks) before the step runs it.
+- verify(): a sequence that ran k proposed tokens has k + 1 rows of logits; greedy ones keep the
+  proposal's prefix that matches the argmax (from the argmax ids alone when the step gave only
+  those), the others go through the rejection sampler, whose output distribution is the target's.
+  Either way a run of accepted tokens and one more, with their logprobs where asked for.
+- observe(): the counters (SpecDecodeStats, vLLM's names) and each sequence's AcceptanceRate.
+
+Sequences that take a chooser's tokens (beam search) or still fan out (a prompt's first sample
+of n) never speculate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.request_group import CoreSequence
+from pagedllm.outputs import TokenLogprobs
+from pagedllm.spec_decode import AcceptanceRate, SpecDecodeStats, SpeculativeConfig, choose_k, make_proposer
+from pagedllm.spec_decode.grammar import constrain_proposal
+from pagedllm.spec_decode.rejection import Draft, RejectionSampler, accept_greedy
+from pagedllm.structured.bitmask import apply_token_bitmask_
+from pagedllm.worker.sampler import Sampler
+
+# A sequence's run this step: its tokens (accepted proposal tokens, then one more) and their
+# logprobs (None where not asked for).
+Run = tuple[list[int], list[TokenLogprobs | None]]
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = make_proposer(config)
+        self.verifier = RejectionSampler(sampler)
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+        self._rates: dict[str, AcceptanceRate] = {}
+        # The grammar masks of this step's constrained proposals ([k + 1, words]), by request id.
+        self._masks: dict[str, torch.Tensor] = {}
+
+    # -- before the schedule ---------------------------------------------------------------------
+    def propose(self, running: Sequence[Request], seqs: dict[str, CoreSequence]) -> None:
+        """Proposals for the running sequences whose next step is a decode."""
+        self._masks.clear()
+        candidates = [seqs[r.request_id] for r in running if self._decodes_next(r, seqs)]
+        if not candidates:
+            return
+        ks = [self._k(seq.request, len(running)) for seq in candidates]
+        proposals = self.proposer.propose([seq.request for seq in candidates], ks)
+        for seq, proposal in zip(candidates, proposals):
+            if proposal and seq.matcher is not None:
+                proposal, mask = constrain_proposal(seq.matcher, proposal)
+                self._masks[seq.request.request_id] = mask
+            seq.request.spec_token_ids = list(proposal)
+            if not proposal:
+                self._rate(seq.request.request_id).idle()
+
+    @staticmethod
+    def _decodes_next(request: Request, seqs: dict[str, CoreSequence]) -> bool:
+        seq = seqs.get(request.request_id)
+        return (seq is not None and request.status is RequestStatus.RUNNING
+                and request.num_computed_tokens == request.num_tokens - 1 and seq.group.fan_out == 1)
+
+    def _k(self, request: Request, batch_size: int) -> int:
+        """Tokens to propose: choose_k's, capped so that the step emits (k + 1 tokens at most)
+        neither past max_tokens nor past max_model_len."""
+        params = request.sampling_params
+        k = choose_k(self._rate(request.request_id).value, batch_size, self.config.num_speculative_tokens)
+        k = min(k, self.max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - request.num_output_tokens - 1)
+        return max(k, 0)
+
+    def _rate(self, request_id: str) -> AcceptanceRate:
+        rate = self._rates.get(request_id)
+        if rate is None:
+            rate = self._rates[request_id] = AcceptanceRate()
+        return rate
+
+    # -- after the model ran ---------------------------------------------------------------------
+    def verify(self, seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor,
+               argmax_only: bool) -> list[Run]:
+        """Each speculating sequence's run, from its counts[i] = k + 1 rows of logits (laid end
+        to end in `logits`; with argmax_only, the rows' argmax ids)."""
+        if argmax_only:
+            ids = logits.tolist()
+            runs, start = [], 0
+            for seq, n in zip(seqs, counts):
+                runs.append((accept_greedy(ids[start:start + n], seq.request.spec_token_ids[:n - 1]),
+                             [None] * n))
+                start += n
+            return [(tokens, lps[:len(tokens)]) for tokens, lps in runs]
+        logits = self._masked(seqs, counts, logits)
+        drafts = [Draft(seq.row, seq.request.spec_token_ids[:n - 1]) for seq, n in zip(seqs, counts)]
+        out = self.verifier(logits, drafts)
+        return [(tokens, lps if lps is not None else [None] * len(tokens))
+                for tokens, lps in zip(out.token_ids, out.logprobs)]
+
+    def _masked(self, seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each constrained sequence's rows masked by its grammar's states along
+        its proposal (the masks propose() kept)."""
+        masked = [(i, self._masks[seq.request.request_id]) for i, seq in enumerate(seqs)
+                  if seq.matcher is not None]
+        if not masked:
+            return logits
+        logits = logits.float()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        vocab_size = seqs[masked[0][0]].matcher.vocab_size
+        for i, mask in masked:
+            rows = logits[starts[i]:starts[i + 1]]
+            apply_token_bitmask_(rows, mask[:counts[i]].contiguous(), vocab_size)
+        return logits
+
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.stats.observe(num_proposed, num_accepted)
+        self._rate(request_id).observe(num_proposed, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        """The sequence ended: drop what was kept for it."""
+        self._rates.pop(request_id, None)
+        self.proposer.forget(request_id)
