@@ -13,8 +13,8 @@ from pagedllm.bench.workload import load_workload
 from pagedllm.kernels import tiers
 from tests.conftest import requires_default_model
 
-pytestmark = [requires_default_model,
-              pytest.mark.skipif(not tiers.available(), reason="batch-invariant mode needs the compiled CPU kernels")]
+pytestmark = [requires_default_model, pytest.mark.skipif(
+    not tiers.available(), reason="batch-invariant mode needs the compiled CPU kernels")]
 
 
 @pytest.mark.timeout(900)  # 100 bf16 answers in the batch-invariant mode: minutes on 2 busy cores
