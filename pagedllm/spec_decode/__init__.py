@@ -18,7 +18,7 @@ The pieces, each usable and tested alone:
 - metrics.SpecDecodeStats (vLLM's counters), AcceptanceRate and choose_k (how many to propose).
 - KVCacheManager.trim (pagedllm.core.kv.manager): rejected tokens' slots go back.
 
-How they fit the step (the design the integration follows):
+How they fit the step (pagedllm.engine.speculation runs this in the engine core):
 
 1. Proposals, after each step's update (engine core, between update_from_output and the next
    schedule): for each running sequence whose next step is a decode, k = choose_k(its
