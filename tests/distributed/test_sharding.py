@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan, split
+from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import load_model
 from pagedllm.model.quant_weight import quantize
 from tests.model.paged import PagedSequences
@@ -86,7 +87,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42]]
 
 
 # Latent attention is refused under tensor parallelism (test_tensor_parallel.py checks the line).
-@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if not s.endswith("_mla")))
+# MLA and hybrid models refuse tensor parallelism (tests/model/test_mla.py, test_hybrid.py say so).
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if not s.endswith(("_mla", "_hybrid"))))
 @pytest.mark.parametrize("size", [2, 4])
 def test_shards_compute_the_whole_models_logits(tiny_checkpoint, shape, size):
     folder = tiny_checkpoint(shape).folder
@@ -99,6 +101,14 @@ def test_shards_compute_the_whole_models_logits(tiny_checkpoint, shape, size):
     expected = torch.cat([*paged.step(dict(enumerate(PROMPTS))).values(),
                           *paged.step({i: [7] for i in range(len(PROMPTS))}).values()])
     torch.testing.assert_close(run_ranks(models, PROMPTS), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_a_hybrid_models_shard_is_refused(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_5_hybrid").folder
+    config = load_model(folder, dtype="float32").config
+    plan, group = ShardPlan(config, 2), ThreadGroup(2)
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported for hybrid"):
+        load_model(folder, dtype="float32", shard=RankShard(plan, 0, group.rank(0)))
 
 
 def test_split_is_as_even_as_it_can_be_larger_first():

@@ -91,7 +91,8 @@ def test_the_start_up_plan_counts_state_pages_and_turns_prefix_caching_off(hybri
     assert "prefix caching is off for this model" in caplog.text
 
 
-@pytest.mark.parametrize("bad", [dict(kv_cache_dtype="int8"), dict(kv_layout="contiguous")])
+@pytest.mark.parametrize("bad", [dict(kv_cache_dtype="int8"), dict(kv_layout="contiguous"),
+                                 dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2})])
 def test_what_a_hybrid_model_cannot_run_is_refused(hybrid, bad):
     checkpoint, _ = hybrid
     with pytest.raises(ValueError, match="hybrid model"):
