@@ -10,8 +10,8 @@ an EOS id becomes a finished hypothesis; a beam reaching max_tokens is finished 
 With early_stopping, a prompt's search ends as soon as it has W finished hypotheses (Hugging
 Face's and vLLM's early_stopping=True); without, its beams go on to max_tokens.
 
-The rules that pick the beams (select_candidates, beam_score, best_sequences) are the server's
-too: pagedllm/server/beam_search.py drives them through ordinary requests of the serving core.
+The rules that pick the beams are pagedllm.entrypoints.beam_rules (no torch), the server's too:
+pagedllm/server/beam_search.py drives them through ordinary requests of the serving core.
 """
 
 from __future__ import annotations
@@ -24,18 +24,15 @@ import torch
 
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.entrypoints.beam_rules import (
+    BeamSequence,
+    beam_score,
+    best_sequences,
+    select_candidates,
+)
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.text.tokenizer import Tokenizer
 from pagedllm.utils import cdiv
-
-
-@dataclass
-class BeamSequence:
-    token_ids: list[int]  # generated tokens only
-    cum_logprob: float
-    score: float  # cum_logprob / len ** length_penalty
-    text: str = ""
-    finish_reason: str = "length"
 
 
 @dataclass
@@ -58,31 +55,6 @@ class _Prompt:
     beams: dict[int, _Beam]  # by the core's sequence index
     num_seqs: int = 1  # sequences the core has made for it: the next fork gets this index
     finished: list[BeamSequence] = field(default_factory=list)
-
-
-Candidate = tuple[float, int, int]  # (cumulative logprob, token, the beam (row) it extends)
-
-
-def select_candidates(ranked: list[Candidate], width: int,
-                      eos_ids: tuple[int, ...]) -> tuple[list[Candidate], list[Candidate]]:
-    """Of one prompt's candidates, best first: the `width` best that go on as beams, and those
-    ending in an EOS id ranked above the last of them (finished hypotheses)."""
-    going_on: list[Candidate] = []
-    ending: list[Candidate] = []
-    for candidate in ranked:
-        if len(going_on) == width:
-            break
-        (ending if candidate[1] in eos_ids else going_on).append(candidate)
-    return going_on, ending
-
-
-def beam_score(cum_logprob: float, num_tokens: int, length_penalty: float) -> float:
-    """cum_logprob / length ** length_penalty (Hugging Face's and vLLM's)."""
-    return cum_logprob / max(num_tokens, 1) ** length_penalty
-
-
-def best_sequences(finished: list[BeamSequence], width: int) -> list[BeamSequence]:
-    return sorted(finished, key=lambda s: -s.score)[:width]
 
 
 def check_beam_args(beam_width, max_tokens) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine.input_processor import InputProcessor, InvalidInput
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.entrypoints.beam_search import (
+from pagedllm.entrypoints.beam_rules import (
     BeamSequence,
     beam_score,
     best_sequences,

@@ -43,7 +43,9 @@ def assert_logits_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
     assert worst <= TOLERANCE, f"max abs logit difference {worst:.2e} > {TOLERANCE}"
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+# Hybrid models keep recurrent state pages this harness does not hand out: tests/model/test_hybrid.py
+# checks them against transformers through the engine.
+@pytest.fixture(scope="module", params=sorted(s for s in SHAPES if not s.endswith("_hybrid")))
 def pair(request, tiny_checkpoint):
     """(our model, transformers' model) on the same weights, one shape at a time."""
     checkpoint = tiny_checkpoint(request.param)
