@@ -96,10 +96,10 @@ class Speculator:
             ids = logits.tolist()
             runs, start = [], 0
             for seq, n in zip(seqs, counts):
-                runs.append((accept_greedy(ids[start:start + n], seq.request.spec_token_ids[:n - 1]),
-                             [None] * n))
+                tokens = accept_greedy(ids[start:start + n], seq.request.spec_token_ids[:n - 1])
+                runs.append((tokens, [None] * len(tokens)))
                 start += n
-            return [(tokens, lps[:len(tokens)]) for tokens, lps in runs]
+            return runs
         logits = self._masked(seqs, counts, logits)
         drafts = [Draft(seq.row, seq.request.spec_token_ids[:n - 1]) for seq, n in zip(seqs, counts)]
         out = self.verifier(logits, drafts)
