@@ -11,8 +11,8 @@ and the variables a launcher (torchrun) hands a tensor-parallel rank.
 raises ValueError naming the variable and what it takes, and an empty value counts as unset (but
 for a secret, where an empty key is an error of its own). A part reads what it needs once, when it
 starts (a kernel load, a server's start), not per call: the kernel switches (PAGEDLLM_ATTENTION,
-PAGEDLLM_ATTENTION_AMX, PAGEDLLM_DENSE_AMX) are read once, when the kernel tier is chosen
-(kernels/tiers.py).
+PAGEDLLM_ATTENTION_AMX, PAGEDLLM_DENSE_AMX, PAGEDLLM_DECODE_LAYERS) are read once, when the kernel
+tier is chosen (kernels/tiers.py).
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "0: bf16 prefill attention on AVX-512 alone, not AMX tiles (for measurements)"),
     EnvVar("PAGEDLLM_DENSE_AMX", _switch, True,
            "0: bf16 matmuls through oneDNN's packing, not pagedllm's AMX kernel (for measurements)"),
+    EnvVar("PAGEDLLM_DECODE_LAYERS", _switch, True,
+           "0: decode steps run the layers one Python call at a time, not all in one compiled call "
+           "(model/decode_layers.py; for measurements)"),
     EnvVar("CXX", str, "c++", "the C++ compiler the kernels are built with"),
     EnvVar("PAGEDLLM_API_KEY", str, None,
            "`pagedllm serve`'s API key where --api-key and --api-key-file are not given",

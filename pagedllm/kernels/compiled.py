@@ -48,9 +48,10 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _AVX512_SOURCES = ("paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp", "fused_ops.cpp",
                    "quant_matmul.cpp", "quant_int8_avx512.cpp", "quant_amx.cpp", "dense_amx.cpp",
-                   "sample.cpp")
-_HEADERS = ("vec.h", "quant_packed.h", "quant_int8_rows.h", "generic_quant_layout.h", "amx.h", "dispatch.h",
-            "attention_common.h", "attention_kernel.h", "attention_amx_prefill.h", "attention_amx_decode.h")
+                   "sample.cpp", "decode_layers.cpp")
+_HEADERS = ("ops.h", "vec.h", "quant_packed.h", "quant_int8_rows.h", "generic_quant_layout.h", "amx.h",
+            "dispatch.h", "attention_common.h", "attention_kernel.h", "attention_amx_prefill.h",
+            "attention_amx_decode.h")
 # Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
 _GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp")
 # The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families

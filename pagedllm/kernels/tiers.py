@@ -88,6 +88,8 @@ class KernelChoice:
     attention_amx: bool = False
     dense_amx: bool = False
     quant_amx: bool = False
+    # Decode steps of qualifying models run every layer in one compiled call (model/decode_layers.py).
+    decode_layers: bool = False
     why_portable: str | None = None  # why a compiled tier runs portable instead (its build failed)
     device_type: str = "cpu"
     kernel_families: tuple[str, ...] = ()  # the families that run the tier's compiled kernels
@@ -124,7 +126,8 @@ class KernelChoice:
             return ""
         tier = self.tier if self.why_portable is None else f"portable ({self.tier} did not build)"
         kernels = ", ".join(f"{family} {kernel}" for family, kernel in self.families().items())
-        return f"CPU tier {tier} (CPU's best: {self.detected}): {kernels}"
+        fused = "; decode steps run the layers in one call" if self.decode_layers else ""
+        return f"CPU tier {tier} (CPU's best: {self.detected}): {kernels}{fused}"
 
 
 _lock = threading.Lock()
@@ -144,8 +147,11 @@ def select(cpu_isa: str = "auto", device_type: str = "cpu") -> KernelChoice:
         # Off the CPU these kernels never run: nothing is built.
         building = tier != "portable" and device_type == "cpu"
         ops, why = compiled.load(tier) if building else (None, None)
+        families = compiled.families(tier) if ops is not None else ()
         choice = KernelChoice(tier, detected, ops, why_portable=why, device_type=device_type,
-                              kernel_families=compiled.families(tier) if ops is not None else ())
+                              kernel_families=families,
+                              decode_layers=(envs.PAGEDLLM_DECODE_LAYERS and hasattr(ops, "decode_layers")
+                                             and all(f in families for f in FAMILIES)))
         if ops is not None and tier == "amx":
             choice = dataclasses.replace(
                 choice, attention_amx=envs.PAGEDLLM_ATTENTION_AMX and ops.attention_amx_available(),

@@ -38,6 +38,7 @@ from pagedllm.model.weight_names import fused_state_dict, hf_tensor_names
 
 if TYPE_CHECKING:
     from pagedllm.distributed.shard import RankShard
+    from pagedllm.model.decode_layers import DecodeLayers
 
 
 class RMSNorm(nn.Module):
@@ -207,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism (pagedllm.distributed), set by the shard: the whole
         # vocabulary's logits on rank 0 from every rank's share of the LM head (None elsewhere).
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        # Set by the runner once its KV caches exist, where the model qualifies: decode steps then
+        # run every layer in one compiled call (decode_layers.py).
+        self.decode_layers: DecodeLayers | None = None
 
     def forward(
         self,
@@ -222,6 +226,10 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions, attn_metadata, x.dtype)
         local_rope = (self.local_rotary(positions, attn_metadata, x.dtype)
                       if self.local_rotary is not None else rope)
+        fused = self.decode_layers
+        if fused is not None and fused.takes(x, kv_caches, attn_metadata):
+            x, residual = fused.run(x, *rope, attn_metadata)
+            return self.norm(x, residual)[0]
         residual = None  # the residual add is folded into the next RMSNorm
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.uses_local_rope else rope

@@ -30,6 +30,8 @@ from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import allocate_kv_cache, copy_blocks, cpu_attention
 from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.model.batch_invariant import make_batch_invariant
+from pagedllm.model.decode_layers import DecodeLayers
+from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.utils import cdiv
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.block_table import BlockTable
@@ -127,6 +129,8 @@ class ModelRunner:
         self.touched_blocks = (np.zeros(num_blocks, dtype=bool)
                                if self.device.type == "cpu" and tiers.available() else None)
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
+        if self.device.type == "cpu" and not batch_invariant and isinstance(model, LlamaForCausalLM):
+            model.decode_layers = DecodeLayers.build(model, self.kv_caches)
         self.decode_graphs = None
         if use_graphs and (graph_capture is not None
                            or cuda_graphs.attention_captures(self.kv_caches[0], kv_dtype, self.device)):

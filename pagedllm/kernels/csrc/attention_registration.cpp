@@ -3,28 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <optional>
-#include <vector>
-
-namespace pagedllm_attention {
-
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                           double softcap, bool use_amx);
-at::Tensor paged_attention_invariant(const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const std::optional<at::Tensor>& key_scale,
-                                     const std::optional<at::Tensor>& value_scale, const at::Tensor& block_tables,
-                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                     int64_t sliding_window, double softcap);
-bool attention_amx_available();
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-              const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
-              const at::Tensor& slot_mapping);
-void touch_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_ids);
-
-}  // namespace pagedllm_attention
+#include "ops.h"
 
 using namespace pagedllm_attention;
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -60,6 +61,10 @@ void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
     store_f32(out + i, _mm512_mul_ps(load_f32(w + i, m), normed), m);
   }
 }
+
+}  // namespace
+
+namespace pagedllm_ops {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
@@ -175,7 +180,9 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
   });
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
+
+using namespace pagedllm_ops;
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "quant_int8_rows.h"
+#include "ops.h"
 #include "quant_packed.h"
 #include "vec.h"
 
@@ -338,6 +339,39 @@ int64_t row_grain(int64_t K, int64_t M) {
   return std::max<int64_t>(16, (int64_t{1} << 17) / std::max<int64_t>(K * std::min<int64_t>(M, kMaxRows), 1));
 }
 
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, at::ScalarType dtype) {
+  const Weights t{qweight, scales, mins, codebook, bits, group_size};
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: float32 or bfloat16 out");
+  const int64_t N = qweight.size(0);
+  const int64_t K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
+  dispatch(t, [&](const auto& w, auto is_u4, auto with_min) {
+    auto run = [&](auto* op) {
+      at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+          dequantize_row<decltype(is_u4)::value, decltype(with_min)::value>(w, n, op + n * K);
+      });
+    };
+    if (dtype == at::kFloat) run(out.mutable_data_ptr<float>());
+    else run(out.mutable_data_ptr<BF16>());
+  });
+  return out;
+}
+
+// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
+bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
+#ifdef __AVX512VNNI__
+  return pagedllm_int8::int8_layout(bits, group_size, codebook);
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace pagedllm_ops {
+
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                   const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
                   at::Tensor& out) {
@@ -386,36 +420,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   });
 }
 
-at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, at::ScalarType dtype) {
-  const Weights t{qweight, scales, mins, codebook, bits, group_size};
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: float32 or bfloat16 out");
-  const int64_t N = qweight.size(0);
-  const int64_t K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
-  dispatch(t, [&](const auto& w, auto is_u4, auto with_min) {
-    auto run = [&](auto* op) {
-      at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n)
-          dequantize_row<decltype(is_u4)::value, decltype(with_min)::value>(w, n, op + n * K);
-      });
-    };
-    if (dtype == at::kFloat) run(out.mutable_data_ptr<float>());
-    else run(out.mutable_data_ptr<BF16>());
-  });
-  return out;
-}
-
-// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
-bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
-#ifdef __AVX512VNNI__
-  return pagedllm_int8::int8_layout(bits, group_size, codebook);
-#else
-  return false;
-#endif
-}
-
-}  // namespace
+}  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("quant_int8_takes", &quant_int8_takes);  // no tensor to dispatch on: every backend
@@ -426,6 +431,6 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear", &pagedllm_ops::quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
 }

@@ -1,0 +1,48 @@
+// The entry points of the AVX-512 tiers' kernels that other kernels call directly (decode_layers.cpp
+// runs a whole decode step's layers through them), declared once. Each is also a torch op of the
+// tier (registered beside its definition) with the same arguments.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace pagedllm_ops {
+
+// fused_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);
+
+// quant_matmul.cpp
+void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
+                  int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
+
+}  // namespace pagedllm_ops
+
+namespace pagedllm_attention {
+
+// paged_attention.cpp
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                           double softcap, bool use_amx);
+at::Tensor paged_attention_invariant(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const std::optional<at::Tensor>& key_scale,
+                                     const std::optional<at::Tensor>& value_scale, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                     int64_t sliding_window, double softcap);
+bool attention_amx_available();
+
+// write_kv.cpp
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+              const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
+              const at::Tensor& slot_mapping);
+void touch_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_ids);
+
+}  // namespace pagedllm_attention

@@ -1,0 +1,121 @@
+"""Decode steps through every decoder layer in one compiled call (csrc/decode_layers.cpp).
+
+A decode step of one stream on a small model is bound by Python, not by the CPU: each layer makes
+some ten module calls, checks and views around its kernels, about as long as its matmuls take.
+Where a model is Llama-shaped with weights kept quantized (the GGUF case: Llama, Mistral, Qwen2,
+SmolLM ...) and the chosen tier compiles every family, DecodeLayers packs each layer's tensors once
+into two flat lists, and a step of a few rows runs all layers in one call of the same kernels in
+the same order as LlamaForCausalLM's layers: the results are bit for bit theirs (tested), the
+Python between kernels gone.
+
+Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
+layer a plain DecoderLayer (no MoE, no latent attention, no sandwich or q/k norms), rotary in place
+over whole heads, SiLU, no local rope; all four projections QuantLinear as loaded (not wrapped for
+LoRA or tensor parallelism, not batch-invariant); the KV caches of the model's dtype or compressed.
+Which steps: up to as many rows as QuantLinear gives its few-rows kernel (so each matmul is the
+one the layers would run), and not batch-invariant ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels import tiers
+from pagedllm.kernels.attention import AttentionMetadata, KVCache, QuantizedKV
+from pagedllm.model.quant_linear import MAX_KERNEL_ROWS, MAX_KERNEL_ROWS_BEFORE_AMX, QuantLinear
+
+_NONE = torch.empty(0)  # an absent tensor in the flat list
+
+
+class DecodeLayers:
+    def __init__(self, tensors: list[torch.Tensor], meta: list[int], kv_caches: list[KVCache],
+                 max_rows: int, eps: float, scale: float, softcap: float, use_amx: bool):
+        self.tensors, self.meta = tensors, meta
+        self.kv_caches = kv_caches  # the caches packed in: a step with others takes the layers' path
+        self.max_rows = max_rows
+        self.eps, self.scale, self.softcap, self.use_amx = eps, scale, softcap, use_amx
+        self.op = tiers.current().ops.decode_layers
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches: list[KVCache]) -> DecodeLayers | None:
+        """The packed layers of model over kv_caches, or None where the model or tier does not
+        qualify (the module docstring says which)."""
+        from pagedllm.model.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+
+        if not tiers.current().decode_layers or type(model) is not LlamaForCausalLM:
+            return None
+        config = model.config
+        layers = list(model.layers)
+        if (model.vocab_gather is not None or config.hidden_act != "silu" or not layers
+                or len(kv_caches) != len(layers)
+                or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                       for layer in layers)):
+            return None
+        first = layers[0].self_attn
+        tensors: list[torch.Tensor] = []
+        meta = [len(layers), first.num_heads, first.num_kv_heads, first.head_dim]
+        dtype = model.norm.weight.dtype
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (layer.attn_output_norm is not None or layer.uses_local_rope
+                    or not attn.rotary_in_place
+                    or (attn.scale, attn.softcap) != (first.scale, first.softcap)
+                    or any(type(n) is not RMSNorm or n.weight.dtype != dtype or n.eps != model.norm.eps
+                           for n in norms)
+                    or not getattr(mlp, "silu_kernel", False)):
+                return None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(p) is not QuantLinear or not p.cpu_kernel or p.row_invariant for p in projections):
+                return None
+            caches = _cache_tensors(kv_cache, dtype)
+            if caches is None:
+                return None
+            meta.append(attn.sliding_window or 0)
+            tensors += [norms[0].weight, norms[1].weight, *caches]
+            for projection in projections:
+                _pack_projection(projection, tensors, meta)
+        amx = any(p.amx_kernel for layer in layers
+                  for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        # Above these rows a bf16 QuantLinear takes the AMX kernel (the layers' path then runs).
+        max_rows = MAX_KERNEL_ROWS_BEFORE_AMX if amx and dtype == torch.bfloat16 else MAX_KERNEL_ROWS
+        return cls(tensors, meta, kv_caches, max_rows, model.norm.eps, first.scale,
+                   first.softcap or 0.0, tiers.current().attention_amx)
+
+    def takes(self, x: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> bool:
+        """Whether this step runs here: a few rows, over the caches packed in, not batch-invariant."""
+        return (x.shape[0] <= self.max_rows and kv_caches is self.kv_caches
+                and not attn_metadata.batch_invariant)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the embeddings x [T, hidden]: (the last MLP output, the residual
+        stream), as the layers' loop gives them."""
+        x, residual = self.op(
+            x.contiguous(), self.tensors, self.meta, cos.contiguous(), sin.contiguous(),
+            attn_metadata.slot_mapping, attn_metadata.block_tables, attn_metadata.seq_lens,
+            attn_metadata.query_start_loc, self.eps, self.scale, self.softcap, self.use_amx)
+        return x, residual
+
+
+def _cache_tensors(kv_cache: KVCache, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """A layer's (key cache, value cache, key scales, value scales) as the kernel takes them."""
+    key, value = kv_cache
+    if isinstance(key, QuantizedKV) and isinstance(value, QuantizedKV):
+        return [key.data, value.data, key.scale, value.scale]
+    if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dtype == dtype:
+        return [key, value, _NONE, _NONE]
+    return None
+
+
+def _pack_projection(linear: QuantLinear, tensors: list[torch.Tensor], meta: list[int]) -> None:
+    bias = linear._float_bias()
+    meta += [int(bias is not None), len(linear.parts)]
+    if bias is not None:
+        tensors.append(bias)
+    for part in linear.parts:
+        codes, scales, mins, codebook, bits, group_size = part.kernel_args
+        meta += [bits, group_size, part.shape[0]]
+        tensors += [codes, scales, _NONE if mins is None else mins,
+                    _NONE if codebook is None else codebook]

@@ -1,0 +1,114 @@
+"""Decode steps through every layer in one compiled call (model/decode_layers.py) give bit for bit
+the logits of the layer-by-layer path, on the tiers that compile it; models that do not qualify
+keep the layers' path; the engine's greedy text is the same with the switch off."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from pagedllm.model.decode_layers import DecodeLayers
+from pagedllm.model.loader import load_model
+from tests.kernel_tiers import kernel_tier
+from tests.model.paged import PagedSequences
+from tests.model.tiny import make_hf_model, write_gguf
+
+Q = gguf.GGMLQuantizationType
+PROMPTS = {0: [5, 9, 20, 33, 41, 7, 7, 100, 3, 18, 2], 1: [77, 1, 250], 2: [12] * 19}
+
+
+def _gguf(tmp_path):
+    """A tiny Llama GGUF in the default model's layouts (Q4_1 layers, a Q8_0 head) but for v in
+    Q8_0: a fused q/k/v of two parts."""
+    hf_model = make_hf_model("llama_gqa_untied")
+    names = {"output.weight": Q.Q8_0}
+    for i in range(hf_model.config.num_hidden_layers):
+        for part in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            names[f"blk.{i}.{part}.weight"] = Q.Q4_1
+        names[f"blk.{i}.attn_v.weight"] = Q.Q8_0
+    return write_gguf(hf_model, tmp_path / "q4_1.gguf", quantize=names)
+
+
+def _load(source: str, tmp_path, tiny_checkpoint, dtype: str):
+    if source == "gguf":
+        return load_model(_gguf(tmp_path), dtype=dtype).model
+    shape, quantization = source.split(":")
+    return load_model(tiny_checkpoint(shape).folder, dtype=dtype, quantization=quantization).model
+
+
+def _steps(model, kv_cache_dtype: str, fused: bool, calls: list) -> list[torch.Tensor]:
+    """Every step's logits: a prefill of three prompts, then decodes of 3, 2 and 1 rows."""
+    paged = PagedSequences(model, num_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    model.decode_layers = DecodeLayers.build(model, paged.kv_caches) if fused else None
+    if fused:
+        assert model.decode_layers is not None, "this model should qualify"
+        run = model.decode_layers.run
+        model.decode_layers.run = lambda *a: calls.append(1) or run(*a)
+    logits = paged.step(PROMPTS)
+    out = [torch.cat(list(logits.values()))]
+    tokens = {i: [int(rows[-1].argmax())] for i, rows in logits.items()}
+    for step in range(9):
+        seqs = list(tokens)[: 3 - step // 3]
+        logits = paged.step({i: tokens[i][-1:] for i in seqs})
+        out.append(torch.cat(list(logits.values())))
+        for i in seqs:
+            tokens[i].append(int(logits[i][-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("source", ["gguf", "qwen2_qkv_bias:int4", "mistral_linear_rope_window:int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_one_call_equals_the_layers(tier, source, dtype, kv_cache_dtype, tmp_path, tiny_checkpoint):
+    model = _load(source, tmp_path, tiny_checkpoint, dtype)
+    paged = PagedSequences(model, num_blocks=8, block_size=4)
+    if not tier_runs_it():
+        assert DecodeLayers.build(model, paged.kv_caches) is None
+        return
+    calls: list = []
+    fused = _steps(model, kv_cache_dtype, True, calls)
+    assert len(calls) == 9  # every decode step, not the prefill
+    layered = _steps(model, kv_cache_dtype, False, [])
+    for a, b in zip(fused, layered, strict=True):
+        assert torch.equal(a, b)
+
+
+def tier_runs_it() -> bool:
+    from pagedllm.kernels import tiers
+
+    return tiers.current().decode_layers
+
+
+@pytest.mark.parametrize("shape,quantization", [("qwen3_qk_norm", "int8"), ("gemma2_softcap_window", "int8"),
+                                                ("llama_gqa_untied", "none")])
+def test_models_that_do_not_qualify_keep_the_layers(shape, quantization, tiny_checkpoint):
+    """q/k norms, sandwich norms, float weights: no packed layers."""
+    with kernel_tier("avx512" if "avx512" in _tiers() else "portable"):
+        model = load_model(tiny_checkpoint(shape).folder, dtype="float32", quantization=quantization).model
+        assert DecodeLayers.build(model, PagedSequences(model, num_blocks=8, block_size=4).kv_caches) is None
+
+
+def _tiers() -> tuple[str, ...]:
+    from pagedllm.kernels import tiers
+
+    return tiers.runnable_tiers()
+
+
+def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):
+    """Through the engine (the runner builds the packed layers): greedy text and logprobs equal
+    with PAGEDLLM_DECODE_LAYERS=0."""
+    from pagedllm import LLM, SamplingParams
+
+    path = _gguf(tmp_path)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_DECODE_LAYERS", switch)
+        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False)
+        packed = llm.engine.engine_core.executor.runner.model.decode_layers
+        assert (packed is not None) == (switch == "1" and tier_runs_it())
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                        for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
