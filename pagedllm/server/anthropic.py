@@ -29,6 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.server.chat_translation import chat_chunks, chat_request
+from pagedllm.server.formats import sse_json
 from pagedllm.server.protocol import APIError, ChatCompletionRequest
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -238,7 +239,7 @@ def _stop(choice: dict) -> tuple[str | None, str | None]:
 
 
 def _event(kind: str, payload: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {sse_json({'type': kind, **payload})}\n\n"
 
 
 class _StreamTranslator:

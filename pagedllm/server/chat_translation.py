@@ -27,6 +27,7 @@ async def chat_chunks(body: AsyncIterator) -> AsyncIterator[dict]:
     """Each chunk of a chat completions SSE stream, decoded ({"error": ...} for an error event,
     after which the stream ends); [DONE] left out."""
     async for raw in body:
-        for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
+        # SSE ends lines at \n only; str.splitlines would also break at U+2028 and the like.
+        for line in (raw.decode() if isinstance(raw, bytes) else raw).split("\n"):
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line.removeprefix("data: "))

@@ -32,8 +32,18 @@ class Api(Protocol):
 
 logger = logging.getLogger(__name__)
 
+# Characters that JSON leaves raw but that line readers built on str.splitlines (httpx's
+# iter_lines among them) take for line ends: escaped, so one event's data is always one line.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: dict) -> str:
+    """payload as the data of one SSE event: UTF-8 kept, on one line whatever the text holds."""
+    return json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(payload)}\n\n"
 
 
 def _prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict | None] | None:

@@ -6,7 +6,6 @@ built from the items as they close, and stored like a whole one."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -15,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.server import responses as shapes
 from pagedllm.server.chat_translation import chat_chunks
+from pagedllm.server.formats import sse_json
 
 
 class ResponseStream:
@@ -30,7 +30,7 @@ class ResponseStream:
     def event(self, kind: str, **payload) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {sse_json(data)}\n\n"
 
     def start(self) -> list[str]:
         envelope = shapes._envelope(self.response_id, self.body, [], None, {})
