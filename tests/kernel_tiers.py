@@ -12,6 +12,8 @@ import pytest
 from pagedllm.kernels import compiled, tiers
 
 COMPILED_TIERS = [t for t in tiers.runnable_tiers() if t != "portable" and compiled._sources(t)]
+# Those that compile the attention kernels (paged attention, the KV writes).
+ATTENTION_TIERS = [t for t in COMPILED_TIERS if "attention" in compiled.families(t)]
 
 
 @contextmanager
@@ -24,9 +26,19 @@ def kernel_tier(tier: str):
         tiers._choice[:] = saved
 
 
+def _chosen(name: str):
+    with kernel_tier(name) as choice:
+        if not choice.compiled:
+            pytest.fail(f"the {name} tier's kernels did not build: {choice.why_portable}")
+        yield name
+
+
 @pytest.fixture(params=COMPILED_TIERS)
 def tier(request):
-    with kernel_tier(request.param) as choice:
-        if not choice.compiled:
-            pytest.fail(f"the {request.param} tier's kernels did not build: {choice.why_portable}")
-        yield request.param
+    yield from _chosen(request.param)
+
+
+@pytest.fixture(params=ATTENTION_TIERS)
+def attention_tier(request):
+    """Every tier this CPU runs whose attention kernels are compiled, chosen in turn."""
+    yield from _chosen(request.param)

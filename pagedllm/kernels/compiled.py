@@ -46,20 +46,24 @@ from pagedllm.utils import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_AVX512_SOURCES = ("paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp", "fused_ops.cpp",
-                   "quant_matmul.cpp", "quant_int8_avx512.cpp", "quant_amx.cpp", "dense_amx.cpp",
-                   "sample.cpp", "decode_layers.cpp")
-_HEADERS = ("ops.h", "vec.h", "quant_packed.h", "quant_int8_rows.h", "generic_quant_layout.h", "amx.h",
-            "dispatch.h", "attention_common.h", "attention_kernel.h", "attention_amx_prefill.h",
-            "attention_amx_decode.h")
-# Plain C++ the compiler vectorizes for the tier's flags: the families written for AVX-512 only.
-_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp")
+_AVX512_SOURCES = ("attention_entry.cpp", "paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp",
+                   "fused_ops.cpp", "quant_matmul.cpp", "quant_int8_avx512.cpp", "quant_amx.cpp",
+                   "dense_amx.cpp", "sample.cpp", "decode_layers.cpp")
+_HEADERS = ("ops.h", "attention_plan.h", "vec.h", "quant_packed.h", "quant_int8_rows.h",
+            "generic_quant_layout.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
+            "attention_amx_prefill.h", "attention_amx_decode.h")
+# The AVX2 tier: plain C++ the compiler vectorizes for the tier's flags (norms/rotary, quantized
+# matmuls), AVX2 intrinsics where that is not enough (int8 matmuls, attention), and the sources every
+# tier shares (attention's entry points, the KV writes, a decode step's layers in one call).
+_GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp",
+                    "attention_entry.cpp", "attention_avx2.cpp", "write_kv.cpp", "attention_registration.cpp",
+                    "decode_layers.cpp")
 # The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
 # they compile (the others run portable torch under that tier; the start-up line says which).
 _TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": _GENERIC_SOURCES}
 _ALL_FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
 _TIER_FAMILIES = {"amx": _ALL_FAMILIES, "avx512": _ALL_FAMILIES,
-                  "avx2": ("quantized matmul", "norms/rotary")}
+                  "avx2": ("attention", "quantized matmul", "norms/rotary")}
 # -fopenmp: ATen's parallel_for is inline OpenMP in its header; without it every call runs on one
 # thread. (The extension then shares torch's libgomp: same soname, already loaded.)
 _BASE_CFLAGS = ["-O3", "-fopenmp"]

@@ -5,8 +5,9 @@ Tiers, best first (each needs the CPU flags of the ones below it too):
 - amx: AMX-BF16 tiles (Sapphire Rapids and later): bf16 matmuls, quantized matmuls over many rows
   and bf16 prefill attention on tiles; the rest as avx512.
 - avx512: AVX-512 F/BW/VL/DQ with FMA; AVX512-BF16 dot products compiled in where the CPU has them.
-- avx2: AVX2 with FMA and F16C (+AVX-VNNI where present): compiled quantized matmuls and
-  norms/rotary (plain C++ the compiler vectorizes); attention and sampling run portable torch.
+- avx2: AVX2 with FMA and F16C (+AVX-VNNI where present): compiled attention, quantized matmuls
+  and norms/rotary (plain C++ the compiler vectorizes, AVX2 intrinsics where it is not enough),
+  and decode steps in one call; dense matmuls and sampling run portable torch.
 - portable: torch alone, on any CPU (and the oracle every compiled kernel is tested against).
 
 `select(cpu_isa)` runs once when an engine loads its model (EngineConfig.cpu_isa; "auto" is the
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 TIERS = ("portable", "avx2", "avx512", "amx")  # lowest first
 FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
 CPU_ISA_CHOICES = ("auto", "amx", "avx512", "avx2", "portable")
+# The families a decode step's layers in one call (model/decode_layers.py) run through.
+DECODE_LAYERS_FAMILIES = ("attention", "quantized matmul", "norms/rotary")
 
 # The CPU flags (as /proc/cpuinfo names them) each tier needs on top of the tier below it.
 _TIER_FLAGS = {
@@ -151,7 +154,7 @@ def select(cpu_isa: str = "auto", device_type: str = "cpu") -> KernelChoice:
         choice = KernelChoice(tier, detected, ops, why_portable=why, device_type=device_type,
                               kernel_families=families,
                               decode_layers=(envs.PAGEDLLM_DECODE_LAYERS and hasattr(ops, "decode_layers")
-                                             and all(f in families for f in FAMILIES)))
+                                             and all(f in families for f in DECODE_LAYERS_FAMILIES)))
         if ops is not None and tier == "amx":
             choice = dataclasses.replace(
                 choice, attention_amx=envs.PAGEDLLM_ATTENTION_AMX and ops.attention_amx_available(),

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.config import EngineConfig
-from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import (
     QuantizedKV,
     allocate_kv_cache,
@@ -23,8 +22,8 @@ from pagedllm.kernels.attention import (
 from pagedllm.kernels.attention.kv_quant import FORMATS, dequantize, kv_format, quantize
 from tests.kernels.test_cpu_kernel import MIXED, TOLERANCE, make_case
 
-needs_kernel = pytest.mark.skipif(not tiers.available(),
-                                  reason=f"CPU kernel unavailable: {tiers.unavailable_reason()}")
+# Runs over every tier this CPU runs whose attention is compiled (none: the tests do not run).
+needs_kernel = pytest.mark.usefixtures("attention_tier")
 COMPRESSED = list(FORMATS)
 
 

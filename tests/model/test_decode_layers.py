@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.model.decode_layers import DecodeLayers
 from pagedllm.model.loader import load_model
-from tests.kernel_tiers import kernel_tier
+from tests.kernel_tiers import COMPILED_TIERS, kernel_tier
 from tests.model.paged import PagedSequences
 from tests.model.tiny import make_hf_model, write_gguf
 
@@ -84,15 +84,9 @@ def tier_runs_it() -> bool:
                                                 ("llama_gqa_untied", "none")])
 def test_models_that_do_not_qualify_keep_the_layers(shape, quantization, tiny_checkpoint):
     """q/k norms, sandwich norms, float weights: no packed layers."""
-    with kernel_tier("avx512" if "avx512" in _tiers() else "portable"):
+    with kernel_tier(COMPILED_TIERS[-1] if COMPILED_TIERS else "portable"):
         model = load_model(tiny_checkpoint(shape).folder, dtype="float32", quantization=quantization).model
         assert DecodeLayers.build(model, PagedSequences(model, num_blocks=8, block_size=4).kv_caches) is None
-
-
-def _tiers() -> tuple[str, ...]:
-    from pagedllm.kernels import tiers
-
-    return tiers.runnable_tiers()
 
 
 def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):

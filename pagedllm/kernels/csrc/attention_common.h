@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "attention_plan.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -32,9 +33,6 @@ namespace pagedllm_attention {
 using namespace pagedllm_vec;
 using namespace pagedllm_amx;
 
-constexpr int kKeyTile = 16;    // keys per tile: one 512-bit register of fp32 scores
-constexpr int kQueryTile = 16;  // new tokens per work item (prefill chunks are cut into these)
-constexpr float kNoScore = -1e30f;  // running max before any key: finite, so no inf - inf
 
 // Lane j of the result is op over the 16 lanes of v[j] (op: _mm512_add_ps or _mm512_max_ps):
 // 16 horizontal folds in one transpose-like tree.
@@ -94,21 +92,12 @@ inline void transpose_16x16(const float* const* rows, int64_t offset, int cols, 
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-struct WorkItem {
-  int64_t seq;
-  int64_t token_begin;  // first new token of the item, counted within the request's new tokens
-  int64_t num_tokens;
-  int64_t head_begin, num_heads;  // kv heads
-  int64_t cost;
-};
-
 constexpr int kMaxHeadDim = 256;
 // Stands in for missing rows (zero is 0 bits in every dtype the cache holds).
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};
 
 constexpr int kAmxKeys = 64;   // keys per online-softmax update on the AMX path (4 tiles of 16)
 static_assert(kAmxKeys == 64, "run_item_amx multiplies exactly 4 key tiles per update");
-constexpr int kAmxRows = 192;   // rows (tokens x the query heads of a kv head) an AMX item aims for
 constexpr int kPrefetchTiles = 1;  // how far ahead (in tiles of 16 keys) a decode on the tile unit asks for K/V
 
 struct Scratch {
@@ -154,42 +143,6 @@ inline void multiply_into(int j, const void* b) {
 }
 #endif
 
-template <typename T, typename C>  // T: query/out dtype; C: what the cache holds (T, or codes)
-struct Problem {
-  const T* query;
-  const C* key_cache;
-  const C* value_cache;
-  const c10::Half* key_scale;  // [slots, num_kv_heads]: element = code * scale; null: no scales
-  const c10::Half* value_scale;
-  T* out;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  int64_t query_stride;  // between tokens of query (out is contiguous)
-  int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim, sliding_window;
-  float scale;
-  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
-  // Batch-invariant mode: every row takes the same path (the vector path's per-row dot products,
-  // never AMX or the transposed-K tiles) and key tiles start at multiples of kKeyTile, so a row's
-  // sums run in one order whatever else shares its work item (other tokens of its chunk, the chunk
-  // size, a decode step).
-  bool row_invariant = false;
-
-  // Where position pos of a request lies: its slot through the request's block table. Shifts where
-  // block_size is a power of two (the usual case: a division per key cost a fifth of a decode's
-  // time with its K/V in cache).
-  int64_t slot(const int32_t* table, int64_t pos) const {
-    if ((block_size & (block_size - 1)) == 0) {
-      const int shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));
-      return (static_cast<int64_t>(table[pos >> shift]) << shift) | (pos & (block_size - 1));
-    }
-    return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-  }
-};
-
-// Rows of this many or fewer (decodes: the query heads of one kv head) take dot products folded
-// by sum_lanes_16; more rows amortize a transposed K tile and need no folding.
-constexpr int64_t kDotRows = 8;
 constexpr int kTiledRows = 8;  // row block of the transposed-K score loop
 
 #ifdef __AVX512BF16__

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 14;  // as fused_ops.cpp: small calls stay on one thread
@@ -56,6 +58,11 @@ void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
   for (int64_t k = 0; k < H; ++k) store(out + k, to_f32(w[k]) * round_to(x, to_f32(x[k]) * inv));
 }
+
+}  // namespace
+
+// The entry points ops.h declares (decode_layers.cpp calls them directly).
+namespace pagedllm_ops {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
@@ -160,7 +167,7 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
   });
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -170,8 +177,8 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("rms_norm", &pagedllm_ops::rms_norm);
+  m.impl("add_rms_norm_", &pagedllm_ops::add_rms_norm_);
+  m.impl("silu_and_mul", &pagedllm_ops::silu_and_mul);
+  m.impl("rotary_", &pagedllm_ops::rotary_);
 }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "generic_quant_layout.h"
+#include "ops.h"
 #include "quant_int8_rows.h"
 
 namespace {
@@ -136,6 +137,11 @@ void row_dots(const Layout& l, int64_t n, const float* x, int64_t ldx, float* su
 inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 
+}  // namespace
+
+// The entry points (quant_linear is ops.h's: decode_layers.cpp calls it directly).
+namespace pagedllm_ops {
+
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -221,10 +227,10 @@ bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, i
 #endif
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
-  m.def("quant_int8_takes", &quant_int8_takes);  // no tensor to dispatch on: every backend
+  m.def("quant_int8_takes", &pagedllm_ops::quant_int8_takes);  // no tensor to dispatch on: every backend
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
         "int group_size, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, Tensor? codebook, int bits, "
@@ -232,6 +238,6 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
-  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_linear", &pagedllm_ops::quant_linear);
+  m.impl("quant_dequantize", &pagedllm_ops::quant_dequantize);
 }

@@ -1,6 +1,7 @@
-// The entry points of the AVX-512 tiers' kernels that other kernels call directly (decode_layers.cpp
-// runs a whole decode step's layers through them), declared once. Each is also a torch op of the
-// tier (registered beside its definition) with the same arguments.
+// The entry points of every compiled tier's kernels that other kernels call directly
+// (decode_layers.cpp runs a whole decode step's layers through them), declared once. Each is also a
+// torch op of the tier (registered beside its definition) with the same arguments. Where a tier
+// defines them is named per group (AVX-512 source; AVX2 source).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,13 +12,13 @@
 
 namespace pagedllm_ops {
 
-// fused_ops.cpp
+// fused_ops.cpp; generic_fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);
 
-// quant_matmul.cpp
+// quant_matmul.cpp; generic_quant.cpp
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
@@ -26,7 +27,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 
 namespace pagedllm_attention {
 
-// paged_attention.cpp
+// attention_entry.cpp (both), its kernel in paged_attention.cpp; attention_avx2.cpp
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -39,7 +40,7 @@ at::Tensor paged_attention_invariant(const at::Tensor& query, const at::Tensor& 
                                      int64_t sliding_window, double softcap);
 bool attention_amx_available();
 
-// write_kv.cpp
+// write_kv.cpp (both)
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
               const at::Tensor& slot_mapping);
