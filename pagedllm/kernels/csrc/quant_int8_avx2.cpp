@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "generic_quant_layout.h"
 #include "quant_int8_rows.h"
@@ -46,6 +47,23 @@ inline float group_value(const Layout& l, const void* p, int64_t n, int64_t g) {
   return l.half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
+// out[b]: the scale of weight row n's block b (kBlock inputs; a group holds G / kBlock of them) in
+// fp32, converted once per row: per block, one broadcast (the group's index and its conversion
+// per block, a division among them, cost more than the block's integer products).
+inline void block_scales(const Layout& l, int64_t n, float* out) {
+  const int64_t groups = l.K / l.G, per_group = l.G / kBlock;
+  int64_t g = 0;
+  if (per_group == 1 && l.half) {
+    const uint16_t* p = static_cast<const uint16_t*>(l.scales) + n * groups;
+    for (; g + 8 <= groups; g += 8)
+      _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
+  }
+  for (; g < groups; ++g) {
+    const float v = group_value(l, l.scales, n, g);
+    for (int64_t i = 0; i < per_group; ++i) out[g * per_group + i] = v;
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -68,11 +86,21 @@ inline float min_term(const Layout& l, int64_t n, const float* sums) {
   return total;
 }
 
-// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1). Even and odd blocks sum into
-// two accumulators: one chain of fmadds would wait on its latency every block.
-template <int R, bool kU4>
-inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, float* out) {
+// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1), scales: the row's block
+// scales (block_scales). Even and odd blocks sum into two accumulators: one chain of fmadds would
+// wait on its latency every block. The rows' pointers are read once, not per block (kOffsets: x
+// has lane offsets, c != 0).
+template <int R, bool kU4, bool kOffsets>
+inline void row_dots(const Layout& l, int64_t n, const float* scales, const Int8Rows& x, int64_t m0, float* out) {
   const uint8_t* row = l.codes + n * l.row_bytes;
+  const int8_t* codes[R];
+  const float* lane_scales[R];
+  const int32_t* offsets[R];
+  for (int r = 0; r < R; ++r) {
+    codes[r] = x.codes_of(m0 + r);
+    lane_scales[r] = x.scales_of(m0 + r);
+    offsets[r] = x.offsets_of(m0 + r);
+  }
   __m256 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
   auto block = [&](int64_t b, __m256 (&acc)[R]) __attribute__((always_inline)) {
@@ -86,15 +114,13 @@ inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, 
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
       u = _mm256_abs_epi8(w);
     }
-    const __m256 s = _mm256_set1_ps(group_value(l, l.scales, n, b * kBlock / l.G));
+    const __m256 s = _mm256_broadcast_ss(scales + b);
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes_of(m) + b * kBlock));
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[r] + b * kBlock));
       if constexpr (!kU4) xq = _mm256_sign_epi8(xq, w);
-      const int32_t* offsets = x.offsets_of(m);
-      const __m256i start = offsets ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + b * 8))
-                                    : _mm256_setzero_si256();
-      const __m256 d = _mm256_loadu_ps(x.scales_of(m) + b * 8);
+      __m256i start = _mm256_setzero_si256();
+      if constexpr (kOffsets) start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets[r] + b * 8));
+      const __m256 d = _mm256_loadu_ps(lane_scales[r] + b * 8);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_add(start, u, xq)), d), s, acc[r]);
     }
   };
@@ -109,18 +135,26 @@ inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, 
     out[r] = hsum(_mm256_add_ps(even[r], odd[r])) + (l.mins ? min_term(l, n, x.sums_of(m0 + r)) : 0.0f);
 }
 
+template <int R, bool kU4>
+inline void row_dots(const Layout& l, int64_t n, const float* scales, const Int8Rows& x, int64_t m0, float* out) {
+  if (x.offsets_of(m0) != nullptr) row_dots<R, kU4, true>(l, n, scales, x, m0, out);
+  else row_dots<R, kU4, false>(l, n, scales, x, m0, out);
+}
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 
 template <bool kU4, typename T>
 void linear_rows(const Layout& l, int64_t n0, int64_t n1, const Int8Rows& x, const float* bias, T* out, int64_t ldo) {
   float sums[4];
+  std::vector<float> scales(l.K / kBlock);
   for (int64_t m0 = 0; m0 < x.M;) {
     const int rows = x.M - m0 >= 4 ? 4 : x.M - m0 >= 2 ? 2 : 1;
     for (int64_t n = n0; n < n1; ++n) {
-      if (rows == 4) row_dots<4, kU4>(l, n, x, m0, sums);
-      else if (rows == 2) row_dots<2, kU4>(l, n, x, m0, sums);
-      else row_dots<1, kU4>(l, n, x, m0, sums);
+      block_scales(l, n, scales.data());
+      if (rows == 4) row_dots<4, kU4>(l, n, scales.data(), x, m0, sums);
+      else if (rows == 2) row_dots<2, kU4>(l, n, scales.data(), x, m0, sums);
+      else row_dots<1, kU4>(l, n, scales.data(), x, m0, sums);
       for (int r = 0; r < rows; ++r) store(out + (m0 + r) * ldo + n, sums[r] + (bias ? bias[n] : 0.0f));
     }
     m0 += rows;
