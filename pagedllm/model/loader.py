@@ -39,7 +39,7 @@ from pagedllm.model.hybrid import HybridForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.quant_weight import QUANTIZATION_BITS, QuantizedWeight, check_quantizable, quantize
 from pagedllm.text.tokenizer import Tokenizer
-from pagedllm.utils import cpu_flags
+from pagedllm.utils import cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from pagedllm.distributed.shard import RankShard
@@ -66,12 +66,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if canonical_dtype(dtype) == "auto":  # ValueError naming the valid ones
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return parse_dtype_name(canonical_dtype(dtype))
-
-
-def _cpu_has_native_bf16() -> bool:
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto",

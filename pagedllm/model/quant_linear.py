@@ -35,6 +35,7 @@ from torch import nn
 
 from pagedllm.kernels import compiled, matmul, tiers
 from pagedllm.model.quant_weight import QuantizedWeight, stack_rows
+from pagedllm.utils import cpu_has_native_bf16
 
 # Up to this many rows the few-rows kernel runs; above it AMX where it can, else dequantized tiles
 # and a GEMM. Measured on the development machine (docs/benchmarks-notebook.md, Quantized weights): with
@@ -131,15 +132,20 @@ class QuantLinear(nn.Module):
         return self.bias if self.bias.dtype == torch.float32 else self.bias.float()
 
     def _dequantized_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """The GEMM path. bf16 rows on a CPU without bf16 math multiply in fp32 (the weights'
+        exact values, the product rounded to bf16 once): torch's bf16 GEMM there converts inside
+        and ran a 128-token prefill of the default model 4x slower than fp32 (AVX2 EPYC)."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        compute = torch.float32 if rows.dtype == torch.bfloat16 and not cpu_has_native_bf16() else rows.dtype
+        x = rows.to(compute)
         tile_rows = max(16, TILE_ELEMENTS // self.in_features)
         start = 0
         for part in self.parts:
             for lo in range(0, part.shape[0], tile_rows):
                 hi = min(lo + tile_rows, part.shape[0])
-                weight = matmul.quant_dequantize(part.rows(lo, hi), rows.dtype)
-                bias = None if self.bias is None else self.bias[start + lo:start + hi].to(rows.dtype)
-                out[:, start + lo:start + hi] = F.linear(rows, weight, bias)
+                weight = matmul.quant_dequantize(part.rows(lo, hi), compute)
+                bias = None if self.bias is None else self.bias[start + lo:start + hi].to(compute)
+                out[:, start + lo:start + hi] = F.linear(x, weight, bias)
             start += part.shape[0]
         return out
 
