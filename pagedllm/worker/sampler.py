@@ -168,8 +168,13 @@ class Sampler:
                 # (Filtered here, not with a mask on the device: no shape that needs a sync.)
                 seen = torch.tensor(sorted(t for t in set(rows[i].history.token_ids) if t < vocab),
                                     dtype=torch.long, device=logits.device)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                # In float64 (a penalty near 0 is 0 in float32: -inf * 0 is NaN) and held finite:
+                # a penalty of 1e-300 sends seen tokens' logits past float32 (inf - inf in the
+                # softmax is NaN, and a NaN row drew token ids outside the vocabulary).
+                vals = row[seen].double()
+                big = torch.finfo(row.dtype).max
+                penalized = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                row[seen] = torch.where(vals.isinf(), vals, penalized.clamp(-big, big)).to(row.dtype)
             if (p.presence_penalty or p.frequency_penalty) and rows[i].history.num_output_tokens:
                 # OpenAI convention: only generated tokens count.
                 out = torch.tensor([t for t in rows[i].history.output_token_ids if t < vocab],

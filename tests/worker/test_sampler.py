@@ -83,6 +83,16 @@ def test_repetition_penalty_pushes_seen_tokens_down():
     assert out.token_ids == [1]  # 2.0 / 1.5 < 1.9
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-40])
+def test_a_repetition_penalty_near_zero_keeps_the_row_finite(penalty):
+    """Seen tokens' logits pushed past float32 (or a penalty that is 0 in float32) stay finite:
+    the draw is among the seen tokens, never from a NaN row (which gave ids past the vocabulary)."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, float("-inf"), 0.5]] * 8)
+    params = SamplingParams(temperature=1.0, repetition_penalty=penalty, seed=3)
+    out = Sampler()(logits, [row(params, prompt=[0, 1, 3]) for _ in range(8)])
+    assert set(out.token_ids) <= {0, 1}
+
+
 def test_frequency_and_presence_penalties_count_generated_tokens_only():
     logits = torch.tensor([[3.0, 2.5, 0.0]])
     params = SamplingParams(temperature=0, frequency_penalty=0.3, presence_penalty=0.0)
