@@ -17,7 +17,7 @@ from pagedllm.model.batch_invariant import INVARIANT_ROWS, InvariantLinear
 from tests.conftest import requires_default_model
 from tests.model.tiny import make_hf_model, save_checkpoint
 
-pytestmark = pytest.mark.skipif(not tiers.available(),
+pytestmark = pytest.mark.skipif(not tiers.current().runs_layers,
                                 reason="batch-invariant mode needs the compiled CPU kernels")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -106,7 +106,7 @@ def test_uncovered_combinations_are_refused(tiny_folder, monkeypatch):
         EngineConfig(tensor_parallel_size=2, batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
         EngineConfig(batch_invariant="yes")
-    monkeypatch.setattr(tiers, "available", lambda: False)
+    monkeypatch.setattr(tiers.KernelChoice, "runs_layers", property(lambda self: False))
     with pytest.raises(ValueError, match="compiled CPU kernels"):
         LLM(str(tiny_folder), dtype="bfloat16", kv_cache_memory="16MiB", batch_invariant=True)
 

@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 TIERS = ("portable", "avx2", "avx512", "amx")  # lowest first
 FAMILIES = ("attention", "dense matmul", "quantized matmul", "norms/rotary", "sampling")
 CPU_ISA_CHOICES = ("auto", "amx", "avx512", "avx2", "portable")
-# The families a decode step's layers in one call (model/decode_layers.py) run through.
-DECODE_LAYERS_FAMILIES = ("attention", "quantized matmul", "norms/rotary")
+# The families a model's layers run through besides torch's dense matmuls: where a tier compiles
+# them all (avx2 and up), decode steps run every layer in one call (model/decode_layers.py) and
+# batch-invariant mode can run (model/batch_invariant.py).
+LAYER_FAMILIES = ("attention", "quantized matmul", "norms/rotary")
 
 # The CPU flags (as /proc/cpuinfo names them) each tier needs on top of the tier below it.
 _TIER_FLAGS = {
@@ -107,6 +109,18 @@ class KernelChoice:
         return family in self.kernel_families
 
     @property
+    def runs_layers(self) -> bool:
+        """Whether the layers' families (LAYER_FAMILIES) all run compiled kernels."""
+        return all(family in self.kernel_families for family in LAYER_FAMILIES)
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the few-rows quantized matmul takes bf16 activations as int8 (docs/cpu-tiers.md:
+        the avx2 tier; avx512 where the CPU has VNNI), for the layouts that allow it."""
+        return "quantized matmul" in self.kernel_families and (
+            self.tier == "avx2" or (self.tier == "avx512" and "avx512_vnni" in cpu_flags()))
+
+    @property
     def complete(self) -> bool:
         """Whether every family runs a compiled kernel."""
         return all(family in self.kernel_families for family in FAMILIES)
@@ -154,7 +168,7 @@ def select(cpu_isa: str = "auto", device_type: str = "cpu") -> KernelChoice:
         choice = KernelChoice(tier, detected, ops, why_portable=why, device_type=device_type,
                               kernel_families=families,
                               decode_layers=(envs.PAGEDLLM_DECODE_LAYERS and hasattr(ops, "decode_layers")
-                                             and all(f in families for f in DECODE_LAYERS_FAMILIES)))
+                                             and all(f in families for f in LAYER_FAMILIES)))
         if ops is not None and tier == "amx":
             choice = dataclasses.replace(
                 choice, attention_amx=envs.PAGEDLLM_ATTENTION_AMX and ops.attention_amx_available(),

@@ -26,8 +26,10 @@ What this mode fixes, per row:
   tensor's tail like its body).
 
 What it does not cover, refused at start-up with a ValueError: GPUs (the Triton kernel and
-cuBLAS choose their own orders), CPUs without pagedllm's compiled kernels (the portable torch
-attention batches its matmuls), float16, and head sizes the kernel is not compiled for.
+cuBLAS choose their own orders), CPU tiers without pagedllm's compiled attention, quantized
+matmuls and norms (tiers.LAYER_FAMILIES: the portable tier; its torch attention batches its
+matmuls), float16, and head sizes the kernel is not compiled for. (The avx2 tier's attention is
+row-invariant whatever the call: csrc/attention_avx2.cpp.)
 
 The cost is prefill speed (docs/reliability.md, `pagedllm bench throughput --batch-invariant`):
 attention's prefill runs at the decode path's per-row speed, quantized prefill on the few-rows
@@ -87,9 +89,9 @@ def check_batch_invariant(model: nn.Module) -> None:
     if weight.dtype not in _DTYPES:
         raise ValueError(f"batch_invariant supports bfloat16 and float32, not {weight.dtype}")
     probe = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=weight.dtype)
-    if not tiers.available():
-        raise ValueError("batch_invariant needs pagedllm's compiled CPU kernels, unavailable here: "
-                         f"{tiers.unavailable_reason()}")
+    if not tiers.current().runs_layers:
+        raise ValueError("batch_invariant needs pagedllm's compiled CPU kernels for attention, quantized "
+                         f"matmuls and norms, unavailable here: {tiers.unavailable_reason()}")
     if not cpu_attention.supports(probe, torch.empty(1, 1, config.num_key_value_heads, config.head_dim,
                                                   dtype=weight.dtype)):
         raise ValueError(f"batch_invariant: the compiled attention kernel does not take head_dim "

@@ -3,7 +3,7 @@
 A decode step of one stream on a small model is bound by Python, not by the CPU: each layer makes
 some ten module calls, checks and views around its kernels, about as long as its matmuls take.
 Where a model is Llama-shaped with weights kept quantized (the GGUF case: Llama, Mistral, Qwen2,
-SmolLM ...) and the chosen tier compiles the families it runs (tiers.DECODE_LAYERS_FAMILIES: avx2
+SmolLM ...) and the chosen tier compiles the families it runs (tiers.LAYER_FAMILIES: avx2
 and up), DecodeLayers packs each layer's tensors once
 into two flat lists, and a step of a few rows runs all layers in one call of the same kernels in
 the same order as LlamaForCausalLM's layers: the results are bit for bit theirs (tested), the

@@ -121,13 +121,13 @@ class ModelRunner:
         self.block_table = BlockTable(cdiv(max_model_len, block_size), track_changes=self._packs_table)
         self._arange = np.zeros(0, dtype=np.int64)
         self._reserve(4 * max_num_batched_tokens, max_num_batched_tokens)
-        # Which blocks' memory this process has faulted in (CPU, with the compiled kernels): the KV
+        # Which blocks' memory this process has faulted in (CPU, with compiled attention): the KV
         # cache is allocated untouched (resident memory grows with use), and a step's first
         # writes into a block fault its pages in one pass before the model runs
         # (_touch_new_blocks), not one page at a time inside the model's kernels: there, each
         # fault stalls both cores, and a first pass over the bench workload ran 9% slower.
         self.touched_blocks = (np.zeros(num_blocks, dtype=bool)
-                               if self.device.type == "cpu" and tiers.available() else None)
+                               if self.device.type == "cpu" and tiers.current().has("attention") else None)
         self._hidden: torch.Tensor | None = None  # a worker's last step's (for prompt logprobs)
         if self.device.type == "cpu" and not batch_invariant and isinstance(model, LlamaForCausalLM):
             model.decode_layers = DecodeLayers.build(model, self.kv_caches)
