@@ -48,7 +48,8 @@ def parse_size(value: int | float | str) -> int:
 
 # -- the tables a setting's choices come from ----------------------------------------------------
 # The model's dtype, by vLLM's and torch's names. "auto": bfloat16 where the device computes in it
-# natively, else float32 on a CPU and float16 on a GPU (pagedllm.model.loader.resolve_dtype).
+# natively or the CPU multiplies a model's quantized weights with int8 activations, else float32 on
+# a CPU and float16 on a GPU (pagedllm.model.loader.resolve_dtype and resolve_model_dtype).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
@@ -296,8 +297,9 @@ class EngineConfig:
         None, "a Hugging Face model folder or a .gguf file (default: the embedded "
         "SmolLM2-135M-Instruct)", check=_model_path)
     dtype: str = setting(
-        "auto", "the model's dtype: auto is bfloat16 where the device computes in it natively, "
-        "else float32 on a CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)
+        "auto", "the model's dtype: auto is bfloat16 where the device computes in it natively or "
+        "the CPU multiplies the model's quantized weights with int8 activations, else float32 on a "
+        "CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)
     block_size: int | None = setting(
         None, "tokens per KV block (default: 64 on the CPU, 16 on a GPU)", choices=VALID_BLOCK_SIZES)
     kv_cache_memory: int | str | None = setting(

@@ -48,7 +48,7 @@ from pagedllm.distributed.group import (
 from pagedllm.distributed.shard import RankShard
 from pagedllm.distributed.sharding import ShardPlan
 from pagedllm.kernels import tiers
-from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_dtype
+from pagedllm.model.loader import LoadedModel, load_model, read_model_config, resolve_model_dtype
 from pagedllm.worker.packet import PacketLayout
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class TensorParallelDriver:
         torch.set_num_threads(threads)
         # The workers load what rank 0 resolved: the same dtype whatever their CPU says, and
         # rank 0's device, from which each takes its own (group.rank_device).
-        dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+        resolved = resolve_model_dtype(config.dtype, device, config.model, config.quantization)
+        dtype = str(resolved).removeprefix("torch.")
         settings = dataclasses.asdict(dataclasses.replace(config, dtype=dtype, device=str(device)))
         store.set(protocol.CONFIG_KEY, json.dumps(settings))
         store.set(protocol.THREADS_KEY, str(threads))

@@ -94,6 +94,14 @@ class GGUFCheckpoint:
                 self.hf_names[hf] = name
                 self.expert_index[hf] = expert
 
+    @staticmethod
+    def holds_quantized_tensors(path: Path) -> bool:
+        """Whether the GGUF at path stores any tensor in a quantized type (not F32, F16 or BF16),
+        read from its header alone."""
+        kinds = gguf.GGMLQuantizationType
+        floats = {kinds.F32, kinds.F16, kinds.BF16}
+        return any(t.tensor_type not in floats for t in gguf.GGUFReader(path).tensors)
+
     def _check_complete(self) -> None:
         file_size = self.path.stat().st_size
         for tensor in self.reader.tensors:

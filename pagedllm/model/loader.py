@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import QUANTIZATION_CHOICES, canonical_dtype
+from pagedllm.kernels import tiers
 from pagedllm.model.config import ModelConfig, parse_dtype_name
 from pagedllm.model.errors import (
     CorruptCheckpointError,
@@ -70,6 +71,39 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     return parse_dtype_name(canonical_dtype(dtype))
 
 
+def resolve_model_dtype(dtype: str | torch.dtype, device: str | torch.device, model: str | Path | None,
+                        quantization: str = "auto") -> torch.dtype:
+    """resolve_dtype for a model (a path; None: the default model). "auto" is also bfloat16 on a
+    CPU without bf16 math where the model's matrices stay quantized and the chosen kernels multiply
+    them with int8 activations (the avx2 tier, avx512 with VNNI: KernelChoice.int8_activations), as
+    llama.cpp does: the large matmuls then run on integer dot products whatever the activations'
+    dtype, many rows multiply in fp32 (QuantLinear._dequantized_tiles), and bf16 halves the
+    activations and the KV cache. float32 took its exact kernel there instead: the default GGUF
+    decoded 2.5x slower (AVX2 EPYC, docs/benchmarks.md)."""
+    resolved = resolve_dtype(dtype, device)
+    if (canonical_dtype(dtype) != "auto" or resolved != torch.float32 or torch.device(device).type != "cpu"
+            or not tiers.current().int8_activations):
+        return resolved
+    return torch.bfloat16 if _matrices_stay_quantized(model, quantization) else resolved
+
+
+def _matrices_stay_quantized(model: str | Path | None, quantization: str) -> bool:
+    """Whether loading model with this quantization keeps its matrices quantized: int8/int4 asked
+    for, or a GGUF with quantized tensors under auto. False where the file cannot be read (the
+    loader then says why)."""
+    if quantization in QUANTIZATION_BITS:
+        return True
+    if quantization != "auto":
+        return False
+    try:
+        path = _model_path(model)
+        if path.suffix != ".gguf" or not path.is_file():
+            return False
+        return GGUFCheckpoint.holds_quantized_tensors(path)
+    except Exception:  # noqa: BLE001 - any unreadable file: load_model reports it
+        return False
+
+
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str = "auto",
                group_size: int = DEFAULT_GROUP_SIZE, shard: RankShard | None = None) -> LoadedModel:
@@ -77,7 +111,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "auto"
     weights on `device` (streamed there one tensor at a time). shard: only a tensor-parallel
     rank's share of it (pagedllm.distributed); LoadedModel.config is still the whole model's."""
     path = _model_path(path)
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_model_dtype(dtype, device, path, quantization)
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
     started = time.perf_counter()

@@ -152,6 +152,32 @@ def test_resolve_dtype():
             resolve_dtype(bad)
 
 
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_auto_is_bfloat16_where_quantized_weights_meet_int8_activations(
+        tiny_checkpoint, tmp_path, monkeypatch, int8_activations):
+    """On a CPU without bf16 math, "auto" is bf16 for a model whose matrices stay quantized where
+    the kernels take int8 activations; float32 for float weights, quantization=none, or kernels
+    without int8 activations. An explicit dtype is kept."""
+    from pagedllm.kernels import tiers
+    from pagedllm.model import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(tiers.KernelChoice, "int8_activations", property(lambda self: int8_activations))
+    hf_model = tiny_checkpoint("llama_gqa_untied").hf_model
+    quantized = write_gguf(hf_model, tmp_path / "q8.gguf",
+                           quantize={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q8_0})
+    floats = write_gguf(hf_model, tmp_path / "f32.gguf")
+    expected = torch.bfloat16 if int8_activations else torch.float32
+    assert loader.resolve_model_dtype("auto", "cpu", quantized) is expected
+    folder = tiny_checkpoint("llama_gqa_untied").folder
+    assert loader.resolve_model_dtype("auto", "cpu", folder, "int8") is expected
+    assert loader.resolve_model_dtype("auto", "cpu", floats) is torch.float32
+    assert loader.resolve_model_dtype("auto", "cpu", quantized, "none") is torch.float32
+    assert loader.resolve_model_dtype("auto", "cpu", tmp_path / "missing.gguf") is torch.float32
+    assert loader.resolve_model_dtype("float32", "cpu", quantized) is torch.float32
+    assert load_model(quantized).model.norm.weight.dtype is expected
+
+
 def test_config_missing_a_required_key_names_it(tmp_path):
     from pagedllm.model.errors import ModelLoadError
     from pagedllm.model.loader import load_model
