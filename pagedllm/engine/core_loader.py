@@ -34,7 +34,7 @@ from pagedllm.lora.request import LoRARequest, parse_lora_modules
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
-from pagedllm.model.loader import LoadedModel, resolve_model_dtype
+from pagedllm.model.loader import LoadedModel
 from pagedllm.model.recurrent_state import pages_per_request
 from pagedllm.pooling_params import PoolingSetup
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -91,8 +91,8 @@ def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
     device = resolve_device(config.device)
     loaded, driver = load_engine_model(config, device)
     try:
-        dtype = resolve_model_dtype(config.dtype, device, config.model, config.quantization)
-        parts = build_core_parts(config, loaded.model, loaded.config, dtype,
+        # The dtype the loader resolved and holds the weights in (not resolved a second time).
+        parts = build_core_parts(config, loaded.model, loaded.config, loaded.config.dtype,
                                  GrammarCompiler(loaded.tokenizer), driver)
     except BaseException:
         if driver is not None:

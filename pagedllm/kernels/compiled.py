@@ -51,7 +51,7 @@ _AVX512_SOURCES = ("attention_entry.cpp", "paged_attention.cpp", "write_kv.cpp",
                    "dense_amx.cpp", "sample.cpp", "decode_layers.cpp")
 _HEADERS = ("ops.h", "attention_plan.h", "vec.h", "quant_packed.h", "quant_int8_rows.h",
             "generic_quant_layout.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
-            "attention_amx_prefill.h", "attention_amx_decode.h")
+            "attention_amx_prefill.h", "attention_amx_decode.h", "vec_avx2.h")
 # The AVX2 tier: plain C++ the compiler vectorizes for the tier's flags (norms/rotary, quantized
 # matmuls), AVX2 intrinsics where that is not enough (int8 matmuls, attention), and the sources every
 # tier shares (attention's entry points, the KV writes, a decode step's layers in one call).

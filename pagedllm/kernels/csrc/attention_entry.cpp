@@ -65,26 +65,6 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key_cache, const
   return out;
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& value_scale,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                           double softcap, bool use_amx) {
-  return attention(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, query_start_loc,
-                   scale, sliding_window, softcap, use_amx, false);
-}
-
-// paged_attention in batch-invariant mode (Problem::row_invariant): a row's result depends on its
-// request's context only, not on the batch.
-at::Tensor paged_attention_invariant(const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const std::optional<at::Tensor>& key_scale,
-                                     const std::optional<at::Tensor>& value_scale, const at::Tensor& block_tables,
-                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                     int64_t sliding_window, double softcap) {
-  return attention(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, query_start_loc,
-                   scale, sliding_window, softcap, false, true);
-}
-
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

@@ -20,6 +20,8 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
+
+#include "vec_avx2.h"
 #endif
 
 #include <algorithm>
@@ -73,12 +75,7 @@ inline float dot(const float* x, const float* w, int64_t K) {
 // kRows rows of x as it goes (no buffer). 4-bit codes index the group's table scale * book + min
 // (16 values in two registers) with two permutes and a blend on the code's bit 3.
 constexpr int kRows = 8;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using pagedllm_vec_avx2::hsum;
 
 template <int R>
 inline void fma_rows(__m256 w, const float* x, int64_t ldx, int64_t k, __m256* acc) {

@@ -16,6 +16,8 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
+
+#include "vec_avx2.h"
 #endif
 
 #include <algorithm>
@@ -31,6 +33,7 @@ namespace {
 
 #ifdef __AVX2__
 using pagedllm_generic::Layout;
+using pagedllm_vec_avx2::hsum;
 
 // acc + the products of u (unsigned bytes) and s (signed), summed in fours.
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
@@ -62,12 +65,6 @@ inline void block_scales(const Layout& l, int64_t n, float* out) {
     const float v = group_value(l, l.scales, n, g);
     for (int64_t i = 0; i < per_group; ++i) out[g * per_group + i] = v;
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // sum_g min_g * (sum of x over group g) for weight row n and one row of x's group sums.
