@@ -223,7 +223,9 @@ struct Kernel {
 
 template <typename T, typename C, int D>
 void run(const Problem<T, C>& p, int64_t num_seqs) {
-  const std::vector<WorkItem> items = plan(p, num_seqs, false);
+  // Each head is computed alike whatever item holds it: a decode of fewer streams than threads
+  // takes an item per kv head.
+  const std::vector<WorkItem> items = plan(p, num_seqs, false, at::get_num_threads());
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {

@@ -68,10 +68,12 @@ struct Problem {
 constexpr int64_t kDotRows = 8;
 
 // Decodes (and other short queries) take all kv heads in one item, reading each cached token's
-// K/V row whole; prefill chunks are cut into tiles of kQueryTile tokens (on the tile unit, enough
-// tokens for about kAmxRows rows), one item per kv head.
+// K/V row whole, unless there are fewer of them than split_below (a tier's thread count, where its
+// kernel computes each head alike in any item): then one item per kv head, so that one stream's
+// decode runs on every thread. Prefill chunks are cut into tiles of kQueryTile tokens (on the tile
+// unit, enough tokens for about kAmxRows rows), one item per kv head.
 template <typename P>
-std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx) {
+std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split_below = 0) {
   std::vector<WorkItem> items;
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t query_tile = amx ? std::max<int64_t>(1, kAmxRows / group) : kQueryTile;
@@ -89,6 +91,18 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx) {
       if (p.sliding_window > 0) keys = std::min(keys, p.sliding_window + n);
       for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, 1, keys * n});
     }
+  }
+  if (static_cast<int64_t>(items.size()) < split_below) {
+    std::vector<WorkItem> split;
+    for (const WorkItem& item : items) {
+      if (item.num_heads == 1) {
+        split.push_back(item);
+        continue;
+      }
+      for (int64_t h = 0; h < item.num_heads; ++h)
+        split.push_back({item.seq, item.token_begin, item.num_tokens, item.head_begin + h, 1, item.cost / item.num_heads});
+    }
+    items.swap(split);
   }
   // Longest first, so the last items to start are short ones and threads finish together.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });

@@ -1,7 +1,8 @@
 // The elementwise fusions of fused_ops.cpp (RMSNorm with the residual add, rotary in place,
 // SiLU-and-mul) in plain C++, for the tiers without AVX-512: the compiler vectorizes the loops for
-// the tier's -m flags (AVX2 with FMA; the same source compiles for aarch64). Same contract and
-// roundings as fused_ops.cpp: rounded to the storage dtype wherever the torch path rounds.
+// the tier's -m flags (AVX2 with FMA; the same source compiles for aarch64), with AVX2 intrinsics
+// where it cannot (SiLU's exp). Same contract and roundings as fused_ops.cpp: rounded to the
+// storage dtype wherever the torch path rounds.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,6 +16,10 @@
 #include <type_traits>
 
 #include "ops.h"
+
+#ifdef __AVX2__
+#include "vec_avx2.h"
+#endif
 
 namespace {
 
@@ -122,7 +127,19 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       for (int64_t r = r0; r < r1; ++r) {
         const T* g = gp + r * stride;
         const T* u = g + I;
-        for (int64_t i = 0; i < I; ++i) {
+        int64_t i = 0;
+#ifdef __AVX2__
+        // std::exp is a call per element that does not vectorize: a decode step's SiLU took longer
+        // than its norms and rotary together.
+        using namespace pagedllm_vec_avx2;
+        for (; i + 8 <= I; i += 8) {
+          const __m256 gv = load8(g + i);
+          const __m256 silu = round8(g, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                        exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+          store8(op + r * I + i, _mm256_mul_ps(silu, load8(u + i)));
+        }
+#endif
+        for (; i < I; ++i) {
           const float gv = to_f32(g[i]);
           store(op + r * I + i, round_to(g, gv / (1.0f + std::exp(-gv))) * to_f32(u[i]));
         }

@@ -1,5 +1,6 @@
 // Small AVX2 helpers shared by the AVX2 tier's kernels (attention_avx2.cpp, quant_int8_avx2.cpp,
-// generic_quant.cpp): 8 stored elements as fp32, horizontal sum and max, exp and tanh. vec.h is
+// generic_quant.cpp, generic_fused_ops.cpp): 8 stored elements as fp32 and back, horizontal sum and
+// max, exp and tanh. vec.h is
 // their AVX-512 counterpart (16 lanes), with the same formulas.
 #pragma once
 
@@ -51,6 +52,25 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
+
+// v rounded to bf16 (nearest even, NaN to a quiet NaN, as c10::BFloat16 converts): 8 bit patterns.
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// v as stored in T and read back (torch's casts round to the storage dtype between ops).
+inline __m256 round8(const float*, __m256 v) { return v; }
+inline __m256 round8(const c10::BFloat16*, __m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v)); }
 
 // exp(x): 0 below about -87 (exp(-inf) = 0), clamped at exp(88): Taylor to degree 7 around the
 // nearest multiple of ln 2, as vec.h's exp_f32 on AVX-512.
