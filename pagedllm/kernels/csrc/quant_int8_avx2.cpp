@@ -7,8 +7,8 @@
 // The products of unsigned and signed bytes are summed in fours into 8 int32 lanes: with AVX-VNNI
 // by vpdpbusd, else by vpmaddubsw (pairs into int16: at most 2 * 128 * 127, under its saturation)
 // and vpmaddwd (pairs of those into int32). Started at c * (x's codes' sums), exact; then per row
-// of x converted to fp32, times the block's d and the weight group's scale, summed in fp32; the
-// mins' term last.
+// of x converted to fp32, times the block's d and the weight group's scale, summed in fp32 from
+// the mins' term.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +21,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -50,92 +51,108 @@ inline float group_value(const Layout& l, const void* p, int64_t n, int64_t g) {
   return l.half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-// out[b]: the scale of weight row n's block b (kBlock inputs; a group holds G / kBlock of them) in
-// fp32, converted once per row: per block, one broadcast (the group's index and its conversion
-// per block, a division among them, cost more than the block's integer products).
-inline void block_scales(const Layout& l, int64_t n, float* out) {
-  const int64_t groups = l.K / l.G, per_group = l.G / kBlock;
+// 8 consecutive group values (scales or mins) of weight row n from group g on, in fp32.
+inline __m256 group_values8(const Layout& l, const void* p, int64_t n, int64_t g) {
+  const int64_t i = n * (l.K / l.G) + g;
+  return l.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+                : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+// out[b]: the scale of weight row n's block b in fp32 for b < K / 32, then 0 up to a multiple of
+// 8, converted once per row (per block, the group's index and conversion, a division among them,
+// cost more than the block's integer products). Whole vectors where a group is one block (the
+// GGUF layouts): a short last one through a zero-padded copy.
+inline void row_scales(const Layout& l, int64_t n, float* out) {
+  const int64_t groups = l.K / l.G, per_group = l.G / kBlock, blocks = l.K / kBlock;
   int64_t g = 0;
   if (per_group == 1 && l.half) {
     const uint16_t* p = static_cast<const uint16_t*>(l.scales) + n * groups;
-    for (; g + 8 <= groups; g += 8)
-      _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
+    if (g < groups) {
+      alignas(16) uint16_t tail[8] = {};
+      std::copy(p + g, p + groups, tail);
+      _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
+      return;
+    }
   }
   for (; g < groups; ++g) {
-    const float v = group_value(l, l.scales, n, g);
-    for (int64_t i = 0; i < per_group; ++i) out[g * per_group + i] = v;
+    const float s = group_value(l, l.scales, n, g);
+    for (int64_t i = 0; i < per_group; ++i) out[g * per_group + i] = s;
   }
+  std::fill(out + blocks, out + (blocks + 7) / 8 * 8, 0.0f);
 }
 
-// sum_g min_g * (sum of x over group g) for weight row n and one row of x's group sums.
-inline float min_term(const Layout& l, int64_t n, const float* sums) {
+// sum_g min_g * sums[g] for weight row n and a row of x's group sums, as 8 lanes to start the
+// row's accumulator from: its horizontal sum then adds them (one fold per row, not two).
+inline __m256 min_lanes(const Layout& l, int64_t n, const float* sums) {
   const int64_t groups = l.K / l.G;
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const __m256 mins = l.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                                     static_cast<const uint16_t*>(l.mins) + n * groups + g)))
-                               : _mm256_loadu_ps(static_cast<const float*>(l.mins) + n * groups + g);
-    acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sums + g), acc);
-  }
-  float total = hsum(acc);
-  for (; g < groups; ++g) total += group_value(l, l.mins, n, g) * sums[g];
-  return total;
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(group_values8(l, l.mins, n, g), _mm256_loadu_ps(sums + g), acc);
+  float tail = 0.0f;
+  for (; g < groups; ++g) tail += group_value(l, l.mins, n, g) * sums[g];
+  return _mm256_add_ps(acc, _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail));
 }
 
-// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1), scales: the row's block
-// scales (block_scales). Even and odd blocks sum into two accumulators: one chain of fmadds would
+// out[r] = x[r] . w[n] for R rows of x (Int8Rows, rows m0..m0+R-1); scales: room for (R + 1) *
+// x.blocks_pad() floats. Per block: the weight codes as unsigned bytes once, then per row of x its
+// integer products (started at the lane offsets where c != 0), converted, times the row's
+// combined scale for the block (the weight's times x's, made for the whole row in vectors first):
+// one formula whatever R, so a row's result does not depend on the rows beside it (batch-invariant
+// mode relies on it). Even and odd blocks sum into two accumulators: one chain of fmadds would
 // wait on its latency every block. The rows' pointers are read once, not per block (kOffsets: x
 // has lane offsets, c != 0).
 template <int R, bool kU4, bool kOffsets>
-inline void row_dots(const Layout& l, int64_t n, const float* scales, const Int8Rows& x, int64_t m0, float* out) {
+inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, float* scales, float* out) {
+  const int64_t blocks = l.K / kBlock, stride = x.blocks_pad();
   const uint8_t* row = l.codes + n * l.row_bytes;
+  float* weight_scales = scales + R * stride;
+  row_scales(l, n, weight_scales);
   const int8_t* codes[R];
-  const float* lane_scales[R];
   const int32_t* offsets[R];
+  const float* combined[R];
+  __m256 even[R], odd[R];
   for (int r = 0; r < R; ++r) {
     codes[r] = x.codes_of(m0 + r);
-    lane_scales[r] = x.scales_of(m0 + r);
     offsets[r] = x.offsets_of(m0 + r);
+    const float* dx = x.block_scales_of(m0 + r);
+    float* c = scales + r * stride;
+    for (int64_t b = 0; b < stride; b += 8)
+      _mm256_storeu_ps(c + b, _mm256_mul_ps(_mm256_loadu_ps(weight_scales + b), _mm256_loadu_ps(dx + b)));
+    combined[r] = c;
+    even[r] = l.mins ? min_lanes(l, n, x.sums_of(m0 + r)) : _mm256_setzero_ps();
+    odd[r] = _mm256_setzero_ps();
   }
-  __m256 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
   auto block = [&](int64_t b, __m256 (&acc)[R]) __attribute__((always_inline)) {
     __m256i u, w;
     if constexpr (kU4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-      u = _mm256_set_m128i(high, low);
+      u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
     } else {
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
       u = _mm256_abs_epi8(w);
     }
-    const __m256 s = _mm256_broadcast_ss(scales + b);
     for (int r = 0; r < R; ++r) {
       __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[r] + b * kBlock));
       if constexpr (!kU4) xq = _mm256_sign_epi8(xq, w);
       __m256i start = _mm256_setzero_si256();
       if constexpr (kOffsets) start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets[r] + b * 8));
-      const __m256 d = _mm256_loadu_ps(lane_scales[r] + b * 8);
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_add(start, u, xq)), d), s, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_add(start, u, xq)), _mm256_broadcast_ss(combined[r] + b), acc[r]);
     }
   };
-  const int64_t blocks = l.K / kBlock;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
     block(b, even);
     block(b + 1, odd);
   }
   if (b < blocks) block(b, even);
-  for (int r = 0; r < R; ++r)
-    out[r] = hsum(_mm256_add_ps(even[r], odd[r])) + (l.mins ? min_term(l, n, x.sums_of(m0 + r)) : 0.0f);
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(even[r], odd[r]));
 }
 
 template <int R, bool kU4>
-inline void row_dots(const Layout& l, int64_t n, const float* scales, const Int8Rows& x, int64_t m0, float* out) {
-  if (x.offsets_of(m0) != nullptr) row_dots<R, kU4, true>(l, n, scales, x, m0, out);
-  else row_dots<R, kU4, false>(l, n, scales, x, m0, out);
+inline void row_dots(const Layout& l, int64_t n, const Int8Rows& x, int64_t m0, float* scales, float* out) {
+  if (x.offsets_of(m0) != nullptr) row_dots<R, kU4, true>(l, n, x, m0, scales, out);
+  else row_dots<R, kU4, false>(l, n, x, m0, scales, out);
 }
 
 inline void store(float* p, float v) { *p = v; }
@@ -144,14 +161,13 @@ inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 template <bool kU4, typename T>
 void linear_rows(const Layout& l, int64_t n0, int64_t n1, const Int8Rows& x, const float* bias, T* out, int64_t ldo) {
   float sums[4];
-  std::vector<float> scales(l.K / kBlock);
+  std::vector<float> scales(5 * x.blocks_pad());  // row_dots' combined scales: 4 rows and the weight's
   for (int64_t m0 = 0; m0 < x.M;) {
     const int rows = x.M - m0 >= 4 ? 4 : x.M - m0 >= 2 ? 2 : 1;
     for (int64_t n = n0; n < n1; ++n) {
-      block_scales(l, n, scales.data());
-      if (rows == 4) row_dots<4, kU4>(l, n, scales.data(), x, m0, sums);
-      else if (rows == 2) row_dots<2, kU4>(l, n, scales.data(), x, m0, sums);
-      else row_dots<1, kU4>(l, n, scales.data(), x, m0, sums);
+      if (rows == 4) row_dots<4, kU4>(l, n, x, m0, scales.data(), sums);
+      else if (rows == 2) row_dots<2, kU4>(l, n, x, m0, scales.data(), sums);
+      else row_dots<1, kU4>(l, n, x, m0, scales.data(), sums);
       for (int r = 0; r < rows; ++r) store(out + (m0 + r) * ldo + n, sums[r] + (bias ? bias[n] : 0.0f));
     }
     m0 += rows;
@@ -173,9 +189,16 @@ bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t ldo = out.stride(0);
   const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(l.K, 1));
   auto run = [&](auto* op) {
-    at::parallel_for(0, l.N, grain, [&](int64_t n0, int64_t n1) {
-      if (bits == 4) linear_rows<true>(l, n0, n1, rows, bp, op, ldo);
-      else linear_rows<false>(l, n0, n1, rows, bp, op, ldo);
+    // Chunks of weight rows taken in turn, not a fixed share per thread: a VM's cores run at
+    // different speeds from one call to the next, and a static split waits on the slower.
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), (l.N + grain - 1) / grain);
+    const int64_t chunk = std::max<int64_t>(grain, (l.N + 8 * threads - 1) / (8 * threads));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t n0 = next.fetch_add(chunk); n0 < l.N; n0 = next.fetch_add(chunk)) {
+        if (bits == 4) linear_rows<true>(l, n0, std::min(l.N, n0 + chunk), rows, bp, op, ldo);
+        else linear_rows<false>(l, n0, std::min(l.N, n0 + chunk), rows, bp, op, ldo);
+      }
     });
   };
   if (out.scalar_type() == at::kFloat) run(out.mutable_data_ptr<float>());

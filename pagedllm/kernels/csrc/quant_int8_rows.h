@@ -53,11 +53,14 @@ struct Int8Rows {
   int64_t M = 0, K = 0, K_pad = 0, groups = 0;
   std::vector<int8_t> codes;           // [M, K_pad]
   std::vector<float> lane_scales;      // [M, K_pad / 4]: each lane's block scale d (one vector load)
+  std::vector<float> block_scales;     // [M, blocks_pad()]: each block's d in x's order (not nibble_order's), 0 past K
   std::vector<int32_t> lane_offsets;   // [M, K_pad / 4]: c * (the lane's 4 codes' sum); empty for c = 0
   std::vector<float> group_sums;       // [M, groups]: sum of x over each weight group; empty without mins
 
   const int8_t* codes_of(int64_t m) const { return codes.data() + m * K_pad; }
   const float* scales_of(int64_t m) const { return lane_scales.data() + m * (K_pad / kLane); }
+  int64_t blocks_pad() const { return (K_pad / kBlock + 7) / 8 * 8; }  // whole vectors of 8 scales
+  const float* block_scales_of(int64_t m) const { return block_scales.data() + m * blocks_pad(); }
   const int32_t* offsets_of(int64_t m) const {
     return lane_offsets.empty() ? nullptr : lane_offsets.data() + m * (K_pad / kLane);
   }
@@ -66,7 +69,7 @@ struct Int8Rows {
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool sums, int8_t* codes, float* scales,
-                  int32_t* offsets, float* group_sums) {
+                  float* block_scales, int32_t* offsets, float* group_sums) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     float v[kBlock];
     float amax = 0.0f;
@@ -75,6 +78,7 @@ void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool su
       amax = std::max(amax, std::fabs(v[j]));
     }
     const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    block_scales[b] = d;
     int8_t* q = codes + b * kBlock;
     for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
     for (int l = 0; l < kBlock / kLane; ++l) {
@@ -115,6 +119,7 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
   const int64_t lanes = rows.K_pad / kLane;
   rows.codes.assign(rows.M * rows.K_pad, 0);
   rows.lane_scales.assign(rows.M * lanes, 0.0f);
+  rows.block_scales.assign(rows.M * rows.blocks_pad(), 0.0f);
   if (offset != 0) rows.lane_offsets.assign(rows.M * lanes, 0);
   if (sums) rows.group_sums.assign(rows.M * rows.groups, 0.0f);
   for (int64_t m = 0; m < rows.M; ++m) {
@@ -122,7 +127,8 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
     float* group_sums = sums ? rows.group_sums.data() + m * rows.groups : nullptr;
     auto run = [&](const auto* xr) {
       quantize_row(xr, rows.K, group_size, offset, sums, rows.codes.data() + m * rows.K_pad,
-                   rows.lane_scales.data() + m * lanes, offsets, group_sums);
+                   rows.lane_scales.data() + m * lanes, rows.block_scales.data() + m * rows.blocks_pad(),
+                   offsets, group_sums);
     };
     if (x.scalar_type() == at::kBFloat16) run(x.const_data_ptr<c10::BFloat16>() + m * x.stride(0));
     else run(x.const_data_ptr<float>() + m * x.stride(0));
