@@ -52,8 +52,12 @@ install: $(BIN)/.installed
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(MODEL_FLAG)
 
+# make test runs the suite in TEST_WORKERS processes (pytest-xdist), a test file to one worker (its
+# module fixtures load once): on 2 cores, 2 workers take 17 minutes where one took 30 (much of the
+# suite waits on servers, subprocesses and sockets). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: install
 	$(BIN)/ruff check pagedllm tests
