@@ -45,6 +45,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		echo "chromium could not be installed: the dashboard's browser tests will skip"
+	# Debian's aarch64 cross compiler: the kernels' portable sources must compile for ARM.
+	command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; } || \
+		echo "g++-aarch64-linux-gnu could not be installed: the aarch64 compile tests will skip"
 	touch $@
 
 install: $(BIN)/.installed

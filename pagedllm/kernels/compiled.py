@@ -58,6 +58,11 @@ _HEADERS = ("ops.h", "attention_plan.h", "vec.h", "quant_packed.h", "quant_int8_
 _GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp",
                     "attention_entry.cpp", "attention_avx2.cpp", "write_kv.cpp", "attention_registration.cpp",
                     "decode_layers.cpp")
+# The avx2 tier's sources with no x86 intrinsics outside `#ifdef __AVX2__`: what an aarch64 build
+# compiles as they are (attention_avx2.cpp has no ARM counterpart yet, so an aarch64 tier would
+# have no attention kernel). tests/kernels/test_aarch64_sources.py builds each with Debian's cross
+# compiler, which make install tries to install.
+AARCH64_SOURCES = tuple(name for name in _GENERIC_SOURCES if name != "attention_avx2.cpp")
 # The sources each tier builds (tiers.py says what a tier needs of the CPU), and the families
 # they compile (the others run portable torch under that tier; the start-up line says which).
 _TIER_SOURCES = {"amx": _AVX512_SOURCES, "avx512": _AVX512_SOURCES, "avx2": _GENERIC_SOURCES}
