@@ -12,8 +12,10 @@ from tests.server.conftest import RunningServer, tiny_config
 def test_the_isolation_bench_reports_every_attack(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "isolation.json"
     with RunningServer(tiny_config(tiny_model_dir, num_kv_blocks=64)) as server:
+        # The big request (64 prompts x n=4) must end within its window to report its status:
+        # few tokens and 4 s, so it does on a machine running other tests beside this one.
         code = main(["bench", "isolation", "--base-url", server.base_url, "--idle-s", "1",
-                     "--attack-s", "2", "--watch-tokens", "24", "--attack-tokens", "30",
+                     "--attack-s", "4", "--watch-tokens", "24", "--attack-tokens", "8",
                      "--attacks", "big,logit-bias,sse,grammar", "--output-json", str(out)])
     assert code == 0
     rows = {row["attack"]: row for row in json.loads(out.read_text())["results"]}
