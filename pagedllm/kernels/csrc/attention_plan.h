@@ -95,10 +95,6 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split
   if (static_cast<int64_t>(items.size()) < split_below) {
     std::vector<WorkItem> split;
     for (const WorkItem& item : items) {
-      if (item.num_heads == 1) {
-        split.push_back(item);
-        continue;
-      }
       for (int64_t h = 0; h < item.num_heads; ++h)
         split.push_back({item.seq, item.token_begin, item.num_tokens, item.head_begin + h, 1, item.cost / item.num_heads});
     }

@@ -61,20 +61,12 @@ inline __m256 group_values8(const Layout& l, const void* p, int64_t n, int64_t g
 // out[b]: the scale of weight row n's block b in fp32 for b < K / 32, then 0 up to a multiple of
 // 8, converted once per row (per block, the group's index and conversion, a division among them,
 // cost more than the block's integer products). Whole vectors where a group is one block (the
-// GGUF layouts): a short last one through a zero-padded copy.
+// GGUF layouts).
 inline void row_scales(const Layout& l, int64_t n, float* out) {
   const int64_t groups = l.K / l.G, per_group = l.G / kBlock, blocks = l.K / kBlock;
   int64_t g = 0;
-  if (per_group == 1 && l.half) {
-    const uint16_t* p = static_cast<const uint16_t*>(l.scales) + n * groups;
-    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
-    if (g < groups) {
-      alignas(16) uint16_t tail[8] = {};
-      std::copy(p + g, p + groups, tail);
-      _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
-      return;
-    }
-  }
+  if (per_group == 1)
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, group_values8(l, l.scales, n, g));
   for (; g < groups; ++g) {
     const float s = group_value(l, l.scales, n, g);
     for (int64_t i = 0; i < per_group; ++i) out[g * per_group + i] = s;

@@ -1,7 +1,6 @@
 // Small AVX2 helpers shared by the AVX2 tier's kernels (attention_avx2.cpp, quant_int8_avx2.cpp,
 // generic_quant.cpp, generic_fused_ops.cpp): 8 stored elements as fp32 and back, horizontal sum and
-// max, exp and tanh. vec.h is
-// their AVX-512 counterpart (16 lanes), with the same formulas.
+// max, exp and tanh. vec.h is their AVX-512 counterpart (16 lanes), with the same formulas.
 #pragma once
 
 #include <c10/util/BFloat16.h>
