@@ -270,11 +270,12 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def default_block_size(device_type: str) -> int:
-    """Tokens per KV block where none is asked for. On the CPU 64: a decode reads each request's
-    blocks from DRAM, and longer runs of them read faster (the bench workload 4% faster than with
-    16, in lockstep; 128 gained no more and wastes twice the tail; vLLM's CPU default is 128). On a
-    GPU 16, as vLLM's."""
-    return 64 if device_type == "cpu" else 16
+    """Tokens per KV block where none is asked for: 16 on every device. A request's last block is
+    half empty on average, so waste grows with the block (the memory bench's workload: 2.04% of the
+    slots at 16, 8.16% at 64; short sequences far more), while bigger pages no longer buy speed
+    (level on AVX2, 4% with the AMX kernels): docs/benchmarks.md, "Block size". device_type is kept
+    for a device whose kernels would want another size."""
+    return 16
 
 
 def _cpu_isa(name: str, value) -> None:
@@ -301,7 +302,7 @@ class EngineConfig:
         "the CPU multiplies the model's quantized weights with int8 activations, else float32 on a "
         "CPU and float16 on a GPU", choices=(*DTYPES, *DTYPE_ALIASES), check=_dtype)
     block_size: int | None = setting(
-        None, "tokens per KV block (default: 64 on the CPU, 16 on a GPU)", choices=VALID_BLOCK_SIZES)
+        None, "tokens per KV block (default: 16)", choices=VALID_BLOCK_SIZES)
     kv_cache_memory: int | str | None = setting(
         None, "the KV cache's budget: bytes, or e.g. 512MiB, 2GiB (default: a share of the free "
         "memory)", parse=_size_flag, check=_memory_size)

@@ -224,9 +224,9 @@ def test_the_block_size_left_unset_is_the_devices_default(tiny_model_dir):
     from pagedllm.config import default_block_size
     from pagedllm.engine.llm_engine import LLMEngine
 
-    assert default_block_size("cpu") == 64 and default_block_size("cuda") == 16
-    core = LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8).engine_core
-    assert core.kv_plan.block_size == core.executor.runner.block_size == 64
+    assert default_block_size("cpu") == default_block_size("cuda") == 16
+    core = LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32).engine_core
+    assert core.kv_plan.block_size == core.executor.runner.block_size == 16
 
 
 def test_the_start_up_line_names_every_choice_that_changes_which_code_runs(tiny_model_dir, caplog):
