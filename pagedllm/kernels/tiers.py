@@ -121,6 +121,12 @@ class KernelChoice:
             self.tier == "avx2" or (self.tier == "avx512" and "avx512_vnni" in cpu_flags()))
 
     @property
+    def interleaved_int8(self) -> bool:
+        """Whether a bf16 model's quantized weights take the row-interleaved layout at load, which
+        the avx512 tier's int8 kernel reads (quant_linear.interleave_for_int8)."""
+        return self.int8_activations and self.tier == "avx512"
+
+    @property
     def complete(self) -> bool:
         """Whether every family runs a compiled kernel."""
         return all(family in self.kernel_families for family in FAMILIES)

@@ -31,7 +31,7 @@ from pagedllm.model.errors import MissingTensorError
 from pagedllm.model.mla import MLAttention
 from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
-from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear
+from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear, interleave_for_int8
 from pagedllm.model.quant_weight import QuantizedWeight
 from pagedllm.model.rope import RotaryEmbedding, apply_rotary
 from pagedllm.model.weight_names import fused_state_dict, hf_tensor_names
@@ -268,9 +268,14 @@ class LlamaForCausalLM(nn.Module):
     def prepack_for_cpu(self, max_num_tokens: int) -> bool:
         """Pack the bf16 matmul weights (and a copy of a tied LM head) for the CPU's matmul kernels
         (packed_linear.py: the same results as F.linear but for an element now and then one bf16
-        step apart). Only for bfloat16 on CPU; returns whether it packed."""
+        step apart), and lay quantized ones out for the tier's int8 kernel where it has one
+        (quant_linear.interleave_for_int8). Only for bfloat16 on CPU; returns whether it packed
+        float weights."""
         weight = self.norm.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not can_pack(max_num_tokens):
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return False
+        interleave_for_int8(self)
+        if not can_pack(max_num_tokens):
             return False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):

@@ -173,6 +173,27 @@ class QuantEmbedding(nn.Module):
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 
+def interleave_for_int8(model: nn.Module) -> int:
+    """Give the quantized weights of a bf16 model the row-interleaved layout where the chosen tier's
+    int8 kernel reads it (tiers.KernelChoice.interleaved_int8; quant_weight.py, the layout): in
+    place of the plain one, so no weight is held twice, a tied embedding table included (its
+    lookups gather plain rows). Every other path reads plain rows of it (QuantizedWeight.rows).
+    Returns how many weights changed layout."""
+    if not tiers.current().interleaved_int8:
+        return 0
+    done: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            for i, part in enumerate(module.parts):
+                if id(part) not in done and part.interleavable() and part.codes.device.type == "cpu":
+                    done[id(part)] = part.interleave()
+                module.parts[i] = done.get(id(part), part)
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding):
+            module.weight_q = done.get(id(module.weight_q), module.weight_q)
+    return len(done)
+
+
 def portable_tile_rows(in_features: int) -> int:
     """Output rows the portable path dequantizes at once: about PORTABLE_TILE_ELEMENTS weights
     (16 rows at least)."""

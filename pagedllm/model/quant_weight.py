@@ -14,6 +14,11 @@ Layouts, for a matrix [out_features N, in_features K] and group size G:
   here where float16 keeps their precision) or float32 (the K-quants' products of a super-block
   scale and a sub-block one).
   Weight = scale * value + min (min absent: scale * value).
+- Row-interleaved (`interleave()`, for the AVX-512 VNNI kernel of bf16 models: one int32 lane of a
+  vector per weight row, csrc/quant_int8_rows.h): `codes` [N/16, K/32, 256 (4-bit) or 512 (int8)],
+  `scales`, `mins` [N/16, groups, 16]. The same bytes reordered; `plain()` undoes it, and every
+  method here other than kernel_args, to() and nbytes reads the plain layout (row slices and
+  embedding lookups take only the rows they need).
 
 For every GGUF type repacked here, scale * value is exact in float32 (an fp16 scale times a small
 integer), so dequantizing gives bit for bit the float32 values gguf's own dequantizer gives.
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 LINEAR_CODEBOOK = tuple(float(i) for i in range(16))
+INTERLEAVED_ROWS = 16  # weight rows per vector in the row-interleaved layout
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,12 @@ class QuantizedWeight:
         why = check_quantizable((n, k), self.bits, self.group_size)
         if why:
             raise ValueError(f"quantized weight [{n}, {k}]: {why}")
-        if self.scales.shape != (n, k // self.group_size) or (
+        expected = ((n // INTERLEAVED_ROWS, k // self.group_size, INTERLEAVED_ROWS) if self.interleaved
+                    else (n, k // self.group_size))
+        if self.scales.shape != expected or (
                 self.mins is not None and self.mins.shape != self.scales.shape):
             raise ValueError(f"quantized weight: scales {tuple(self.scales.shape)} do not match "
-                             f"[{n}, {k // self.group_size}]")
+                             f"{list(expected)}")
 
     @property
     def kernel_args(self) -> tuple:
@@ -57,8 +65,64 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.interleaved:
+            return self.codes.shape[0] * INTERLEAVED_ROWS, self.codes.shape[1] * 32
         rows, width = self.codes.shape
         return rows, width * 2 if self.bits == 4 else width
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the codes are in the row-interleaved layout (the module docstring)."""
+        return self.codes.dim() == 3
+
+    def interleavable(self) -> bool:
+        """Whether interleave() takes this weight: rows a multiple of 16, groups of 32k, and codes
+        the int8 kernel reads (int8, or 4-bit codes whose codebook is consecutive integers)."""
+        n, _ = self.shape
+        if self.interleaved or n % INTERLEAVED_ROWS or self.group_size % 32:
+            return False
+        if self.bits == 8:
+            return True
+        book = self.codebook.tolist()
+        return book[0] == int(book[0]) and book == [book[0] + i for i in range(16)]
+
+    def interleave(self) -> QuantizedWeight:
+        """This weight in the row-interleaved layout (a copy; interleavable() must hold)."""
+        if not self.interleavable():
+            raise ValueError(f"quantized weight {self.shape} ({self.source}) cannot be interleaved")
+        n, k = self.shape
+        groups, chunks = n // INTERLEAVED_ROWS, 4 if self.bits == 4 else 8
+        codes = (self.codes.view(groups, INTERLEAVED_ROWS, k // 32, chunks, 4).permute(0, 2, 3, 1, 4)
+                 .reshape(groups, k // 32, chunks * 4 * INTERLEAVED_ROWS).contiguous())
+
+        def by_group(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(groups, INTERLEAVED_ROWS, -1).transpose(1, 2).contiguous()
+        return dataclasses.replace(self, codes=codes, scales=by_group(self.scales), mins=by_group(self.mins))
+
+    def plain(self) -> QuantizedWeight:
+        """This weight in the plain layout (itself where it is plain already)."""
+        if not self.interleaved:
+            return self
+        return self._gather(slice(None), slice(None))
+
+    def _gather(self, groups, lanes) -> QuantizedWeight:
+        """Plain rows of an interleaved weight: rows groups * 16 + lanes (two index tensors of
+        equal shape, or two full slices: every row)."""
+        num_groups, blocks, width = self.codes.shape
+        chunks = width // (4 * INTERLEAVED_ROWS)
+        grid = self.codes.view(num_groups, blocks, chunks, INTERLEAVED_ROWS, 4)
+        if isinstance(groups, slice):  # every row, in order
+            codes = grid.permute(0, 3, 1, 2, 4).reshape(num_groups * INTERLEAVED_ROWS, blocks * chunks * 4)
+
+            def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.transpose(1, 2).reshape(num_groups * INTERLEAVED_ROWS, -1)
+        else:
+            codes = grid[groups, :, :, lanes, :].reshape(len(groups), blocks * chunks * 4)
+
+            def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t[groups, :, lanes]
+        return dataclasses.replace(self, codes=codes.contiguous(), scales=rows_of(self.scales).contiguous(),
+                                   mins=None if self.mins is None else rows_of(self.mins).contiguous())
 
     @property
     def nbytes(self) -> int:
@@ -68,10 +132,12 @@ class QuantizedWeight:
     def layout(self) -> tuple:
         """What must agree for two weights to be stacked into one (same kernel, same codebook)."""
         book = None if self.codebook is None else tuple(self.codebook.tolist())
-        return self.bits, self.group_size, self.mins is not None, self.scales.dtype, book
+        return self.bits, self.group_size, self.mins is not None, self.scales.dtype, book, self.interleaved
 
     def values(self) -> torch.Tensor:
         """The code values as float32 [N, K] (before scale and min)."""
+        if self.interleaved:
+            return self.plain().values()
         n, k = self.shape
         if self.bits == 8:
             return self.codes.float()
@@ -81,6 +147,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K]: the portable torch path, and the reference for the kernels."""
+        if self.interleaved:
+            return self.plain().dequantize(dtype)
         n, k = self.shape
         values = self.values().view(n, k // self.group_size, self.group_size)
         grouped = values * self.scales.float()[..., None]
@@ -89,7 +157,9 @@ class QuantizedWeight:
         return grouped.view(n, k).to(dtype)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The weight of rows index (a permutation, or the rows an embedding looks up)."""
+        """The weight of rows index (a permutation, or the rows an embedding looks up), plain."""
+        if self.interleaved:
+            return self._gather(index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
         return dataclasses.replace(
             self, codes=self.codes.index_select(0, index), scales=self.scales.index_select(0, index),
             mins=None if self.mins is None else self.mins.index_select(0, index))
@@ -97,6 +167,8 @@ class QuantizedWeight:
     def columns(self, start: int, end: int) -> QuantizedWeight:
         """Input features start..end, a copy (a row-parallel shard); ValueError unless both ends
         fall on group boundaries (and, for 4-bit codes, on the 32-input runs they are packed in)."""
+        if self.interleaved:
+            return self.plain().columns(start, end)
         why = self.column_split_error(start) or self.column_split_error(end)
         if why:
             raise ValueError(f"quantized weight [{self.shape[0]}, {self.shape[1]}] ({self.source}): "
@@ -124,7 +196,10 @@ class QuantizedWeight:
                                    mins=move(self.mins), codebook=move(self.codebook))
 
     def rows(self, start: int, end: int) -> QuantizedWeight:
-        """Rows start..end as views (no copy)."""
+        """Rows start..end as views (no copy), or, of an interleaved weight, a plain copy of them."""
+        if self.interleaved:
+            index = torch.arange(start, end, device=self.codes.device)
+            return self.select_rows(index)
         return dataclasses.replace(
             self, codes=self.codes[start:end], scales=self.scales[start:end],
             mins=None if self.mins is None else self.mins[start:end])

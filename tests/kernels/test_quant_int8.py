@@ -10,7 +10,7 @@ import gguf
 import pytest
 import torch
 
-from pagedllm.kernels import matmul
+from pagedllm.kernels import matmul, tiers
 from pagedllm.model.gguf_repack import repack
 from pagedllm.model.quant_weight import QuantizedWeight, quantize
 from pagedllm.utils import cpu_flags
@@ -67,14 +67,17 @@ def fp32_sums_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 def check(tier: str, weight: QuantizedWeight, x: torch.Tensor) -> None:
     bias = torch.randn(weight.shape[0])
     out = kernel(x, weight, bias).double()
+    weight = weight.plain()  # the references read the plain layout
     # Exactly the integer arithmetic: the emulation, to the output's bf16 rounding and fp32 sums.
     expected = emulated(x, weight, bias)
     values = weight.dequantize()
     near = 2**-8 * expected.abs() + fp32_sums_bound(x, weight)
     assert ((out - expected).abs() <= near).all(), (out - expected).abs().max()
-    # The float matmul, within the rounding of x that the int8 blocks allow.
+    # The float matmul, within the rounding of x that the int8 blocks allow: x's error multiplies
+    # scale * code alone (the mins' term takes x itself), which is larger than |w| where a min
+    # offsets it.
     exact = x.double() @ values.double().T + bias.double()
-    allowed = rounding_error_bound(x, values) * (1 + 1e-5) + near
+    allowed = rounding_error_bound(x, split(weight)[0]) * (1 + 1e-5) + near
     assert ((out - exact).abs() <= allowed).all()
 
 
@@ -114,6 +117,33 @@ def test_layouts_without_int8_keep_bf16(tier, gguf_weights, qtype):
     """A codebook table (IQ4_NL) or groups of 16: the bf16 / fp32 kernel, no int8 rounding."""
     weight = gguf_weights[qtype.name]
     assert not matmul.quant_int8_takes(weight)
+
+
+def interleaved(tier: str, weight: QuantizedWeight) -> QuantizedWeight:
+    """weight in the row-interleaved layout (32 of its rows), where the tier's kernel reads it."""
+    if not tiers.current().interleaved_int8:
+        with pytest.raises(RuntimeError, match="row-interleaved weights need"):
+            kernel(activations(1, weight.shape[1], 0), weight.rows(0, 32).interleave(), torch.zeros(32))
+        pytest.skip(f"the {tier} tier reads the plain layout alone")
+    return weight.rows(0, 32).interleave()
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_interleaved_gguf_types(tier, gguf_weights, qtype, rows):
+    """The row-interleaved kernel (16 weight rows to a vector), float32 and bf16 activations alike
+    rounded to int8 blocks, to the same bounds."""
+    weight = interleaved(tier, gguf_weights[qtype.name])
+    for dtype in (torch.bfloat16, torch.float32):
+        check(tier, weight, activations(rows, COLS, rows).to(dtype))
+
+
+@pytest.mark.parametrize("bits,group_size,cols", [(4, 32, 96), (8, 32, 96), (4, 64, 192), (8, 128, 384),
+                                                  (4, 32, 160), (8, 64, 64)])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_interleaved_group_sizes(tier, bits, group_size, cols, rows):
+    weight = interleaved(tier, quantize(torch.randn(48, cols) * 0.1, bits, group_size))
+    check(tier, weight, activations(rows, cols, cols + rows))
 
 
 def test_float32_activations_stay_exact(tier, gguf_weights):

@@ -255,3 +255,51 @@ def test_quantize_keeps_float32_scales_where_float16_would_lose_them():
         weight = quantize(tiny, bits, 32)
         assert weight.scales.dtype == torch.float32
         assert (weight.dequantize() - tiny).abs().max() <= weight.scales.max() * 0.5001
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_interleaved_layout_is_the_same_weight(gguf_tensors, qtype):
+    """Row-interleaved (16 rows to a vector, for the avx512 int8 kernel): plain() gives back the
+    same tensors, and every reader (dequantize, rows, select_rows, columns) the same values."""
+    weight, reference = repacked(gguf_tensors, qtype)
+    top = weight.rows(0, 16)
+    affine = top.bits == 8 or top.codebook.tolist() == [top.codebook[0].item() + i for i in range(16)]
+    assert top.interleavable() == (affine and top.group_size % 32 == 0)
+    assert not weight.interleavable()  # 24 rows: not whole vectors of 16
+    if not top.interleavable():
+        with pytest.raises(ValueError, match="cannot be interleaved"):
+            top.interleave()
+        return
+    woven = top.interleave()
+    assert woven.interleaved and woven.shape == top.shape and woven.nbytes == top.nbytes
+    plain = woven.plain()
+    for name in ("codes", "scales", "mins"):
+        a, b = getattr(plain, name), getattr(top, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert torch.equal(woven.dequantize(), reference[:16])
+    picked = torch.tensor([15, 0, 7, 7, 9])
+    assert torch.equal(woven.select_rows(picked).dequantize(), reference[picked])
+    assert torch.equal(woven.rows(3, 13).dequantize(), reference[3:13])
+    assert torch.equal(woven.columns(256, 512).dequantize(), reference[:16, 256:])
+
+
+def test_interleaving_a_model_keeps_one_copy_of_a_tied_table(gguf_tensors):
+    """interleave_for_int8 swaps each weight for its interleaved copy in place, a head tied to the
+    embedding table included: the lookups then gather plain rows of the same tensors."""
+    weight = repack(gguf.GGMLQuantizationType.Q8_0, gguf_tensors["Q8_0"].data, (ROWS, COLS)).rows(0, 16)
+    model = torch.nn.Module()
+    model.embed = QuantEmbedding(weight, torch.bfloat16)
+    model.head = QuantLinear([weight])
+    before = model.embed(torch.tensor([3, 11]))
+    x = torch.randn(2, COLS).to(torch.bfloat16)
+    with kernel_tier(tiers.current().tier) as choice:
+        expected = model.head(x)
+        changed = quant_linear.interleave_for_int8(model)
+        if not choice.interleaved_int8:
+            assert changed == 0 and model.head.parts[0] is weight
+            return
+        assert changed == 1 and model.head.parts[0].interleaved
+        assert model.embed.weight_q is model.head.parts[0]
+        assert torch.equal(model.embed(torch.tensor([3, 11])), before)
+        # The same int8 products in another order of fp32 sums, rounded to bf16.
+        torch.testing.assert_close(model.head(x), expected, rtol=2**-7, atol=1e-3)

@@ -56,6 +56,7 @@ struct Int8Rows {
   std::vector<float> block_scales;     // [M, blocks_pad()]: each block's d in x's order (not nibble_order's), 0 past K
   std::vector<int32_t> lane_offsets;   // [M, K_pad / 4]: c * (the lane's 4 codes' sum); empty for c = 0
   std::vector<float> group_sums;       // [M, groups]: sum of x over each weight group; empty without mins
+  std::vector<int32_t> block_code_sums;  // [M, blocks_pad()]: each block's sum of codes; empty unless asked
 
   const int8_t* codes_of(int64_t m) const { return codes.data() + m * K_pad; }
   const float* scales_of(int64_t m) const { return lane_scales.data() + m * (K_pad / kLane); }
@@ -65,6 +66,7 @@ struct Int8Rows {
     return lane_offsets.empty() ? nullptr : lane_offsets.data() + m * (K_pad / kLane);
   }
   const float* sums_of(int64_t m) const { return group_sums.empty() ? nullptr : group_sums.data() + m * groups; }
+  const int32_t* code_sums_of(int64_t m) const { return block_code_sums.data() + m * blocks_pad(); }
 };
 
 template <typename T>
@@ -110,9 +112,10 @@ void swap_middle_runs(T* per_64, int64_t count_per_run, int64_t runs_of_64) {
                      per_64 + (4 * p + 2) * count_per_run);
 }
 
-// x: float32 or bfloat16 [M, K] with contiguous rows, K a multiple of 32. offset: the weights' c.
+// x: float32 or bfloat16 [M, K] with contiguous rows, K a multiple of 32. offset: the weights' c
+// (0: no lane offsets). code_sums: fill block_code_sums too.
 inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, bool sums,
-                              bool nibble_order = false) {
+                              bool nibble_order = false, bool code_sums = false) {
   Int8Rows rows;
   rows.M = x.size(0), rows.K = x.size(1), rows.K_pad = (rows.K + kPad - 1) / kPad * kPad;
   rows.groups = rows.K / group_size;
@@ -122,6 +125,7 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
   rows.block_scales.assign(rows.M * rows.blocks_pad(), 0.0f);
   if (offset != 0) rows.lane_offsets.assign(rows.M * lanes, 0);
   if (sums) rows.group_sums.assign(rows.M * rows.groups, 0.0f);
+  if (code_sums) rows.block_code_sums.assign(rows.M * rows.blocks_pad(), 0);
   for (int64_t m = 0; m < rows.M; ++m) {
     int32_t* offsets = offset != 0 ? rows.lane_offsets.data() + m * lanes : nullptr;
     float* group_sums = sums ? rows.group_sums.data() + m * rows.groups : nullptr;
@@ -132,6 +136,15 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
     };
     if (x.scalar_type() == at::kBFloat16) run(x.const_data_ptr<c10::BFloat16>() + m * x.stride(0));
     else run(x.const_data_ptr<float>() + m * x.stride(0));
+    if (code_sums) {
+      const int8_t* q = rows.codes.data() + m * rows.K_pad;
+      int32_t* block_sum = rows.block_code_sums.data() + m * rows.blocks_pad();
+      for (int64_t b = 0; b < rows.K / kBlock; ++b) {
+        int32_t total = 0;
+        for (int j = 0; j < kBlock; ++j) total += q[b * kBlock + j];
+        block_sum[b] = total;
+      }
+    }
     if (nibble_order) {
       const int64_t runs_of_64 = rows.K_pad / 64;
       swap_middle_runs(rows.codes.data() + m * rows.K_pad, 16, runs_of_64);
@@ -141,6 +154,21 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
   }
   return rows;
 }
+
+// The row-interleaved layout (pagedllm/model/quant_weight.py, QuantizedWeight.interleave): 16 weight
+// rows to a vector, so each int32 lane of a dot product sums for one row. Per 16 rows and block of
+// 32 inputs, chunks of 64 bytes (16 rows x 4 bytes): 4-bit codes take 4, chunk c's lane j holding
+// row j's bytes 4c..4c+3 of the plain layout (low nibbles: inputs 4c..4c+3, high ones: 16+4c..
+// 16+4c+3); int8 codes take 8, chunk c's lane j row j's codes 4c..4c+3. codes [N/16, K/32, 256 or
+// 512] uint8, scales and mins [N/16, groups, 16].
+constexpr int64_t kInterleavedRows = 16;
+
+// The same product over row-interleaved weights (codes.dim() == 3). Defined by
+// quant_int8_avx512.cpp alone (AVX-512 VNNI); false where that is not compiled.
+bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
+                                   int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
+                                   at::Tensor& out);
 
 // out = x @ W^T (+ bias) through int8 activations where the layout takes them (int8_layout): true
 // once done, false (nothing written) where it does not. Defined by the tier's kernel file.
