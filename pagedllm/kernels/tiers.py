@@ -123,8 +123,8 @@ class KernelChoice:
     @property
     def interleaved_int8(self) -> bool:
         """Whether a bf16 model's quantized weights take the row-interleaved layout at load, which
-        the avx512 tier's int8 kernel reads (quant_linear.interleave_for_int8)."""
-        return self.int8_activations and self.tier == "avx512"
+        the int8 kernels read (quant_linear.interleave_for_int8): wherever they take int8."""
+        return self.int8_activations
 
     @property
     def complete(self) -> bool:

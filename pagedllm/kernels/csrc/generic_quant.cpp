@@ -142,8 +142,11 @@ namespace pagedllm_ops {
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out) {
-  TORCH_CHECK(qweight.dim() == 2, "quant_linear: row-interleaved weights need the avx512 tier's int8 kernel "
-              "(QuantizedWeight.plain() undoes them)");
+  if (qweight.dim() == 3) {  // row-interleaved (quant_int8_rows.h): the int8 kernel alone reads it
+    TORCH_CHECK(pagedllm_int8::quant_linear_int8_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out),
+                "quant_linear: row-interleaved weights need AVX2 or AVX-512 VNNI (QuantizedWeight.plain() undoes them)");
+    return;
+  }
   const Layout l = make_layout(qweight, scales, mins, codebook, bits, group_size);
   const int64_t M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == l.K, "quant_linear: x must be [M, K] with contiguous rows");

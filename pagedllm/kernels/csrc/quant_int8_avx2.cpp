@@ -9,10 +9,17 @@
 // and vpmaddwd (pairs of those into int32). Started at c * (x's codes' sums), exact; then per row
 // of x converted to fp32, times the block's d and the weight group's scale, summed in fp32 from
 // the mins' term.
+//
+// Row-interleaved weights (quant_int8_rows.h) run as 8 rows to a vector, each 64-byte chunk's two
+// halves in turn (the 16 rows' codes stay in L1 between them): one int32 lane per weight row, x's
+// 4 codes broadcast, and per block one conversion, one scale vector and one multiply-add for 8
+// rows, where the per-row kernel spends a conversion and a multiply-add per row and a horizontal
+// sum at its end.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -22,6 +29,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -165,6 +173,61 @@ void linear_rows(const Layout& l, int64_t n0, int64_t n1, const Int8Rows& x, con
     m0 += rows;
   }
 }
+
+// 8 rows' scales (or mins) of one group, interleaved, in fp32.
+inline __m256 rows8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 rows8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// out[m0 .. m0+R-1, n0 .. n0+7]: half `half` (rows 8 * half ..) of one interleaved group of 16 rows.
+// Per block, per row of x: the chunks' dot products into one int32 accumulator (started at c *
+// the block's code sum; without AVX-VNNI the chain is a plain add), converted, times scale * d.
+template <int R, bool kU4, bool kMin, typename S, typename T>
+void interleaved_half(const uint8_t* codes, const S* scales, const S* mins, int64_t K, int64_t group_size, int c,
+                      const Int8Rows& x, int64_t m0, int half, const float* bias, T* out, int64_t ldo, int64_t n0) {
+  constexpr int kChunks = kU4 ? 4 : 8;
+  constexpr int64_t kBlockBytes = kChunks * 64;
+  const int64_t blocks = K / kBlock, per_group = group_size / kBlock, stride = x.blocks_pad();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* at = codes + b * kBlockBytes + 32 * half;
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = kU4 ? _mm256_set1_epi32(c * x.code_sums_of(m0 + r)[b]) : _mm256_setzero_si256();
+    for (int i = 0; i < kChunks; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 64 * i));
+      if constexpr (kU4) {
+        const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = x.codes_of(m0 + r) + b * kBlock;
+          int32_t q0, q1;
+          std::memcpy(&q0, xb + 4 * i, 4);
+          std::memcpy(&q1, xb + 16 + 4 * i, 4);
+          dots[r] = dot_add(dot_add(dots[r], low, _mm256_set1_epi32(q0)), high, _mm256_set1_epi32(q1));
+        }
+      } else {  // |w| against x's codes with w's signs (c = 0: the sign moved, no offset)
+        const __m256i magnitude = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) {
+          int32_t q;
+          std::memcpy(&q, x.codes_of(m0 + r) + b * kBlock + 4 * i, 4);
+          dots[r] = dot_add(dots[r], magnitude, _mm256_sign_epi8(_mm256_set1_epi32(q), v));
+        }
+      }
+    }
+    const int64_t g = b / per_group;
+    const __m256 s = rows8(scales + g * kInterleavedRows + 8 * half);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]),
+                               _mm256_mul_ps(s, _mm256_set1_ps(x.block_scales_of(m0 + r)[b])), acc[r]);
+    if constexpr (kMin) {
+      if ((b + 1) % per_group == 0) {
+        const __m256 mn = rows8(mins + g * kInterleavedRows + 8 * half);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums_of(m0 + r)[g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) pagedllm_vec_avx2::store8(out + (m0 + r) * ldo + n0, acc[r]);
+}
 #endif  // __AVX2__
 
 }  // namespace
@@ -195,6 +258,41 @@ bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   };
   if (out.scalar_type() == at::kFloat) run(out.mutable_data_ptr<float>());
   else run(out.mutable_data_ptr<c10::BFloat16>());
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
+                                   int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
+                                   at::Tensor& out) {
+#ifdef __AVX2__
+  const InterleavedWeights w = check_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out);
+  // c: the codebook's offset for 4-bit codes; int8 codes move their sign onto x instead (c = 0).
+  const int c = bits == 8 ? 0 : *affine_codebook_offset(codebook->const_data_ptr<float>());
+  const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/bits == 4);
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0), group_stride = (K / group_size) * kInterleavedRows;
+  auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
+    constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
+    const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
+    for_each_group16(w.groups16, [&](int64_t g16) {
+      const uint8_t* codes = w.codes + g16 * (K / kBlock) * w.block_bytes;
+      const auto* s = sp + g16 * group_stride;
+      const auto* mn = mp ? mp + g16 * group_stride : nullptr;
+      for (int half = 0; half < 2; ++half) {
+        const int64_t n0 = g16 * kInterleavedRows + 8 * half;
+        for (int64_t m = 0; m < M;) {
+          if (M - m >= 4) interleaved_half<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 4;
+          else if (M - m >= 2) interleaved_half<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 2;
+          else interleaved_half<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 1;
+        }
+      }
+    });
+  };
+  dispatch_interleaved(bits, mins.has_value(), scales, out, run);
   return true;
 #else
   return false;

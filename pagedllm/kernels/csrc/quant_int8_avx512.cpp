@@ -301,61 +301,30 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
                                    int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
                                    at::Tensor& out) {
 #ifdef __AVX512VNNI__
-  const int64_t M = x.size(0), K = x.size(1), groups16 = qweight.size(0), N = groups16 * kInterleavedRows;
-  const int64_t block_bytes = bits == 4 ? 256 : 512;
-  TORCH_CHECK(int8_layout(bits, group_size, codebook) && K % group_size == 0,
-              "quant_linear: interleaved weights need int8 codes or 4-bit consecutive codes, groups of 32k");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == K / kBlock && qweight.size(2) == block_bytes,
-              "quant_linear: interleaved codes must be contiguous [N/16, K/32, ", block_bytes, "]");
-  auto check_groups = [&](const at::Tensor& t) {
-    TORCH_CHECK(t.is_contiguous() && t.dim() == 3 && t.size(0) == groups16 && t.size(1) == K / group_size &&
-                    t.size(2) == kInterleavedRows && t.scalar_type() == scales.scalar_type() &&
-                    (t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat),
-                "quant_linear: interleaved scales and mins must be contiguous float16 or float32 [N/16, groups, 16]");
-  };
-  check_groups(scales);
-  if (mins) check_groups(*mins);
-  TORCH_CHECK(out.size(1) == N, "quant_linear: out must have N columns");
+  const InterleavedWeights w = check_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out);
   const int c = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/true);
   const BlockRows view{rows.codes.data(), rows.block_scales.data(), rows.block_code_sums.data(), rows.sums_of(0),
                        rows.K_pad, rows.blocks_pad(), rows.groups};
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const uint8_t* cp = static_cast<const uint8_t*>(qweight.const_data_ptr());
-  const int64_t ldo = out.stride(0), group_stride = (K / group_size) * kInterleavedRows;
+  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0), group_stride = (K / group_size) * kInterleavedRows;
   auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
-    at::parallel_for(0, groups16, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g16 = g0; g16 < g1; ++g16) {
-        const uint8_t* codes = cp + g16 * (K / kBlock) * block_bytes;
-        const auto* s = sp + g16 * group_stride;
-        const auto* mn = mp ? mp + g16 * group_stride : nullptr;
-        const float* b = bp;
-        const int64_t n0 = g16 * kInterleavedRows;
-        for (int64_t m = 0; m < M;) {
-          if (M - m >= 4) interleaved_rows<4, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, b, op, ldo, n0), m += 4;
-          else if (M - m == 3) interleaved_rows<3, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, b, op, ldo, n0), m += 3;
-          else if (M - m == 2) interleaved_rows<2, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, b, op, ldo, n0), m += 2;
-          else interleaved_rows<1, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, b, op, ldo, n0), m += 1;
-        }
+    for_each_group16(w.groups16, [&](int64_t g16) {
+      const uint8_t* codes = w.codes + g16 * (K / kBlock) * w.block_bytes;
+      const auto* s = sp + g16 * group_stride;
+      const auto* mn = mp ? mp + g16 * group_stride : nullptr;
+      const int64_t n0 = g16 * kInterleavedRows;
+      for (int64_t m = 0; m < M;) {
+        if (M - m >= 4) interleaved_rows<4, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 4;
+        else if (M - m == 3) interleaved_rows<3, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 3;
+        else if (M - m == 2) interleaved_rows<2, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 2;
+        else interleaved_rows<1, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 1;
       }
     });
   };
-  auto by_output = [&](auto is_u4, auto with_min, const auto* sp) {
-    if (out.scalar_type() == at::kFloat) run(is_u4, with_min, sp, out.mutable_data_ptr<float>());
-    else run(is_u4, with_min, sp, out.mutable_data_ptr<c10::BFloat16>());
-  };
-  auto by_scales = [&](auto is_u4, auto with_min) {
-    if (scales.scalar_type() == at::kHalf) by_output(is_u4, with_min, scales.const_data_ptr<c10::Half>());
-    else by_output(is_u4, with_min, scales.const_data_ptr<float>());
-  };
-  auto by_min = [&](auto is_u4) {
-    if (mins) by_scales(is_u4, std::true_type{});
-    else by_scales(is_u4, std::false_type{});
-  };
-  if (bits == 4) by_min(std::true_type{});
-  else by_min(std::false_type{});
+  dispatch_interleaved(bits, mins.has_value(), scales, out, run);
   return true;
 #else
   return false;

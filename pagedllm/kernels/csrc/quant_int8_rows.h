@@ -15,13 +15,17 @@
 // Plain C++, run once per call on a few rows: the compiler vectorizes it for the tier's flags.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace pagedllm_int8 {
@@ -163,8 +167,75 @@ inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offse
 // 512] uint8, scales and mins [N/16, groups, 16].
 constexpr int64_t kInterleavedRows = 16;
 
-// The same product over row-interleaved weights (codes.dim() == 3). Defined by
-// quant_int8_avx512.cpp alone (AVX-512 VNNI); false where that is not compiled.
+// Row-interleaved weights as the kernels read them, checked.
+struct InterleavedWeights {
+  const uint8_t* codes;
+  int64_t groups16, block_bytes;
+};
+
+inline InterleavedWeights check_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                            const std::optional<at::Tensor>& mins,
+                                            const std::optional<at::Tensor>& codebook, int64_t bits,
+                                            int64_t group_size, const std::optional<at::Tensor>& bias,
+                                            const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear: x must be float32 or bfloat16 [M, K] with contiguous rows, out [M, N] of its dtype");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
+              "quant_linear: bias must be contiguous float32 [N]");
+  const int64_t K = x.size(1), groups16 = qweight.size(0), block_bytes = bits == 4 ? 256 : 512;
+  TORCH_CHECK(int8_layout(bits, group_size, codebook) && K % group_size == 0,
+              "quant_linear: interleaved weights need int8 codes or 4-bit consecutive codes, groups of 32k");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == K / kBlock && qweight.size(2) == block_bytes,
+              "quant_linear: interleaved codes must be contiguous [N/16, K/32, ", block_bytes, "]");
+  auto check_groups = [&](const at::Tensor& t) {
+    TORCH_CHECK(t.is_contiguous() && t.dim() == 3 && t.size(0) == groups16 && t.size(1) == K / group_size &&
+                    t.size(2) == kInterleavedRows && t.scalar_type() == scales.scalar_type() &&
+                    (t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat),
+                "quant_linear: interleaved scales and mins must be contiguous float16 or float32 [N/16, groups, 16]");
+  };
+  check_groups(scales);
+  if (mins) check_groups(*mins);
+  TORCH_CHECK(out.size(1) == groups16 * kInterleavedRows, "quant_linear: out must have N columns");
+  return {static_cast<const uint8_t*>(qweight.const_data_ptr()), groups16, block_bytes};
+}
+
+// f(g16) for every group of 16 rows, on every thread: chunks taken in turn, not a fixed share per
+// thread (a VM's cores run at different speeds from one call to the next; a static split waits on
+// the slower).
+template <typename F>
+void for_each_group16(int64_t groups16, F&& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups16);
+  const int64_t chunk = std::max<int64_t>(1, groups16 / (8 * std::max<int64_t>(threads, 1)));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t g0 = next.fetch_add(chunk); g0 < groups16; g0 = next.fetch_add(chunk))
+      for (int64_t g = g0; g < std::min(groups16, g0 + chunk); ++g) f(g);
+  });
+}
+
+// run(is_u4, with_min, scales pointer, out pointer) with the compile-time variant of these weights.
+template <typename Run>
+void dispatch_interleaved(int64_t bits, bool has_mins, const at::Tensor& scales, at::Tensor& out, Run&& run) {
+  auto by_output = [&](auto is_u4, auto with_min, const auto* sp) {
+    if (out.scalar_type() == at::kFloat) run(is_u4, with_min, sp, out.mutable_data_ptr<float>());
+    else run(is_u4, with_min, sp, out.mutable_data_ptr<c10::BFloat16>());
+  };
+  auto by_scales = [&](auto is_u4, auto with_min) {
+    if (scales.scalar_type() == at::kHalf) by_output(is_u4, with_min, scales.const_data_ptr<c10::Half>());
+    else by_output(is_u4, with_min, scales.const_data_ptr<float>());
+  };
+  auto by_min = [&](auto is_u4) {
+    if (has_mins) by_scales(is_u4, std::true_type{});
+    else by_scales(is_u4, std::false_type{});
+  };
+  if (bits == 4) by_min(std::true_type{});
+  else by_min(std::false_type{});
+}
+
+// The same product over row-interleaved weights (codes.dim() == 3): quant_int8_avx512.cpp (AVX-512
+// VNNI) and quant_int8_avx2.cpp define it; false where neither is compiled.
 bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
                                    int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
