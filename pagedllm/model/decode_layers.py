@@ -13,8 +13,8 @@ Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-lay
 layer a plain DecoderLayer (no MoE, no latent attention, no sandwich or q/k norms), rotary in place
 over whole heads, SiLU, no local rope; all four projections QuantLinear as loaded (not wrapped for
 LoRA or tensor parallelism, not batch-invariant); the KV caches of the model's dtype or compressed.
-Which steps: up to as many rows as QuantLinear gives its few-rows kernel (so each matmul is the
-one the layers would run), and not batch-invariant ones.
+Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
+matmul is the one the layers would run), and not batch-invariant ones.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, QuantizedKV
-from pagedllm.model.quant_linear import MAX_KERNEL_ROWS, MAX_KERNEL_ROWS_BEFORE_AMX, QuantLinear
+from pagedllm.model.quant_linear import MAX_KERNEL_ROWS_BEFORE_AMX, QuantLinear
 
 _NONE = torch.empty(0)  # an absent tensor in the flat list
 
@@ -79,8 +79,12 @@ class DecodeLayers:
         amx = any(p.amx_kernel for layer in layers
                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
-        # Above these rows a bf16 QuantLinear takes the AMX kernel (the layers' path then runs).
-        max_rows = MAX_KERNEL_ROWS_BEFORE_AMX if amx and dtype == torch.bfloat16 else MAX_KERNEL_ROWS
+        # Above these rows a bf16 QuantLinear takes the AMX kernel, or dequantized tiles (the
+        # layers' path then runs).
+        max_rows = (MAX_KERNEL_ROWS_BEFORE_AMX if amx and dtype == torch.bfloat16 else
+                    min(p.max_kernel_rows for layer in layers
+                        for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)))
         return cls(tensors, meta, kv_caches, max_rows, model.norm.eps, first.scale,
                    first.softcap or 0.0, tiers.current().attention_amx)
 

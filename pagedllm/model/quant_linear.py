@@ -42,6 +42,10 @@ from pagedllm.utils import cpu_has_native_bf16
 # AMX the tile kernel is faster from 5 rows on, without it the few-rows kernel up to 16.
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_BEFORE_AMX = 4
+# Row-interleaved weights (interleave_for_int8): the int8 kernel stays faster than dequantized
+# tiles and a GEMM up to far more rows (ep-2c, 2 threads, gate_up 3072 x 576 / down 576 x 1536:
+# avx512 0.55x / 0.88x the time at 128 rows, 1.01x for down at 256; avx2 0.72x / 1.00x at 64).
+INTERLEAVED_KERNEL_ROWS = {"avx512": 128, "avx2": 48}
 # Output rows dequantized at once on the GEMM path: a tile of about 1 MiB of bf16 weights.
 TILE_ELEMENTS = 1 << 19
 # Weights the portable path dequantizes at once: a 4 MiB float32 tile (and the temporaries of
@@ -67,6 +71,7 @@ class QuantLinear(nn.Module):
         kernels = tiers.current()
         self.cpu_kernel = kernels.has("quantized matmul")
         self.amx_kernel = kernels.quant_amx and self.in_features % 32 == 0
+        self.max_kernel_rows = MAX_KERNEL_ROWS  # more where the weights are interleaved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -78,7 +83,7 @@ class QuantLinear(nn.Module):
             out = self._kernel(rows, matmul.quant_linear)
         elif rows.dtype == torch.bfloat16 and self.amx_kernel:
             out = self._kernel(rows, matmul.quant_linear_amx)
-        elif rows.shape[0] <= MAX_KERNEL_ROWS:
+        elif rows.shape[0] <= self.max_kernel_rows:
             out = self._kernel(rows, matmul.quant_linear)
         else:
             out = self._dequantized_tiles(rows)
@@ -138,7 +143,7 @@ class QuantLinear(nn.Module):
         out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
         compute = torch.float32 if rows.dtype == torch.bfloat16 and not cpu_has_native_bf16() else rows.dtype
         x = rows.to(compute)
-        tile_rows = max(16, TILE_ELEMENTS // self.in_features)
+        tile_rows = max(16, TILE_ELEMENTS // self.in_features // 16 * 16)  # whole interleaved vectors
         start = 0
         for part in self.parts:
             for lo in range(0, part.shape[0], tile_rows):
@@ -179,7 +184,8 @@ def interleave_for_int8(model: nn.Module) -> int:
     place of the plain one, so no weight is held twice, a tied embedding table included (its
     lookups gather plain rows). Every other path reads plain rows of it (QuantizedWeight.rows).
     Returns how many weights changed layout."""
-    if not tiers.current().interleaved_int8:
+    choice = tiers.current()
+    if not choice.interleaved_int8:
         return 0
     done: dict[int, QuantizedWeight] = {}
     for module in model.modules():
@@ -188,6 +194,8 @@ def interleave_for_int8(model: nn.Module) -> int:
                 if id(part) not in done and part.interleavable() and part.codes.device.type == "cpu":
                     done[id(part)] = part.interleave()
                 module.parts[i] = done.get(id(part), part)
+            if all(part.interleaved for part in module.parts):
+                module.max_kernel_rows = INTERLEAVED_KERNEL_ROWS[choice.tier]
     for module in model.modules():
         if isinstance(module, QuantEmbedding):
             module.weight_q = done.get(id(module.weight_q), module.weight_q)

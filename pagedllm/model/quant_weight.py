@@ -198,8 +198,12 @@ class QuantizedWeight:
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Rows start..end as views (no copy), or, of an interleaved weight, a plain copy of them."""
         if self.interleaved:
-            index = torch.arange(start, end, device=self.codes.device)
-            return self.select_rows(index)
+            if start % INTERLEAVED_ROWS == 0 and end % INTERLEAVED_ROWS == 0:  # whole vectors
+                g0, g1 = start // INTERLEAVED_ROWS, end // INTERLEAVED_ROWS
+                return dataclasses.replace(
+                    self, codes=self.codes[g0:g1], scales=self.scales[g0:g1],
+                    mins=None if self.mins is None else self.mins[g0:g1]).plain()
+            return self.select_rows(torch.arange(start, end, device=self.codes.device))
         return dataclasses.replace(
             self, codes=self.codes[start:end], scales=self.scales[start:end],
             mins=None if self.mins is None else self.mins[start:end])

@@ -303,3 +303,10 @@ def test_interleaving_a_model_keeps_one_copy_of_a_tied_table(gguf_tensors):
         assert torch.equal(model.embed(torch.tensor([3, 11])), before)
         # The same int8 products in another order of fp32 sums, rounded to bf16.
         torch.testing.assert_close(model.head(x), expected, rtol=2**-7, atol=1e-3)
+        # and up to max_kernel_rows rows (more than the plain kernel's 16): the int8 kernel still,
+        # as the plain one gives them 16 rows at a time.
+        rows = torch.randn(model.head.max_kernel_rows, COLS).to(torch.bfloat16)
+        plain = QuantLinear([weight])
+        by_16 = torch.cat([plain(rows[i:i + 16]) for i in range(0, len(rows), 16)])
+        assert model.head.max_kernel_rows > quant_linear.MAX_KERNEL_ROWS
+        torch.testing.assert_close(model.head(rows), by_16, rtol=2**-7, atol=1e-3)
