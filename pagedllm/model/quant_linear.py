@@ -187,18 +187,22 @@ def interleave_for_int8(model: nn.Module) -> int:
     choice = tiers.current()
     if not choice.interleaved_int8:
         return 0
-    done: dict[int, QuantizedWeight] = {}
+    # By id, each with the plain weight it replaces (kept alive here, so no id is reused).
+    done: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}
+
+    def swapped(weight: QuantizedWeight) -> QuantizedWeight:
+        return done[id(weight)][1] if id(weight) in done else weight
     for module in model.modules():
         if isinstance(module, QuantLinear):
             for i, part in enumerate(module.parts):
                 if id(part) not in done and part.interleavable() and part.codes.device.type == "cpu":
-                    done[id(part)] = part.interleave()
-                module.parts[i] = done.get(id(part), part)
+                    done[id(part)] = (part, part.interleave())
+                module.parts[i] = swapped(part)
             if all(part.interleaved for part in module.parts):
                 module.max_kernel_rows = INTERLEAVED_KERNEL_ROWS[choice.tier]
     for module in model.modules():
         if isinstance(module, QuantEmbedding):
-            module.weight_q = done.get(id(module.weight_q), module.weight_q)
+            module.weight_q = swapped(module.weight_q)
     return len(done)
 
 
