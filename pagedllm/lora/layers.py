@@ -2,16 +2,19 @@
 adds each token's own adapter's low-rank update to the base projection's output.
 
 A wrapped projection holds room for max_loras adapters of rank up to max_rank (float32 on the CPU,
-the model's dtype elsewhere): A [max_loras, P * R, in] and B [max_loras, out, P * R], P being the
-projections fused into it (3 for q/k/v, 2 for gate/up, 1 for o and down). Part p's A rows are [p *
-R, p * R + r) and its B block covers the part's own output rows and those columns, scaled by alpha
-/ r at load; the rest is zeros. So one adapter is two matmuls per projection over exactly its
+the model's dtype elsewhere): A [max_loras, P * R, in] and B transposed, [max_loras, P * R, out]
+(the kernel then adds B's rows along the output), P being the projections fused into it (3 for
+q/k/v, 2 for gate/up, 1 for o and down). Part p's A rows are [p * R, p * R + r) and its B block
+covers those rows and the part's own output columns, scaled by alpha / r at load; the rest is
+zeros. So one adapter is two matmuls per projection over exactly its
 tokens, fused parts and smaller ranks included, and an empty slot or part adds nothing.
 
 Which token uses which slot is the model's LoRAState, set by the runner before each forward (one
-per model, not global): tokens are sorted by slot once per step (Punica's segmented idea), and
-each projection gathers the adapters' tokens at most once, runs one pair of matmuls per adapter
-present over its segment, and adds the result back at once. The base's tokens cost nothing.
+per model, not global). On the CPU the tier's compiled kernel (csrc/lora.cpp) adds every token's
+own update in one call per projection. Elsewhere (a GPU, the portable tier) tokens are sorted by
+slot once per step (Punica's segmented idea), and each projection gathers the adapters' tokens at
+most once, runs one pair of matmuls per adapter present over its segment, and adds the result back
+at once. The base's tokens cost nothing either way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.kernels import tiers
 from pagedllm.model.config import ModelConfig
 
 
@@ -32,12 +36,14 @@ class LoRAState:
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []
         self.rows: torch.Tensor | None = None
+        self.token_slots: torch.Tensor | None = None  # int64 [T], for the compiled kernel
 
     def set_batch(self, token_slots, device: torch.device | str = "cpu") -> None:
         """token_slots[t]: the slot of token t's adapter, -1 for the base model (a sequence or
         numpy array)."""
         self.segments, self.rows = [], None
         slots = np.asarray(token_slots, dtype=np.int64)
+        self.token_slots = torch.from_numpy(np.ascontiguousarray(slots)).to(device)
         lora_rows = np.flatnonzero(slots >= 0)
         if not lora_rows.size:
             return
@@ -54,7 +60,7 @@ class LoRAState:
             self.rows = torch.from_numpy(order).to(device)
 
     def clear(self) -> None:
-        self.segments, self.rows = [], None
+        self.segments, self.rows, self.token_slots = [], None, None
 
 
 class LoRALinear(nn.Module):
@@ -72,8 +78,12 @@ class LoRALinear(nn.Module):
         parts, out_features = len(part_rows), sum(part_rows)
         self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, in_features,
                                                    dtype=like.dtype, device=like.device))
-        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, parts * max_rank,
+        self.register_buffer("lora_b", torch.zeros(max_loras, parts * max_rank, out_features,
                                                    dtype=like.dtype, device=like.device))
+        # On the CPU the tier's compiled kernel adds every adapter's updates in one call
+        # (csrc/lora.cpp: the cost of the arithmetic, whatever the number of adapters).
+        ops = tiers.current().ops
+        self.kernel = ops.lora_add_ if like.device.type == "cpu" and hasattr(ops, "lora_add_") else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -81,14 +91,17 @@ class LoRALinear(nn.Module):
         if not segments:
             return y
         a, b = self.lora_a, self.lora_b
+        if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1:
+            self.kernel(y, x, a, b, self.state.token_slots)
+            return y
         if rows is None:  # each adapter's tokens are one run of the batch
             for slot, start, end in segments:
-                y[start:end] += ((x[start:end].to(a.dtype) @ a[slot].T) @ b[slot].T).to(y.dtype)
+                y[start:end] += ((x[start:end].to(a.dtype) @ a[slot].T) @ b[slot]).to(y.dtype)
             return y
         xs = x.index_select(0, rows).to(a.dtype)
-        delta = torch.empty(xs.shape[0], b.shape[1], dtype=a.dtype, device=x.device)
+        delta = torch.empty(xs.shape[0], b.shape[2], dtype=a.dtype, device=x.device)
         for slot, start, end in segments:
-            torch.matmul(xs[start:end] @ a[slot].T, b[slot].T, out=delta[start:end])
+            torch.matmul(xs[start:end] @ a[slot].T, b[slot], out=delta[start:end])
         y.index_add_(0, rows, delta.to(y.dtype))
         return y
 
@@ -102,7 +115,8 @@ class LoRALinear(nn.Module):
             r = a.shape[0]
             cols = slice(part * rank_room, part * rank_room + r)
             self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
-            self.lora_b[slot, rows_start:rows_start + b.shape[0], cols] = (b * scaling).to(self.lora_b.dtype)
+            out_cols = slice(rows_start, rows_start + b.shape[0])
+            self.lora_b[slot, cols, out_cols] = (b * scaling).T.to(self.lora_b.dtype)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
