@@ -11,8 +11,9 @@ Python between kernels gone.
 
 Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
 layer a plain DecoderLayer (no MoE, no latent attention, no sandwich or q/k norms), rotary in place
-over whole heads, SiLU, no local rope; all four projections QuantLinear as loaded (not wrapped for
-LoRA or tensor parallelism, not batch-invariant); the KV caches of the model's dtype or compressed.
+over whole heads, SiLU, no local rope; all four projections QuantLinear as loaded (or wrapped for
+LoRA on the CPU, whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor
+parallelism, not batch-invariant); the KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
 matmul is the one the layers would run), and not batch-invariant ones.
 """
@@ -23,15 +24,19 @@ import torch
 
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, QuantizedKV
+from pagedllm.lora.layers import LoRALinear, LoRAState
 from pagedllm.model.quant_linear import MAX_KERNEL_ROWS_BEFORE_AMX, QuantLinear
 
 _NONE = torch.empty(0)  # an absent tensor in the flat list
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # no projection wrapped for LoRA
 
 
 class DecodeLayers:
     def __init__(self, tensors: list[torch.Tensor], meta: list[int], kv_caches: list[KVCache],
-                 max_rows: int, eps: float, scale: float, softcap: float, use_amx: bool):
+                 max_rows: int, eps: float, scale: float, softcap: float, use_amx: bool,
+                 lora_state: LoRAState | None = None):
         self.tensors, self.meta = tensors, meta
+        self.lora_state = lora_state
         self.kv_caches = kv_caches  # the caches packed in: a step with others takes the layers' path
         self.max_rows = max_rows
         self.eps, self.scale, self.softcap, self.use_amx = eps, scale, softcap, use_amx
@@ -53,6 +58,7 @@ class DecodeLayers:
                        for layer in layers)):
             return None
         first = layers[0].self_attn
+        lora_state = None  # the wrapped projections' LoRAState, where LoRA wraps them
         tensors: list[torch.Tensor] = []
         meta = [len(layers), first.num_heads, first.num_kv_heads, first.head_dim]
         dtype = model.norm.weight.dtype
@@ -67,8 +73,9 @@ class DecodeLayers:
                     or not getattr(mlp, "silu_kernel", False)):
                 return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(p) is not QuantLinear or not p.cpu_kernel or p.row_invariant for p in projections):
+            if not all(_qualifies(p) for p in projections):
                 return None
+            lora_state = next((p.state for p in projections if isinstance(p, LoRALinear)), lora_state)
             caches = _cache_tensors(kv_cache, dtype)
             if caches is None:
                 return None
@@ -76,17 +83,16 @@ class DecodeLayers:
             tensors += [norms[0].weight, norms[1].weight, *caches]
             for projection in projections:
                 _pack_projection(projection, tensors, meta)
-        amx = any(p.amx_kernel for layer in layers
-                  for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        bases = [_base(p) for layer in layers
+                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         # Above these rows a bf16 QuantLinear takes the AMX kernel, or dequantized tiles (the
         # layers' path then runs).
+        amx = any(p.amx_kernel for p in bases)
         max_rows = (MAX_KERNEL_ROWS_BEFORE_AMX if amx and dtype == torch.bfloat16 else
-                    min(p.max_kernel_rows for layer in layers
-                        for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)))
+                    min(p.max_kernel_rows for p in bases))
         return cls(tensors, meta, kv_caches, max_rows, model.norm.eps, first.scale,
-                   first.softcap or 0.0, tiers.current().attention_amx)
+                   first.softcap or 0.0, tiers.current().attention_amx, lora_state)
 
     def takes(self, x: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> bool:
         """Whether this step runs here: a few rows, over the caches packed in, not batch-invariant."""
@@ -100,8 +106,18 @@ class DecodeLayers:
         x, residual = self.op(
             x.contiguous(), self.tensors, self.meta, cos.contiguous(), sin.contiguous(),
             attn_metadata.slot_mapping, attn_metadata.block_tables, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc, self.eps, self.scale, self.softcap, self.use_amx)
+            attn_metadata.query_start_loc, self.eps, self.scale, self.softcap, self.use_amx,
+            self._lora_slots(x.shape[0]))
         return x, residual
+
+    def _lora_slots(self, tokens: int) -> torch.Tensor:
+        """Each token's adapter slot (-1: none) for the wrapped projections (none: empty)."""
+        if self.lora_state is None:
+            return _NO_SLOTS
+        slots = self.lora_state.token_slots
+        if slots is None or slots.shape[0] != tokens:  # no batch set: the base alone
+            return torch.full((tokens,), -1, dtype=torch.int64)
+        return slots
 
 
 def _cache_tensors(kv_cache: KVCache, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -114,11 +130,29 @@ def _cache_tensors(kv_cache: KVCache, dtype: torch.dtype) -> list[torch.Tensor] 
     return None
 
 
-def _pack_projection(linear: QuantLinear, tensors: list[torch.Tensor], meta: list[int]) -> None:
+def _base(projection) -> QuantLinear:
+    """The quantized projection itself, under its LoRA wrapper if it has one."""
+    return projection.base if isinstance(projection, LoRALinear) else projection
+
+
+def _qualifies(projection) -> bool:
+    """A QuantLinear as loaded on the CPU kernels, alone or wrapped for LoRA on the CPU (the
+    compiled kernel adds its updates), not batch-invariant."""
+    if isinstance(projection, LoRALinear) and projection.kernel is None:
+        return False
+    base = _base(projection)
+    return type(base) is QuantLinear and base.cpu_kernel and not base.row_invariant
+
+
+def _pack_projection(projection, tensors: list[torch.Tensor], meta: list[int]) -> None:
+    linear = _base(projection)
+    lora = projection if isinstance(projection, LoRALinear) else None
     bias = linear._float_bias()
-    meta += [int(bias is not None), len(linear.parts)]
+    meta += [int(bias is not None), int(lora is not None), len(linear.parts)]
     if bias is not None:
         tensors.append(bias)
+    if lora is not None:
+        tensors += [lora.lora_a, lora.lora_b]
     for part in linear.parts:
         codes, scales, mins, codebook, bits, group_size = part.kernel_args
         meta += [bits, group_size, part.shape[0]]

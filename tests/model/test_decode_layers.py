@@ -37,9 +37,19 @@ def _load(source: str, tmp_path, tiny_checkpoint, dtype: str):
     return load_model(tiny_checkpoint(shape).folder, dtype=dtype, quantization=quantization).model
 
 
-def _steps(model, kv_cache_dtype: str, fused: bool, calls: list) -> list[torch.Tensor]:
-    """Every step's logits: a prefill of three prompts, then decodes of 3, 2 and 1 rows."""
+def _steps(model, kv_cache_dtype: str, fused: bool, calls: list,
+           lora_slots: dict | None = None) -> list[torch.Tensor]:
+    """Every step's logits: a prefill of three prompts, then decodes of 3, 2 and 1 rows (lora_slots:
+    each sequence's adapter slot, set for every step's tokens)."""
     paged = PagedSequences(model, num_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    if lora_slots is not None:
+        plain_step = paged.step
+
+        def step_with_slots(batch):
+            state.set_batch([lora_slots[i] for i, tokens in batch.items() for _ in tokens])
+            return plain_step(batch)
+        state = model.layers[0].self_attn.qkv_proj.state
+        paged.step = step_with_slots
     model.decode_layers = DecodeLayers.build(model, paged.kv_caches) if fused else None
     if fused:
         assert model.decode_layers is not None, "this model should qualify"
@@ -70,6 +80,32 @@ def test_one_call_equals_the_layers(tier, source, dtype, kv_cache_dtype, tmp_pat
     fused = _steps(model, kv_cache_dtype, True, calls)
     assert len(calls) == 9  # every decode step, not the prefill
     layered = _steps(model, kv_cache_dtype, False, [])
+    for a, b in zip(fused, layered, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_call_adds_lora_updates_as_the_layers_do(tier, tmp_path, tiny_checkpoint):
+    """Projections wrapped for LoRA (their updates by csrc/lora.cpp): the same logits in one call,
+    two adapters and the base mixed in each step."""
+    from pagedllm.lora.layers import wrap_model
+
+    model = _load("gguf", tmp_path, tiny_checkpoint, "float32")
+    if not tier_runs_it():
+        return
+    _, wrapped = wrap_model(model, max_loras=2, max_rank=4)
+    gen = torch.Generator().manual_seed(0)
+    for layer in wrapped.values():
+        for slot in range(2):
+            parts = {p: (torch.randn(4, layer.lora_a.shape[2], generator=gen) * 0.1,
+                         torch.randn(rows, 4, generator=gen) * 0.1) for p, rows in enumerate(layer.part_rows)}
+            layer.set_slot(slot, parts, scaling=1.0)
+    slots = {0: 1, 1: -1, 2: 0}
+    calls: list = []
+    fused = _steps(model, "auto", True, calls, slots)
+    assert len(calls) == 9
+    layered = _steps(model, "auto", False, [], slots)
+    base = _steps(model, "auto", False, [], {0: -1, 1: -1, 2: -1})
+    assert not torch.equal(fused[-1], base[-1])  # the adapters change the logits
     for a, b in zip(fused, layered, strict=True):
         assert torch.equal(a, b)
 

@@ -5,11 +5,13 @@
 //
 // The layers' weights come as two flat lists built once (pagedllm/model/decode_layers.py, which
 // also says which models qualify): `tensors`, and `meta` describing them. Per layer:
-//   meta:    sliding_window, then for each projection (qkv, o, gate_up, down): has_bias, num_parts,
-//            and per part: bits, group_size, rows
+//   meta:    sliding_window, then for each projection (qkv, o, gate_up, down): has_bias, has_lora,
+//            num_parts, and per part: bits, group_size, rows
 //   tensors: input norm weight, post-attention norm weight, key cache, value cache, key scales,
 //            value scales (empty: an uncompressed cache), then for each projection: its float32
-//            bias if it has one, and per part: codes, scales, mins, codebook (empty: none)
+//            bias if it has one, its LoRA A and B if it has them (pagedllm/lora/layers.py: every
+//            token's own adapter's update is added by lora_add_, over lora_slots), and per part:
+//            codes, scales, mins, codebook (empty: none)
 // after a header in meta: num_layers, num_heads, num_kv_heads, head_dim.
 //
 // Per layer, as model/llama.py's DecoderLayer with the compiled kernels: (add +) RMSNorm, the fused
@@ -52,10 +54,12 @@ struct Reader {
 
 // out = x @ W^T (+ bias) for a projection kept quantized in one or more parts (a fused q/k/v whose
 // parts came in different layouts), each part writing its columns: model/quant_linear.py's _kernel.
-at::Tensor project(const at::Tensor& x, Reader& r) {
-  const bool has_bias = r.integer() != 0;
+at::Tensor project(const at::Tensor& x, Reader& r, const at::Tensor& lora_slots) {
+  const bool has_bias = r.integer() != 0, has_lora = r.integer() != 0;
   const int64_t num_parts = r.integer();
   const std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(r.tensor()) : std::nullopt;
+  const at::Tensor* lora_a = has_lora ? &r.tensor() : nullptr;
+  const at::Tensor* lora_b = has_lora ? &r.tensor() : nullptr;
   const int64_t meta_start = static_cast<int64_t>(r.next_int);
   int64_t out_features = 0;
   for (int64_t i = 0; i < num_parts; ++i) out_features += r.meta[meta_start + 3 * i + 2];
@@ -72,6 +76,7 @@ at::Tensor project(const at::Tensor& x, Reader& r) {
     quant_linear(x, codes, scales, mins, codebook, bits, group_size, part_bias, columns);
     start += rows;
   }
+  if (has_lora) lora_add_(out, x, *lora_a, *lora_b, lora_slots);
   return out;
 }
 
@@ -79,7 +84,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
                                       const std::vector<int64_t>& meta, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double eps,
-                                      double scale, double softcap, bool use_amx) {
+                                      double scale, double softcap, bool use_amx, const at::Tensor& lora_slots) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decode_layers: x must be contiguous [T, hidden]");
   Reader r{tensors, meta};
   const int64_t num_layers = r.integer(), num_heads = r.integer(), num_kv_heads = r.integer(), head_dim = r.integer();
@@ -100,7 +105,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
       add_rms_norm_(x, residual, input_norm, eps);
       h = x;
     }
-    at::Tensor qkv = project(h, r);
+    at::Tensor qkv = project(h, r, lora_slots);
     rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -109,10 +114,10 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
     const at::Tensor attended =
         pagedllm_attention::paged_attention(q, key_cache, value_cache, key_scale, value_scale, block_tables,
                                             seq_lens, query_start_loc, scale, sliding_window, softcap, use_amx);
-    at::Tensor o = project(attended.view({T, q_size}), r);
+    at::Tensor o = project(attended.view({T, q_size}), r, lora_slots);
     add_rms_norm_(o, residual, post_norm, eps);
-    const at::Tensor gate_up = project(o, r);
-    x = project(silu_and_mul(gate_up), r);
+    const at::Tensor gate_up = project(o, r, lora_slots);
+    x = project(silu_and_mul(gate_up), r, lora_slots);
   }
   TORCH_CHECK(r.next_tensor == tensors.size() && r.next_int == meta.size(),
               "decode_layers: tensors or meta left over: they do not describe the layers");
@@ -125,7 +130,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("decode_layers(Tensor x, Tensor(a!)[] tensors, int[] meta, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float eps, float scale, float softcap, "
-        "bool use_amx) -> Tensor[]");
+        "bool use_amx, Tensor lora_slots) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("decode_layers", &pagedllm_ops::decode_layers); }

@@ -5,9 +5,10 @@
 // dispatch around them cost more than their arithmetic); here the cost is the arithmetic alone,
 // (in + out) * rank per token, whatever the number of adapters.
 //
-// Plain C++ (every tier builds it, the aarch64 cross build too): the loops are contiguous dot
-// products that `omp simd` vectorizes for the tier's flags. fp32 throughout (A and B are stored
-// fp32 on the CPU), x and y in the model's dtype.
+// Tokens of one adapter go in groups of up to 8, so each of its A and B rows is read once per
+// group. Plain C++ (every tier builds it, the aarch64 cross build too): the loops are contiguous
+// dot products and multiply-adds that `omp simd` vectorizes for the tier's flags. fp32 throughout
+// (A and B are stored fp32 on the CPU), x and y in the model's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,42 +17,79 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
+
+constexpr int64_t kGroup = 8;  // tokens of one adapter that share each read of its A and B rows
+
+// The tokens with an adapter in slot order (stable), cut into groups of one slot and at most kGroup
+// tokens: {start in order, count}.
+std::vector<std::pair<int64_t, int64_t>> slot_groups(const int64_t* slots, int64_t tokens, std::vector<int64_t>& order) {
+  order.clear();
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) order.push_back(t);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t i = 0; i < static_cast<int64_t>(order.size());) {
+    int64_t n = 1;
+    while (n < kGroup && i + n < static_cast<int64_t>(order.size()) && slots[order[i + n]] == slots[order[i]]) ++n;
+    groups.emplace_back(i, n);
+    i += n;
+  }
+  return groups;
+}
 
 template <typename T>
 void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, const float* b, const int64_t* slots,
                  int64_t tokens, int64_t in, int64_t out, int64_t rank) {
-  at::parallel_for(0, tokens, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> xf(in), h(rank), update(out);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t s = slots[t];
-      if (s < 0) continue;
-      for (int64_t k = 0; k < in; ++k) xf[k] = static_cast<float>(x[t * ldx + k]);
+  std::vector<int64_t> order;
+  const auto groups = slot_groups(slots, tokens, order);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> xf(kGroup * in), h(kGroup * rank), update(kGroup * out);
+    for (int64_t g = g0; g < g1; ++g) {
+      const auto [first, n] = groups[g];
+      const int64_t s = slots[order[first]];
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < in; ++k) xf[i * in + k] = static_cast<float>(x[order[first + i] * ldx + k]);
       const float* as = a + s * rank * in;
       for (int64_t r = 0; r < rank; ++r) {  // h = A x: dot products as long as the input
         const float* row = as + r * in;
-        float acc = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* xi = xf.data() + i * in;
+          float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < in; ++k) acc += row[k] * xf[k];
-        h[r] = acc;
+          for (int64_t k = 0; k < in; ++k) acc += row[k] * xi[k];
+          h[i * rank + r] = acc;
+        }
       }
       // B h as rank multiply-adds of B's rows over the output: no short dot products to fold.
       const float* bs = b + s * rank * out;
-      std::fill(update.begin(), update.end(), 0.0f);
+      std::fill(update.begin(), update.begin() + n * out, 0.0f);
       for (int64_t r = 0; r < rank; ++r) {
         const float* row = bs + r * out;
-        const float hr = h[r];
-        float* u = update.data();
+        for (int64_t i = 0; i < n; ++i) {
+          const float hr = h[i * rank + r];
+          float* u = update.data() + i * out;
 #pragma omp simd
-        for (int64_t o = 0; o < out; ++o) u[o] += hr * row[o];
+          for (int64_t o = 0; o < out; ++o) u[o] += hr * row[o];
+        }
       }
-      T* yt = y + t * ldy;
-      for (int64_t o = 0; o < out; ++o) yt[o] = static_cast<T>(static_cast<float>(yt[o]) + update[o]);
+      for (int64_t i = 0; i < n; ++i) {
+        T* yt = y + order[first + i] * ldy;
+        const float* u = update.data() + i * out;
+        for (int64_t o = 0; o < out; ++o) yt[o] = static_cast<T>(static_cast<float>(yt[o]) + u[o]);
+      }
     }
   });
 }
+
+}  // namespace
+
+namespace pagedllm_ops {
 
 // y [T, out] += per token: (A[slots[t]] @ x[t]) @ B[slots[t]]; A float32 [L, R, in], B float32 [L, R, out].
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots) {
@@ -81,10 +119,10 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
   }
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("lora_add_", &lora_add_); }
+TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("lora_add_", &pagedllm_ops::lora_add_); }

@@ -23,6 +23,9 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
 
+// lora.cpp (both)
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots);
+
 }  // namespace pagedllm_ops
 
 namespace pagedllm_attention {
