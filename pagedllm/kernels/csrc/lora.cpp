@@ -6,9 +6,11 @@
 // (in + out) * rank per token, whatever the number of adapters.
 //
 // Tokens of one adapter go in groups of up to 8, so each of its A and B rows is read once per
-// group. Plain C++ (every tier builds it, the aarch64 cross build too): the loops are contiguous
-// dot products and multiply-adds that `omp simd` vectorizes for the tier's flags. fp32 throughout
-// (A and B are stored fp32 on the CPU), x and y in the model's dtype.
+// group, and the group's partial sums stay in registers over 16 lanes (add_a: two rows of A at a
+// time; add_b: 16 outputs at a time over the whole rank): 2-2.5x the fp32 rate of plain dot
+// products here (40 -> 80-110 GFLOP/s on ep-2c, 2 threads). Plain C++ (every tier builds it, the
+// aarch64 cross build too) that `omp simd` vectorizes for the tier's flags. fp32 throughout (A
+// and B are stored fp32 on the CPU), x and y in the model's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +45,82 @@ std::vector<std::pair<int64_t, int64_t>> slot_groups(const int64_t* slots, int64
   return groups;
 }
 
+// update[i] = h[i] B for n tokens (h [n, rank], B [rank, out]): 16 outputs at a time, each token's
+// 16 sums held in registers across the whole rank (one vector of B per rank row, read once for the
+// n tokens), not written back and read again per row.
+template <int N>
+void add_b(const float* bs, const float* h, int64_t rank, int64_t out, float* update) {
+  constexpr int64_t W = 16;
+  int64_t o0 = 0;
+  for (; o0 + W <= out; o0 += W) {
+    float acc[N][W] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* row = bs + r * out + o0;
+      for (int i = 0; i < N; ++i) {
+        const float hr = h[i * rank + r];
+#pragma omp simd
+        for (int64_t c = 0; c < W; ++c) acc[i][c] += hr * row[c];
+      }
+    }
+    for (int i = 0; i < N; ++i)
+      for (int64_t c = 0; c < W; ++c) update[i * out + o0 + c] = acc[i][c];
+  }
+  for (; o0 < out; ++o0)
+    for (int i = 0; i < N; ++i) {
+      float acc = 0.0f;
+      for (int64_t r = 0; r < rank; ++r) acc += h[i * rank + r] * bs[r * out + o0];
+      update[i * out + o0] = acc;
+    }
+}
+
+// h[i] = A x[i] for n tokens (A [rank, in], x [n, in]): two rows of A at a time against every token,
+// 16 inputs at a time, the partial sums in registers and folded once per row and token.
+template <int N>
+void add_a(const float* as, const float* xf, int64_t rank, int64_t in, float* h) {
+  constexpr int64_t W = 16;
+  const int64_t whole = in / W * W;
+  int64_t r = 0;
+  for (; r + 2 <= rank; r += 2) {
+    float acc[2][N][W] = {};
+    const float* a0 = as + r * in;
+    const float* a1 = a0 + in;
+    for (int64_t k = 0; k < whole; k += W)
+      for (int i = 0; i < N; ++i) {
+        const float* xi = xf + i * in + k;
+#pragma omp simd
+        for (int64_t c = 0; c < W; ++c) {
+          acc[0][i][c] += a0[k + c] * xi[c];
+          acc[1][i][c] += a1[k + c] * xi[c];
+        }
+      }
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < 2; ++j) {
+        float total = 0.0f;
+        for (int64_t c = 0; c < W; ++c) total += acc[j][i][c];
+        for (int64_t k = whole; k < in; ++k) total += (j ? a1 : a0)[k] * xf[i * in + k];
+        h[i * rank + r + j] = total;
+      }
+  }
+  for (; r < rank; ++r)
+    for (int i = 0; i < N; ++i) {
+      float total = 0.0f;
+      for (int64_t k = 0; k < in; ++k) total += as[r * in + k] * xf[i * in + k];
+      h[i * rank + r] = total;
+    }
+}
+
+template <int... Ns>
+void add_a_n(int64_t n, const float* as, const float* xf, int64_t rank, int64_t in, float* h,
+             std::integer_sequence<int, Ns...>) {
+  ((n == Ns + 1 ? add_a<Ns + 1>(as, xf, rank, in, h) : void()), ...);
+}
+
+template <int... Ns>
+void add_b_n(int64_t n, const float* bs, const float* h, int64_t rank, int64_t out, float* update,
+             std::integer_sequence<int, Ns...>) {
+  ((n == Ns + 1 ? add_b<Ns + 1>(bs, h, rank, out, update) : void()), ...);
+}
+
 template <typename T>
 void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, const float* b, const int64_t* slots,
                  int64_t tokens, int64_t in, int64_t out, int64_t rank) {
@@ -55,29 +133,9 @@ void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, con
       const int64_t s = slots[order[first]];
       for (int64_t i = 0; i < n; ++i)
         for (int64_t k = 0; k < in; ++k) xf[i * in + k] = static_cast<float>(x[order[first + i] * ldx + k]);
-      const float* as = a + s * rank * in;
-      for (int64_t r = 0; r < rank; ++r) {  // h = A x: dot products as long as the input
-        const float* row = as + r * in;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* xi = xf.data() + i * in;
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < in; ++k) acc += row[k] * xi[k];
-          h[i * rank + r] = acc;
-        }
-      }
-      // B h as rank multiply-adds of B's rows over the output: no short dot products to fold.
-      const float* bs = b + s * rank * out;
-      std::fill(update.begin(), update.begin() + n * out, 0.0f);
-      for (int64_t r = 0; r < rank; ++r) {
-        const float* row = bs + r * out;
-        for (int64_t i = 0; i < n; ++i) {
-          const float hr = h[i * rank + r];
-          float* u = update.data() + i * out;
-#pragma omp simd
-          for (int64_t o = 0; o < out; ++o) u[o] += hr * row[o];
-        }
-      }
+      add_a_n(n, a + s * rank * in, xf.data(), rank, in, h.data(), std::make_integer_sequence<int, kGroup>{});
+      add_b_n(n, b + s * rank * out, h.data(), rank, out, update.data(),
+              std::make_integer_sequence<int, kGroup>{});
       for (int64_t i = 0; i < n; ++i) {
         T* yt = y + order[first + i] * ldy;
         const float* u = update.data() + i * out;
