@@ -189,7 +189,11 @@ class QuantizedWeight:
         return None
 
     def to(self, device: str | torch.device) -> QuantizedWeight:
-        """The same weight with its tensors on device (codes, scales, mins and codebook)."""
+        """The same weight with its tensors on device (codes, scales, mins and codebook); plain
+        off the CPU (only the CPU's int8 kernels read the interleaved layout)."""
+        if self.interleaved and torch.device(device).type != "cpu":
+            return self.plain().to(device)
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
         return dataclasses.replace(self, codes=move(self.codes), scales=move(self.scales),
