@@ -116,15 +116,10 @@ class KernelChoice:
     @property
     def int8_activations(self) -> bool:
         """Whether the few-rows quantized matmul takes bf16 activations as int8 (docs/cpu-tiers.md:
-        the avx2 tier; avx512 where the CPU has VNNI), for the layouts that allow it."""
+        the avx2 tier; avx512 where the CPU has VNNI), for the layouts that allow it; a bf16 model's
+        quantized weights then take the row-interleaved layout at load (quant_linear.interleave_for_int8)."""
         return "quantized matmul" in self.kernel_families and (
             self.tier == "avx2" or (self.tier == "avx512" and "avx512_vnni" in cpu_flags()))
-
-    @property
-    def interleaved_int8(self) -> bool:
-        """Whether a bf16 model's quantized weights take the row-interleaved layout at load, which
-        the int8 kernels read (quant_linear.interleave_for_int8): wherever they take int8."""
-        return self.int8_activations
 
     @property
     def complete(self) -> bool:

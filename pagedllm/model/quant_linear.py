@@ -180,12 +180,12 @@ class QuantEmbedding(nn.Module):
 
 def interleave_for_int8(model: nn.Module) -> int:
     """Give the quantized weights of a bf16 model the row-interleaved layout where the chosen tier's
-    int8 kernel reads it (tiers.KernelChoice.interleaved_int8; quant_weight.py, the layout): in
+    int8 kernel reads it (tiers.KernelChoice.int8_activations; quant_weight.py, the layout): in
     place of the plain one, so no weight is held twice, a tied embedding table included (its
     lookups gather plain rows). Every other path reads plain rows of it (QuantizedWeight.rows).
     Returns how many weights changed layout."""
     choice = tiers.current()
-    if not choice.interleaved_int8:
+    if not choice.int8_activations:
         return 0
     # By id, each with the plain weight it replaces (kept alive here, so no id is reused).
     done: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}

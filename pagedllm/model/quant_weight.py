@@ -14,11 +14,11 @@ Layouts, for a matrix [out_features N, in_features K] and group size G:
   here where float16 keeps their precision) or float32 (the K-quants' products of a super-block
   scale and a sub-block one).
   Weight = scale * value + min (min absent: scale * value).
-- Row-interleaved (`interleave()`, for the AVX-512 VNNI kernel of bf16 models: one int32 lane of a
-  vector per weight row, csrc/quant_int8_rows.h): `codes` [N/16, K/32, 256 (4-bit) or 512 (int8)],
-  `scales`, `mins` [N/16, groups, 16]. The same bytes reordered; `plain()` undoes it, and every
-  method here other than kernel_args, to() and nbytes reads the plain layout (row slices and
-  embedding lookups take only the rows they need).
+- Row-interleaved (`interleave()`, for the int8 kernels of bf16 models at the avx512 and avx2
+  tiers: one int32 lane of a vector per weight row, csrc/quant_int8_rows.h): `codes` [N/16, K/32,
+  256 (4-bit) or 512 (int8)], `scales`, `mins` [N/16, groups, 16]. The same bytes reordered;
+  `plain()` undoes it, and every method here other than kernel_args, to() and nbytes reads the
+  plain layout (row slices and embedding lookups take only the rows they need).
 
 For every GGUF type repacked here, scale * value is exact in float32 (an fp16 scale times a small
 integer), so dequantizing gives bit for bit the float32 values gguf's own dequantizer gives.

@@ -121,7 +121,7 @@ def test_layouts_without_int8_keep_bf16(tier, gguf_weights, qtype):
 
 def interleaved(tier: str, weight: QuantizedWeight) -> QuantizedWeight:
     """weight in the row-interleaved layout (32 of its rows), where the tier's kernel reads it."""
-    if not tiers.current().interleaved_int8:
+    if not tiers.current().int8_activations:
         with pytest.raises(RuntimeError, match="row-interleaved weights need"):
             kernel(activations(1, weight.shape[1], 0), weight.rows(0, 32).interleave(), torch.zeros(32))
         pytest.skip(f"the {tier} tier reads the plain layout alone")

@@ -297,7 +297,7 @@ def test_interleaving_a_model_keeps_one_copy_of_a_tied_table(gguf_tensors):
     with kernel_tier(tiers.current().tier) as choice:
         expected = model.head(x)
         changed = quant_linear.interleave_for_int8(model)
-        if not choice.interleaved_int8:
+        if not choice.int8_activations:
             assert changed == 0 and model.head.parts[0] is weight
             return
         assert changed == 1 and model.head.parts[0].interleaved

@@ -274,25 +274,19 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const int c = bits == 8 ? 0 : *affine_codebook_offset(codebook->const_data_ptr<float>());
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/bits == 4);
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0), group_stride = (K / group_size) * kInterleavedRows;
-  auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
+  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
+  for_each_interleaved_group(w, bits, scales, mins, out, [&](auto is_u4, auto with_min, const uint8_t* codes,
+                                                             const auto* s, const auto* mn, auto* op, int64_t n0) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
-    const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
-    for_each_group16(w.groups16, [&](int64_t g16) {
-      const uint8_t* codes = w.codes + g16 * (K / kBlock) * w.block_bytes;
-      const auto* s = sp + g16 * group_stride;
-      const auto* mn = mp ? mp + g16 * group_stride : nullptr;
-      for (int half = 0; half < 2; ++half) {
-        const int64_t n0 = g16 * kInterleavedRows + 8 * half;
-        for (int64_t m = 0; m < M;) {
-          if (M - m >= 4) interleaved_half<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 4;
-          else if (M - m >= 2) interleaved_half<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 2;
-          else interleaved_half<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n0), m += 1;
-        }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t n = n0 + 8 * half;  // the half's first output column
+      for (int64_t m = 0; m < M;) {
+        if (M - m >= 4) interleaved_half<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 4;
+        else if (M - m >= 2) interleaved_half<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 2;
+        else interleaved_half<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 1;
       }
-    });
-  };
-  dispatch_interleaved(bits, mins.has_value(), scales, out, run);
+    }
+  });
   return true;
 #else
   return false;

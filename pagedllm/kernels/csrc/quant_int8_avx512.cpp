@@ -198,21 +198,12 @@ inline __m512 load_rows16(const c10::Half* p) {
 inline void store_rows16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store_rows16(c10::BFloat16* p, __m512 v) { pagedllm_vec::store_f32(p, v); }
 
-// x's rows as the interleaved kernel reads them: codes in x's order, a scale and a code sum per block.
-struct BlockRows {
-  const int8_t* codes;
-  const float* scales;     // [M, stride]
-  const int32_t* code_sums;  // [M, stride]
-  const float* sums;       // [M, groups] or nullptr
-  int64_t K_pad, stride, groups;
-};
-
 // out[r, 16 rows of group g16] for R rows of x from m0. Per block: the codes' chunks unpacked once,
 // then per row of x two chains of vpdpbusd (started at c * the block's code sum: the codebook's
 // offset, the same for every weight row), one conversion, one multiply-add by scale * d.
 template <int R, bool kU4, bool kMin, typename S, typename T>
 void interleaved_rows(const uint8_t* codes, const S* scales, const S* mins, int64_t K, int64_t group_size, int c,
-                      const BlockRows& x, int64_t m0, const float* bias, T* out, int64_t ldo, int64_t n0) {
+                      const Int8Rows& x, int64_t m0, const float* bias, T* out, int64_t ldo, int64_t n0) {
   constexpr int kChunks = kU4 ? 4 : 8;
   constexpr int64_t kBlockBytes = kChunks * 64;
   const int64_t blocks = K / kBlock, per_group = group_size / kBlock;
@@ -238,8 +229,8 @@ void interleaved_rows(const uint8_t* codes, const S* scales, const S* mins, int6
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const int8_t* xb = x.codes + m * x.K_pad + b * kBlock;
-      __m512i even = _mm512_set1_epi32(c * x.code_sums[m * x.stride + b]), odd = _mm512_setzero_si512();
+      const int8_t* xb = x.codes_of(m) + b * kBlock;
+      __m512i even = _mm512_set1_epi32(c * x.code_sums_of(m)[b]), odd = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i += 2) {
         int32_t q0, q1;
@@ -249,13 +240,13 @@ void interleaved_rows(const uint8_t* codes, const S* scales, const S* mins, int6
         odd = _mm512_dpbusd_epi32(odd, w[i + 1], _mm512_set1_epi32(q1));
       }
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(x.scales[m * x.stride + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(x.block_scales_of(m)[b])), acc[r]);
     }
     if constexpr (kMin) {  // + min_g * (sum of x over group g), once the group's last block is in
       if ((b + 1) % per_group == 0) {
         const __m512 mn = load_rows16(mins + g * kInterleavedRows);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[(m0 + r) * x.groups + g]), acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums_of(m0 + r)[g]), acc[r]);
       }
     }
   }
@@ -304,27 +295,18 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const InterleavedWeights w = check_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out);
   const int c = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/true);
-  const BlockRows view{rows.codes.data(), rows.block_scales.data(), rows.block_code_sums.data(), rows.sums_of(0),
-                       rows.K_pad, rows.blocks_pad(), rows.groups};
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0), group_stride = (K / group_size) * kInterleavedRows;
-  auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
+  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
+  for_each_interleaved_group(w, bits, scales, mins, out, [&](auto is_u4, auto with_min, const uint8_t* codes,
+                                                             const auto* s, const auto* mn, auto* op, int64_t n0) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
-    const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
-    for_each_group16(w.groups16, [&](int64_t g16) {
-      const uint8_t* codes = w.codes + g16 * (K / kBlock) * w.block_bytes;
-      const auto* s = sp + g16 * group_stride;
-      const auto* mn = mp ? mp + g16 * group_stride : nullptr;
-      const int64_t n0 = g16 * kInterleavedRows;
-      for (int64_t m = 0; m < M;) {
-        if (M - m >= 4) interleaved_rows<4, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 4;
-        else if (M - m == 3) interleaved_rows<3, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 3;
-        else if (M - m == 2) interleaved_rows<2, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 2;
-        else interleaved_rows<1, kU4, kMin>(codes, s, mn, K, group_size, c, view, m, bp, op, ldo, n0), m += 1;
-      }
-    });
-  };
-  dispatch_interleaved(bits, mins.has_value(), scales, out, run);
+    for (int64_t m = 0; m < M;) {
+      if (M - m >= 4) interleaved_rows<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, bp, op, ldo, n0), m += 4;
+      else if (M - m == 3) interleaved_rows<3, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, bp, op, ldo, n0), m += 3;
+      else if (M - m == 2) interleaved_rows<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, bp, op, ldo, n0), m += 2;
+      else interleaved_rows<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, bp, op, ldo, n0), m += 1;
+    }
+  });
   return true;
 #else
   return false;

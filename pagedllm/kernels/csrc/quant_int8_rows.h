@@ -171,6 +171,7 @@ constexpr int64_t kInterleavedRows = 16;
 struct InterleavedWeights {
   const uint8_t* codes;
   int64_t groups16, block_bytes;
+  int64_t blocks, groups;  // of 32 inputs, of group_size inputs, per row
 };
 
 inline InterleavedWeights check_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -198,26 +199,29 @@ inline InterleavedWeights check_interleaved(const at::Tensor& x, const at::Tenso
   check_groups(scales);
   if (mins) check_groups(*mins);
   TORCH_CHECK(out.size(1) == groups16 * kInterleavedRows, "quant_linear: out must have N columns");
-  return {static_cast<const uint8_t*>(qweight.const_data_ptr()), groups16, block_bytes};
+  return {static_cast<const uint8_t*>(qweight.const_data_ptr()), groups16, block_bytes, K / kBlock, K / group_size};
 }
 
-// f(g16) for every group of 16 rows, on every thread: chunks taken in turn, not a fixed share per
-// thread (a VM's cores run at different speeds from one call to the next; a static split waits on
-// the slower).
+// f(is_u4, with_min, codes, scales, mins, out, n0) for every group of 16 weight rows (n0 its first
+// output column; scales, mins, out: typed pointers of the group's variant), on every thread: chunks
+// of groups taken in turn, not a fixed share per thread (a VM's cores run at different speeds from
+// one call to the next; a static split waits on the slower).
 template <typename F>
-void for_each_group16(int64_t groups16, F&& f) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups16);
-  const int64_t chunk = std::max<int64_t>(1, groups16 / (8 * std::max<int64_t>(threads, 1)));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t g0 = next.fetch_add(chunk); g0 < groups16; g0 = next.fetch_add(chunk))
-      for (int64_t g = g0; g < std::min(groups16, g0 + chunk); ++g) f(g);
-  });
-}
-
-// run(is_u4, with_min, scales pointer, out pointer) with the compile-time variant of these weights.
-template <typename Run>
-void dispatch_interleaved(int64_t bits, bool has_mins, const at::Tensor& scales, at::Tensor& out, Run&& run) {
+void for_each_interleaved_group(const InterleavedWeights& w, int64_t bits, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& mins, at::Tensor& out, F&& f) {
+  auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
+    const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
+    const int64_t group_stride = w.groups * kInterleavedRows, codes_stride = w.blocks * w.block_bytes;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), w.groups16);
+    const int64_t chunk = std::max<int64_t>(1, w.groups16 / (8 * std::max<int64_t>(threads, 1)));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t g0 = next.fetch_add(chunk); g0 < w.groups16; g0 = next.fetch_add(chunk))
+        for (int64_t g = g0; g < std::min(w.groups16, g0 + chunk); ++g)
+          f(is_u4, with_min, w.codes + g * codes_stride, sp + g * group_stride, mp ? mp + g * group_stride : nullptr,
+            op, g * kInterleavedRows);
+    });
+  };
   auto by_output = [&](auto is_u4, auto with_min, const auto* sp) {
     if (out.scalar_type() == at::kFloat) run(is_u4, with_min, sp, out.mutable_data_ptr<float>());
     else run(is_u4, with_min, sp, out.mutable_data_ptr<c10::BFloat16>());
@@ -227,7 +231,7 @@ void dispatch_interleaved(int64_t bits, bool has_mins, const at::Tensor& scales,
     else by_output(is_u4, with_min, scales.const_data_ptr<float>());
   };
   auto by_min = [&](auto is_u4) {
-    if (has_mins) by_scales(is_u4, std::true_type{});
+    if (mins) by_scales(is_u4, std::true_type{});
     else by_scales(is_u4, std::false_type{});
   };
   if (bits == 4) by_min(std::true_type{});
