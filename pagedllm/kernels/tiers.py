@@ -134,7 +134,7 @@ class KernelChoice:
                    "quantized matmul": f"{isa} + amx for many rows" if self.quant_amx else isa,
                    "norms/rotary": isa, "sampling": isa}
         portable = {"attention": "torch", "dense matmul": "torch (oneDNN)",
-                    "quantized matmul": "torch (tiles dequantized)", "norms/rotary": "torch",
+                    "quantized matmul": "torch (int4 kernel in bf16, float32 tiles)", "norms/rotary": "torch",
                     "sampling": "torch"}
         return {family: kernels[family] if self.has(family) else portable[family] for family in portable}
 

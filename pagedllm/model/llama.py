@@ -34,6 +34,7 @@ from pagedllm.model.packed_linear import PackedLinear, can_pack
 from pagedllm.model.quant_linear import QuantEmbedding, QuantLinear, interleave_for_int8
 from pagedllm.model.quant_weight import QuantizedWeight
 from pagedllm.model.rope import RotaryEmbedding, apply_rotary
+from pagedllm.model.torch_int4_linear import TorchInt4Linear, pack_for_torch, runs_here
 from pagedllm.model.weight_names import fused_state_dict, hf_tensor_names
 
 if TYPE_CHECKING:
@@ -269,12 +270,15 @@ class LlamaForCausalLM(nn.Module):
         """Pack the bf16 matmul weights (and a copy of a tied LM head) for the CPU's matmul kernels
         (packed_linear.py: the same results as F.linear but for an element now and then one bf16
         step apart), and lay quantized ones out for the tier's int8 kernel where it has one
-        (quant_linear.interleave_for_int8). Only for bfloat16 on CPU; returns whether it packed
-        float weights."""
+        (quant_linear.interleave_for_int8), or in torch's int4 layout where the tier has no
+        quantized matmul of ours (torch_int4_linear.py). Only for bfloat16 on CPU; returns whether
+        it packed float weights."""
         weight = self.norm.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return False
         interleave_for_int8(self)
+        if runs_here(weight.dtype):
+            pack_for_torch(self)
         if not can_pack(max_num_tokens):
             return False
         for module in list(self.modules()):
@@ -282,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(child, nn.Linear):
                     gated = isinstance(module, MLP) and module.fused_silu and name == "gate_up_proj"
                     setattr(module, name, PackedLinear(child.weight, child.bias, max_num_tokens, gated))
-        if isinstance(getattr(self, "_packed_lm_head", None), QuantLinear):
+        if isinstance(getattr(self, "_packed_lm_head", None), (QuantLinear, TorchInt4Linear)):
             pass  # a quantized head stays as it is
         elif self.lm_head is not None:
             self._packed_lm_head = self.lm_head  # packed by the loop above
@@ -305,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, QuantEmbedding):
                 w = module.weight_q
                 tensors += [w.codes, w.scales, w.mins, w.codebook]
+            elif isinstance(module, TorchInt4Linear):
+                tensors += module.tensors()
             elif isinstance(module, PackedLinear):
                 tensors += [module.packed_weight, getattr(module, "bias_f32", None)]
             for t in tensors:

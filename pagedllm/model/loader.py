@@ -79,10 +79,12 @@ def resolve_model_dtype(dtype: str | torch.dtype, device: str | torch.device, mo
     llama.cpp does: the large matmuls then run on integer dot products whatever the activations'
     dtype, many rows multiply in fp32 (QuantLinear._dequantized_tiles), and bf16 halves the
     activations and the KV cache. float32 took its exact kernel there instead: the default GGUF
-    decoded 2.5x slower (AVX2 EPYC, docs/benchmarks.md)."""
+    decoded 2.5x slower (AVX2 EPYC, docs/benchmarks.md). Likewise at the portable tier, where only
+    bf16 takes torch's int4 kernel (torch_int4_linear.py) and float32 dequantizes tiles per call."""
     resolved = resolve_dtype(dtype, device)
+    choice = tiers.current()
     if (canonical_dtype(dtype) != "auto" or resolved != torch.float32 or torch.device(device).type != "cpu"
-            or not tiers.current().int8_activations):
+            or not (choice.int8_activations or not choice.has("quantized matmul"))):
         return resolved
     return torch.bfloat16 if _matrices_stay_quantized(model, quantization) else resolved
 

@@ -80,13 +80,13 @@ def test_gguf_greedy_equals_dequantized(tmp_path, sizes):
                                dequantized.model.compute_logits(hidden[1]), atol=1e-4, rtol=1e-4)
 
 
-def _cache(model, num_tokens):
+def _cache(model, num_tokens, dtype=torch.float32):
     from pagedllm.kernels.attention import allocate_kv_cache
     from tests.conftest import build_attn_metadata
 
     config = model.config
     caches = allocate_kv_cache(config.num_hidden_layers, num_tokens, 1, config.num_key_value_heads,
-                               config.head_dim, torch.float32)
+                               config.head_dim, dtype)
     metadata, _ = build_attn_metadata([(0, num_tokens, list(range(num_tokens)))], 1)
     return caches, metadata
 
