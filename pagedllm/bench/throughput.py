@@ -72,6 +72,11 @@ def main(args: argparse.Namespace) -> int:
     process_started = psutil.Process().create_time()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+    if (args.lockstep_with or "").partition("=")[0] == "cpu_isa":
+        raise ValueError("--lockstep-with cannot change cpu_isa: the kernel tier is chosen once per "
+                         "process (pagedllm.kernels.tiers): building a twin at another would switch "
+                         "this engine's kernels too; compare tiers in two runs against one "
+                         "baseline (--baseline)")
     if args.temperature > 0 and args.baseline not in ("none", "hf"):
         raise ValueError(f"--temperature applies to pagedllm and the hf baseline; the {args.baseline} "
                          "baseline runs greedy only")

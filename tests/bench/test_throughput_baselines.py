@@ -110,6 +110,10 @@ def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
                  "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
     assert "FIELD=VALUE" in capsys.readouterr().err
+    # The tier is one per process: building a twin at another would switch this engine's kernels.
+    assert main(["bench", "throughput", "--model", str(tiny_gguf),
+                 "--lockstep-with", "cpu_isa=portable"]) == 2
+    assert "cannot change cpu_isa" in capsys.readouterr().err
 
 
 def test_a_timed_rerun_finds_no_cached_prefix(tiny_gguf):
