@@ -337,10 +337,13 @@ def measure_case(case: Case, min_time_s: float, max_reps: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedllm.config import default_block_size
     from pagedllm.model.loader import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     apply_threads(args)
+    if args.block_size is None:  # the engine's flag, unset: the device's default page
+        args.block_size = default_block_size("cpu")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         if mode not in ("decode", "prefill"):
