@@ -91,6 +91,9 @@ class Format:
         as_ids = body.return_tokens_as_token_ids
         self.tokens_as_ids = api.options.return_tokens_as_token_ids if as_ids is None else as_ids
         self.return_token_ids = body.return_token_ids
+        # The name the request asked for (a LoRA adapter's, checked by the endpoint), as vLLM
+        # answers; the base model's name where the request left it out.
+        self.model = body.model or api.model_name
 
     def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
         """How logprobs name a token: its text, or "token_id:N" if the body asks (vLLM's
@@ -114,7 +117,7 @@ class Format:
                 choices.append(self.full_choice(i * self.n + out.index, out, prompts[i], final))
                 generated += len(out.token_ids)
         response = {"id": response_id, "object": self.object_full, "created": int(time.time()),
-                    "model": self.api.model_name, "choices": choices,
+                    "model": self.model, "choices": choices,
                     "usage": self.usage(prompts, generated, sum(f.num_cached_tokens for f in finals))}
         return self.finish_response(response, finals)
 
@@ -134,7 +137,7 @@ class Format:
 
         def chunk(choices: list[dict], **fields) -> str:
             body = {"id": response_id, "object": self.object_chunk, "created": created,
-                    "model": self.api.model_name, "choices": choices, **fields}
+                    "model": self.model, "choices": choices, **fields}
             if continuous:
                 body["usage"] = self.usage(prompts, sum(generated.values()), sum(cached.values()))
             return sse(body)
@@ -157,7 +160,7 @@ class Format:
                     yield chunk(choices)
             if include_usage:
                 yield sse({"id": response_id, "object": self.object_chunk, "created": created,
-                            "model": self.api.model_name, "choices": [],
+                            "model": self.model, "choices": [],
                             "usage": self.usage(prompts, sum(generated.values()), sum(cached.values()))})
         except (RequestFailed, EngineDeadError) as exc:
             yield sse(error_body(str(exc), "server_error", code=500))

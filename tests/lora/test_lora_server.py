@@ -64,6 +64,16 @@ def test_models_list_the_adapters_and_a_request_picks_one_by_name(tiny_lora):
             answer = complete(server, model)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == text_of(server, reference), model
+            assert answer.json()["model"] == model  # the name asked for, as vLLM answers
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "poet", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in chat.text.splitlines()
+                  if line.startswith("data: {")]
+        assert chunks and {c["model"] for c in chunks} == {"poet"}
+        plain = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                           json={"prompt": PROMPT, "max_tokens": 2}).json()
+        assert plain["model"] == MODEL_NAME  # model left out: the base's name
         unknown = complete(server, "nope")
         assert unknown.status_code == 404
         error = unknown.json()["error"]
