@@ -5,7 +5,11 @@ An adapter adds (alpha / r) * B @ A to some of the base's projections. Ours are 
 qkv_proj, gate/up in one gate_up_proj), so each of the adapter's projections lands on a row range
 of one fused module: PART_OF says which, and the manager writes A and B there (lora/layers.py
 explains the layout). Supported: plain LoRA (and rsLoRA's alpha / sqrt(r)) on q, k, v, o, gate,
-up and down; DoRA, LoRA biases, embeddings or the LM head, and modules_to_save are refused.
+up and down, the embeddings and the LM head (held under layer -1); DoRA, LoRA biases,
+modules_to_save and trainable tokens are refused. PEFT saves the base's embedding and head
+weights beside an adapter that targets them (save_embedding_layers, on by default then): LoRA
+keeps those frozen, so they are the base's own and are not read (as vLLM does), unless their
+shape says the vocabulary was resized, which is refused.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ PART_OF = {
     "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
+    "embed_tokens": ("embed_tokens", 0), "lm_head": ("lm_head", 0),
 }
+MODEL_WIDE = -1  # the "layer" of the embeddings and the LM head
 _KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_VOCAB_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_([AB])"
+                        r"|(lm_head)\.lora_([AB])\.weight)")
+_BASE_COPY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)\.base_layer\.weight")
 
 
 class LoRAError(ValueError):
@@ -40,7 +49,8 @@ class LoRAAdapter:
     name: str
     rank: int
     scaling: float
-    # (layer, adapter module name) -> (A [r, in], B [out, r]), float32.
+    # (layer, adapter module name) -> (A [r, in], B [out, r]), float32 (the embeddings': A
+    # [r, vocab], B [hidden, r]; they and the head under MODEL_WIDE).
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
@@ -52,7 +62,8 @@ class LoRAAdapter:
             raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json has no valid rank r ({rank!r})")
         if rank > max_rank:
             raise LoRAError(f"LoRA adapter {name!r}: rank {rank} exceeds --max-lora-rank {max_rank}")
-        for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save")):
+        for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"),
+                          ("trainable_token_indices", "trainable_token_indices")):
             if config.get(key):
                 raise LoRAError(f"LoRA adapter {name!r}: {what} is not supported")
         if config.get("bias", "none") != "none" or config.get("lora_bias"):
@@ -65,18 +76,30 @@ class LoRAAdapter:
         for key, tensor in _read_tensors(name, folder).items():
             adapter._add(key, tensor, base)
         if not adapter.weights:
-            raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights for q/k/v/o/gate/up/down projections")
+            raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights for q/k/v/o/gate/up/down projections, "
+                            "the embeddings or the LM head")
         adapter._check_pairs()
         return adapter
 
     def _add(self, key: str, tensor: torch.Tensor, base: ModelConfig) -> None:
+        copy = _BASE_COPY.fullmatch(key)
+        if copy is not None:
+            want = (base.vocab_size, base.hidden_size)
+            if tuple(tensor.shape) != want:
+                raise LoRAError(f"LoRA adapter {self.name!r}: tensor {key} has shape {tuple(tensor.shape)}, "
+                                f"the base model's is {want} (a resized vocabulary is not supported)")
+            return  # the base's own weight (LoRA trains beside it), not read
+        vocab = _VOCAB_KEY.fullmatch(key)
         match = _KEY.fullmatch(key)
-        if match is None or match[2] not in PART_OF:
+        if vocab is not None:
+            layer, module, side = MODEL_WIDE, vocab[1] or vocab[3], vocab[2] or vocab[4]
+        elif match is None or match[2] not in PART_OF or match[2] in ("embed_tokens", "lm_head"):
             raise LoRAError(f"LoRA adapter {self.name!r}: tensor {key} targets a module this base "
                             f"model has no LoRA slot for (supported: {', '.join(PART_OF)})")
-        layer, module, side = int(match[1]), match[2], match[3]
-        if layer >= base.num_hidden_layers or base.is_moe_layer(layer) and module.endswith(
-                ("gate_proj", "up_proj", "down_proj")):
+        else:
+            layer, module, side = int(match[1]), match[2], match[3]
+        if layer >= base.num_hidden_layers or module.endswith(
+                ("gate_proj", "up_proj", "down_proj")) and base.is_moe_layer(layer):
             raise LoRAError(f"LoRA adapter {self.name!r}: tensor {key} targets a module the base "
                             "model does not have")
         out_features, in_features = projection_shape(base, module)
@@ -91,7 +114,8 @@ class LoRAAdapter:
     def _check_pairs(self) -> None:
         for (layer, module), (a, b) in self.weights.items():
             if a is None or b is None:
-                raise LoRAError(f"LoRA adapter {self.name!r}: layer {layer} {module} has lora_"
+                where = module if layer == MODEL_WIDE else f"layer {layer} {module}"
+                raise LoRAError(f"LoRA adapter {self.name!r}: {where} has lora_"
                                 f"{'A' if a is None else 'B'} missing")
 
 
@@ -102,7 +126,9 @@ def projection_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     return {"q_proj": (q_size, hidden), "k_proj": (kv_size, hidden), "v_proj": (kv_size, hidden),
             "o_proj": (hidden, q_size), "gate_proj": (base.intermediate_size, hidden),
             "up_proj": (base.intermediate_size, hidden),
-            "down_proj": (hidden, base.intermediate_size)}[module]
+            "down_proj": (hidden, base.intermediate_size),
+            # The embeddings map a token (of vocab) to hidden, as PEFT shapes their A and B.
+            "embed_tokens": (hidden, base.vocab_size), "lm_head": (base.vocab_size, hidden)}[module]
 
 
 def _read_config(name: str, folder: Path) -> dict:

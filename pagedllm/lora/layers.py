@@ -15,6 +15,13 @@ own update in one call per projection. Elsewhere (a GPU, the portable tier) toke
 slot once per step (Punica's segmented idea), and each projection gathers the adapters' tokens at
 most once, runs one pair of matmuls per adapter present over its segment, and adds the result back
 at once. The base's tokens cost nothing either way.
+
+The embeddings and the LM head take adapters too (PEFT's embed_tokens and lm_head targets): the
+embeddings' updates are added to the base's lookup before anything else (before Gemma's scale,
+as PEFT applies it to both), the head's to the float32 logits, over the rows the runner samples
+(LoRAState.select_rows), whichever kernel computed them; a greedy step whose sampled rows use
+no head adapter keeps the head's argmax-only kernel. Their slots cost 2 x max_loras x max_rank
+x vocab floats (16 x 16 on SmolLM2's 49k vocabulary: 100 MB in float32).
 """
 
 from __future__ import annotations
@@ -33,17 +40,25 @@ class LoRAState:
     batch's LoRA tokens gathered in slot order (`rows`: their indices), one gather and one scatter
     per projection whatever the number of adapters."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_head: bool = True) -> None:
         self.segments: list[tuple[int, int, int]] = []
         self.rows: torch.Tensor | None = None
         self.token_slots: torch.Tensor | None = None  # int64 [T], for the compiled kernel
+        self.slots = np.empty(0, dtype=np.int64)
+        self.device: torch.device | str = "cpu"
+        # The rows the LM head gets (only those that are sampled, in the runner): their own state,
+        # every token of the batch until select_rows picks some.
+        self.head = LoRAState(with_head=False) if with_head else None
 
     def set_batch(self, token_slots, device: torch.device | str = "cpu") -> None:
         """token_slots[t]: the slot of token t's adapter, -1 for the base model (a sequence or
         numpy array)."""
         self.segments, self.rows = [], None
-        slots = np.asarray(token_slots, dtype=np.int64)
-        self.token_slots = torch.from_numpy(np.ascontiguousarray(slots)).to(device)
+        slots = np.ascontiguousarray(np.asarray(token_slots, dtype=np.int64))
+        self.slots, self.device = slots, device
+        self.token_slots = torch.from_numpy(slots).to(device)
+        if self.head is not None:
+            self.head.set_batch(slots, device)
         lora_rows = np.flatnonzero(slots >= 0)
         if not lora_rows.size:
             return
@@ -59,15 +74,25 @@ class LoRAState:
             self.segments = [(int(sorted_slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
             self.rows = torch.from_numpy(order).to(device)
 
+    def select_rows(self, rows) -> None:
+        """The LM head's rows from now on: rows of the batch (indices, in the order the head gets
+        them)."""
+        rows = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows, dtype=np.int64)
+        self.head.set_batch(self.slots[rows], self.device)
+
     def clear(self) -> None:
         self.segments, self.rows, self.token_slots = [], None, None
+        self.slots = np.empty(0, dtype=np.int64)
+        if self.head is not None:
+            self.head.clear()
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, part_rows: list[int], in_features: int, state: LoRAState,
                  max_loras: int, max_rank: int, like: torch.Tensor) -> None:
         """like: a tensor of the model's activation dtype and device (the updates' own, whatever
-        the base projection stores: float, prepacked or quantized)."""
+        the base projection stores: float, prepacked or quantized). base None: only add_update
+        runs (the LM head's updates, added to logits the model computes)."""
         super().__init__()
         if getattr(base, "gated_silu", False):  # its SiLU-and-mul would come before our update
             raise ValueError("a LoRA projection cannot wrap a gated, prepacked gate/up projection")
@@ -84,14 +109,23 @@ class LoRALinear(nn.Module):
         # (csrc/lora.cpp: the cost of the arithmetic, whatever the number of adapters).
         ops = tiers.current().ops
         self.kernel = ops.lora_add_ if like.device.type == "cpu" and hasattr(ops, "lora_add_") else None
+        self.active: set[int] = set()  # slots whose adapter updates this projection
+
+    def updates_any(self) -> bool:
+        """Whether a row of the current batch uses an adapter that updates this projection."""
+        return any(slot in self.active for slot, _, _ in self.state.segments)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_update(self.base(x), x)
+
+    def add_update(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (the base projection's output for x) plus each row's own adapter's update, in place."""
         segments, rows = self.state.segments, self.state.rows
-        if not segments:
+        if not self.updates_any():  # the base's rows, or adapters that leave this projection be
             return y
         a, b = self.lora_a, self.lora_b
-        if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1:
+        if (self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1
+                and x.dtype == y.dtype):
             self.kernel(y, x, a, b, self.state.token_slots)
             return y
         if rows is None:  # each adapter's tokens are one run of the batch
@@ -117,15 +151,68 @@ class LoRALinear(nn.Module):
             self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
             out_cols = slice(rows_start, rows_start + b.shape[0])
             self.lora_b[slot, cols, out_cols] = (b * scaling).T.to(self.lora_b.dtype)
+        self.active.add(slot)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.active.discard(slot)
+
+
+class LoRAEmbedding(nn.Module):
+    """The embeddings' LoRA (PEFT's lora_embedding_A [r, vocab] and _B [hidden, r]): each token of
+    an adapter gets row `token id` of its A, times B, added to the base's embedding. Held as A
+    transposed [max_loras, vocab, R] (a token's rank-sized row is one read) and B transposed and
+    scaled [max_loras, R, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, state: LoRAState, max_loras: int, max_rank: int,
+                 like: torch.Tensor) -> None:
+        super().__init__()
+        self.state = state
+        self.register_buffer("lora_a", torch.zeros(max_loras, vocab_size, max_rank,
+                                                   dtype=like.dtype, device=like.device))
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, hidden_size,
+                                                   dtype=like.dtype, device=like.device))
+        self.active: set[int] = set()  # slots whose adapter updates the embeddings
+
+    def add_update(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x (the base's embeddings of input_ids) plus each token's own adapter's update, in place."""
+        rows = self.state.rows
+        segments = [segment for segment in self.state.segments if segment[0] in self.active]
+        if not segments:
+            return x
+        a, b = self.lora_a, self.lora_b
+        if rows is None:  # each adapter's tokens are one run of the batch
+            for slot, start, end in segments:
+                x[start:end] += (a[slot][input_ids[start:end]] @ b[slot]).to(x.dtype)
+            return x
+        ids = input_ids.index_select(0, rows)
+        delta = torch.zeros(ids.shape[0], b.shape[2], dtype=a.dtype, device=x.device)  # some stay 0
+        for slot, start, end in segments:
+            torch.matmul(a[slot][ids[start:end]], b[slot], out=delta[start:end])
+        x.index_add_(0, rows, delta.to(x.dtype))
+        return x
+
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 scaling: float) -> None:
+        """Write one adapter into slot: parts {0: (A [r, vocab], B [hidden, r])}."""
+        self.clear_slot(slot)
+        a, b = parts[0]
+        r = a.shape[0]
+        self.lora_a[slot, :, :r] = a.T.to(self.lora_a.dtype)
+        self.lora_b[slot, :r] = (b * scaling).T.to(self.lora_b.dtype)
+        self.active.add(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.active.discard(slot)
 
 
 def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAState, dict]:
     """Wrap every LoRA target of model (before prepacking); (its state, {(layer, our module name):
-    LoRALinear}). A mixture-of-experts layer's experts are not targets."""
+    LoRALinear}, the embeddings and LM head under layer -1). A mixture-of-experts layer's experts
+    are not targets."""
     config: ModelConfig = model.config
     state = LoRAState()
     # The updates' dtype: the model's on a GPU; float32 on the CPU, where a bf16 matmul of a
@@ -150,4 +237,10 @@ def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRASta
                                 like)
             setattr(parent, attr, module)
             wrapped[(i, name)] = module
+    # The embeddings and the LM head: model-wide, under layer -1. The head's updates are added to
+    # the logits the model computes (whatever kernel runs the head), over the rows it is given.
+    model.lora_embedding = LoRAEmbedding(config.vocab_size, hidden, state, max_loras, max_rank, like)
+    model.lora_head = LoRALinear(None, [config.vocab_size], hidden, state.head, max_loras, max_rank, like)
+    wrapped[(-1, "embed_tokens")] = model.lora_embedding
+    wrapped[(-1, "lm_head")] = model.lora_head
     return state, wrapped

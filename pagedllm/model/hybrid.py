@@ -85,6 +85,8 @@ class HybridForCausalLM(LlamaForCausalLM):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.vocab_gather = None
+        self.embed_scale = None
+        self.lora_embedding = self.lora_head = None  # LlamaForCausalLM's LoRA hooks (none here)
         num_recurrent = config.num_hidden_layers - len(config.attention_layers)
         self.state_shapes = self.layer_state_shapes(config) * num_recurrent  # one request's state
         self._states: StatePages | None = None  # over the runner's KV caches, made on first use
@@ -108,7 +110,7 @@ class HybridForCausalLM(LlamaForCausalLM):
             raise ValueError("a hybrid model's step needs each request's state pages")
         store = self._state_store(kv_caches)
         states = store.read(attn_metadata.state_pages, attn_metadata.state_fresh)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         cos, sin = self.rotary(positions, attn_metadata, x.dtype) if self.rotary is not None else (None, None)

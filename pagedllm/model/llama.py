@@ -212,6 +212,19 @@ class LlamaForCausalLM(nn.Module):
         # Set by the runner once its KV caches exist, where the model qualifies: decode steps then
         # run every layer in one compiled call (decode_layers.py).
         self.decode_layers: DecodeLayers | None = None
+        # LoRA on the embeddings and the LM head (pagedllm/lora/layers.py, set by its wrap_model):
+        # updates added to the base's embeddings and logits.
+        self.lora_embedding: nn.Module | None = None
+        self.lora_head: nn.Module | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of a flat batch's tokens (their adapters' updates included)."""
+        x = self.embed_tokens(input_ids)
+        if self.lora_embedding is not None:
+            x = self.lora_embedding.add_update(x, input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
 
     def forward(
         self,
@@ -221,9 +234,7 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat batch; writes the new K/V into kv_caches."""
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, attn_metadata, x.dtype)
         local_rope = (self.local_rotary(positions, attn_metadata, x.dtype)
                       if self.local_rotary is not None else rope)
@@ -246,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()
+        if self.lora_head is not None:  # before the capping, as PEFT adds it to the head's output
+            logits = self.lora_head.add_update(logits, hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
@@ -261,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
         without storing the logits where the packed LM head can (packed_linear.py)."""
         head = getattr(self, "_packed_lm_head", None)
         if (isinstance(head, PackedLinear) and self.vocab_gather is None
-                and self.config.final_logit_softcapping is None):  # capping can tie distinct logits
+                and self.config.final_logit_softcapping is None  # capping can tie distinct logits
+                and (self.lora_head is None or not self.lora_head.updates_any())):
             return head.argmax(hidden)
         logits = self.compute_logits(hidden)
         return None if logits is None else logits.max(dim=-1).indices

@@ -168,6 +168,8 @@ class ModelRunner:
         if not step.sample_indices:
             return StepOutput(torch.empty(0, device=self.device), [], hidden)
         rows = hidden.index_select(0, step.sample_rows)
+        if self.lora_manager is not None:  # the LM head's adapters: those of the sampled rows
+            self.lora_manager.state.select_rows(step.sample_rows)
         logits = self.model.greedy_tokens(rows) if argmax_only else self.model.compute_logits(rows)
         return StepOutput(logits, step.sample_indices, hidden)
 
@@ -176,6 +178,8 @@ class ModelRunner:
         """Float32 logits [end - start, vocab] of rows start..end of the hidden states the last
         step gave back (under tensor parallelism the executor has the workers compute their
         vocabulary's share of the same rows)."""
+        if self.lora_manager is not None:
+            self.lora_manager.state.select_rows(np.arange(start, end))
         return self.model.compute_logits(hidden[start:end])
 
     # -- a tensor-parallel worker's side --------------------------------------------------------

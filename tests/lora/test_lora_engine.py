@@ -19,7 +19,8 @@ pytest.importorskip("peft")
 ADAPTERS = {  # name -> (targets, rank, rslora)
     "attn": (["q_proj", "v_proj", "o_proj"], 4, False),
     "mlp": (["gate_proj", "up_proj", "down_proj", "k_proj"], 8, True),
-    "all": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, False),
+    "all": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+             "lm_head"], 8, False),
 }
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
