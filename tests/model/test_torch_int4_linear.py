@@ -59,7 +59,9 @@ def matches(linear: QuantLinear, out: torch.Tensor, x: torch.Tensor) -> bool:
         for piece in pieces:
             y = x.float() @ piece.t()
             expected[:, cols] += y
-            bound[:, cols] += 2.0 ** -8 * y.abs() + 1e-5 * (x.float().abs() @ piece.abs().t())
+            # Rounded once on output, and each weight rounded to bf16 inside the kernel (its
+            # error then scales with sum |x| |w|, not with |y|, which cancellation makes small).
+            bound[:, cols] += 2.0 ** -8 * y.abs() + 2.0 ** -9 * (x.float().abs() @ piece.abs().t())
         start += part.shape[0]
     if linear.bias is not None:
         expected += linear.bias.to(torch.bfloat16).float()
@@ -97,7 +99,7 @@ def test_fused_parts_of_different_layouts_and_a_bias():
     """q/k in Q4_K and v in Q8_0 (two parts, one of them split in halves), with a bias."""
     parts = [gguf_weight(Q.Q4_K, 32, 256, seed=1), gguf_weight(Q.Q4_K, 16, 256, seed=2),
              gguf_weight(Q.Q8_0, 16, 256, seed=3)]
-    linear = QuantLinear(parts, torch.randn(64))
+    linear = QuantLinear(parts, torch.randn(64, generator=torch.Generator().manual_seed(4)))
     assert len(linear.parts) == 2
     assert_matches_oracle(linear, rows=4)
 
