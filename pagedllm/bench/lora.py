@@ -35,7 +35,7 @@ from pagedllm.bench.common import (
 from pagedllm.bench.throughput import cpu_tier_fields
 from pagedllm.bench.workload import load_workload, summarize
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.lora.adapter import PART_OF, projection_shape
+from pagedllm.lora.adapter import LAYER_MODULES, PART_OF, projection_shape
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.sampling_params import SamplingParams
@@ -59,7 +59,8 @@ def write_random_adapter(folder: Path, base: ModelConfig, rank: int, seed: int) 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(base.num_hidden_layers):
-        for module, (ours, _) in PART_OF.items():
+        for module in LAYER_MODULES:
+            ours = PART_OF[module][0]
             if ours.startswith("mlp.") and base.is_moe_layer(layer):
                 continue
             out_features, in_features = projection_shape(base, module)
@@ -69,7 +70,7 @@ def write_random_adapter(folder: Path, base: ModelConfig, rank: int, seed: int) 
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PART_OF)}))
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LAYER_MODULES)}))
     return folder
 
 

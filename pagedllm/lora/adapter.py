@@ -33,6 +33,7 @@ PART_OF = {
     "embed_tokens": ("embed_tokens", 0), "lm_head": ("lm_head", 0),
 }
 MODEL_WIDE = -1  # the "layer" of the embeddings and the LM head
+LAYER_MODULES = tuple(name for name in PART_OF if name not in ("embed_tokens", "lm_head"))
 _KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _VOCAB_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_([AB])"
@@ -93,7 +94,7 @@ class LoRAAdapter:
         match = _KEY.fullmatch(key)
         if vocab is not None:
             layer, module, side = MODEL_WIDE, vocab[1] or vocab[3], vocab[2] or vocab[4]
-        elif match is None or match[2] not in PART_OF or match[2] in ("embed_tokens", "lm_head"):
+        elif match is None or match[2] not in LAYER_MODULES:
             raise LoRAError(f"LoRA adapter {self.name!r}: tensor {key} targets a module this base "
                             f"model has no LoRA slot for (supported: {', '.join(PART_OF)})")
         else:

@@ -152,7 +152,7 @@ def _pack_projection(projection, tensors: list[torch.Tensor], meta: list[int]) -
     if bias is not None:
         tensors.append(bias)
     if lora is not None:
-        tensors += [lora.lora_a, lora.lora_b]
+        tensors += [lora.lora_a, lora.lora_b, lora.part_cols]
     for part in linear.parts:
         codes, scales, mins, codebook, bits, group_size = part.kernel_args
         meta += [bits, group_size, part.shape[0]]

@@ -9,7 +9,7 @@
 //            num_parts, and per part: bits, group_size, rows
 //   tensors: input norm weight, post-attention norm weight, key cache, value cache, key scales,
 //            value scales (empty: an uncompressed cache), then for each projection: its float32
-//            bias if it has one, its LoRA A and B if it has them (pagedllm/lora/layers.py: every
+//            bias if it has one, its LoRA A, B and part columns if it has them (lora/layers.py: every
 //            token's own adapter's update is added by lora_add_, over lora_slots), and per part:
 //            codes, scales, mins, codebook (empty: none)
 // after a header in meta: num_layers, num_heads, num_kv_heads, head_dim.
@@ -60,6 +60,7 @@ at::Tensor project(const at::Tensor& x, Reader& r, const at::Tensor& lora_slots)
   const std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(r.tensor()) : std::nullopt;
   const at::Tensor* lora_a = has_lora ? &r.tensor() : nullptr;
   const at::Tensor* lora_b = has_lora ? &r.tensor() : nullptr;
+  const at::Tensor* lora_cols = has_lora ? &r.tensor() : nullptr;
   const int64_t meta_start = static_cast<int64_t>(r.next_int);
   int64_t out_features = 0;
   for (int64_t i = 0; i < num_parts; ++i) out_features += r.meta[meta_start + 3 * i + 2];
@@ -76,7 +77,7 @@ at::Tensor project(const at::Tensor& x, Reader& r, const at::Tensor& lora_slots)
     quant_linear(x, codes, scales, mins, codebook, bits, group_size, part_bias, columns);
     start += rows;
   }
-  if (has_lora) lora_add_(out, x, *lora_a, *lora_b, lora_slots);
+  if (has_lora) lora_add_(out, x, *lora_a, *lora_b, lora_slots, *lora_cols);
   return out;
 }
 

@@ -45,31 +45,33 @@ std::vector<std::pair<int64_t, int64_t>> slot_groups(const int64_t* slots, int64
   return groups;
 }
 
-// update[i] = h[i] B for n tokens (h [n, rank], B [rank, out]): 16 outputs at a time, each token's
-// 16 sums held in registers across the whole rank (one vector of B per rank row, read once for the
-// n tokens), not written back and read again per row.
+// update[i][0, cols) = h[i] B for n tokens (h: rank values per token, ldh apart; B [rank, cols],
+// ldb apart; update rows ldu apart): 16 outputs at a time, each token's 16 sums held in registers
+// across the whole rank (one vector of B per rank row, read once for the n tokens), not written
+// back and read again per row.
 template <int N>
-void add_b(const float* bs, const float* h, int64_t rank, int64_t out, float* update) {
+void add_b(const float* bs, int64_t ldb, const float* h, int64_t ldh, int64_t rank, int64_t cols, float* update,
+           int64_t ldu) {
   constexpr int64_t W = 16;
   int64_t o0 = 0;
-  for (; o0 + W <= out; o0 += W) {
+  for (; o0 + W <= cols; o0 += W) {
     float acc[N][W] = {};
     for (int64_t r = 0; r < rank; ++r) {
-      const float* row = bs + r * out + o0;
+      const float* row = bs + r * ldb + o0;
       for (int i = 0; i < N; ++i) {
-        const float hr = h[i * rank + r];
+        const float hr = h[i * ldh + r];
 #pragma omp simd
         for (int64_t c = 0; c < W; ++c) acc[i][c] += hr * row[c];
       }
     }
     for (int i = 0; i < N; ++i)
-      for (int64_t c = 0; c < W; ++c) update[i * out + o0 + c] = acc[i][c];
+      for (int64_t c = 0; c < W; ++c) update[i * ldu + o0 + c] = acc[i][c];
   }
-  for (; o0 < out; ++o0)
+  for (; o0 < cols; ++o0)
     for (int i = 0; i < N; ++i) {
       float acc = 0.0f;
-      for (int64_t r = 0; r < rank; ++r) acc += h[i * rank + r] * bs[r * out + o0];
-      update[i * out + o0] = acc;
+      for (int64_t r = 0; r < rank; ++r) acc += h[i * ldh + r] * bs[r * ldb + o0];
+      update[i * ldu + o0] = acc;
     }
 }
 
@@ -116,14 +118,17 @@ void add_a_n(int64_t n, const float* as, const float* xf, int64_t rank, int64_t 
 }
 
 template <int... Ns>
-void add_b_n(int64_t n, const float* bs, const float* h, int64_t rank, int64_t out, float* update,
-             std::integer_sequence<int, Ns...>) {
-  ((n == Ns + 1 ? add_b<Ns + 1>(bs, h, rank, out, update) : void()), ...);
+void add_b_n(int64_t n, const float* bs, int64_t ldb, const float* h, int64_t ldh, int64_t rank, int64_t cols,
+             float* update, int64_t ldu, std::integer_sequence<int, Ns...>) {
+  ((n == Ns + 1 ? add_b<Ns + 1>(bs, ldb, h, ldh, rank, cols, update, ldu) : void()), ...);
 }
 
+// rank: A's rows per slot (every part's, P * R); B has R rows per slot, part p's columns
+// [part_cols[p], part_cols[p + 1]) taken by h's rows [p R, p R + R).
 template <typename T>
 void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, const float* b, const int64_t* slots,
-                 int64_t tokens, int64_t in, int64_t out, int64_t rank) {
+                 int64_t tokens, int64_t in, int64_t out, int64_t rank, const int64_t* part_cols, int64_t parts) {
+  const int64_t part_rank = rank / parts;
   std::vector<int64_t> order;
   const auto groups = slot_groups(slots, tokens, order);
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t g0, int64_t g1) {
@@ -134,8 +139,11 @@ void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, con
       for (int64_t i = 0; i < n; ++i)
         for (int64_t k = 0; k < in; ++k) xf[i * in + k] = static_cast<float>(x[order[first + i] * ldx + k]);
       add_a_n(n, a + s * rank * in, xf.data(), rank, in, h.data(), std::make_integer_sequence<int, kGroup>{});
-      add_b_n(n, b + s * rank * out, h.data(), rank, out, update.data(),
-              std::make_integer_sequence<int, kGroup>{});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t c0 = part_cols[p];
+        add_b_n(n, b + s * part_rank * out + c0, out, h.data() + p * part_rank, rank, part_rank, part_cols[p + 1] - c0,
+                update.data() + c0, out, std::make_integer_sequence<int, kGroup>{});
+      }
       for (int64_t i = 0; i < n; ++i) {
         T* yt = y + order[first + i] * ldy;
         const float* u = update.data() + i * out;
@@ -149,16 +157,25 @@ void add_updates(T* y, int64_t ldy, const T* x, int64_t ldx, const float* a, con
 
 namespace pagedllm_ops {
 
-// y [T, out] += per token: (A[slots[t]] @ x[t]) @ B[slots[t]]; A float32 [L, R, in], B float32 [L, R, out].
-void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots) {
+// y [T, out] += per token: each part p's (A[slots[t]] rows of p @ x[t]) @ B[slots[t]] on p's columns;
+// A float32 [L, P R, in], B float32 [L, R, out], part_cols int64 [P + 1] (0, ..., out).
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
+               const at::Tensor& part_cols) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1 &&
                   x.scalar_type() == y.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "lora_add_: x [T, in] and y [T, out] of one float dtype, with contiguous rows");
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() &&
                   a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.size(0) == b.size(0) &&
-                  a.size(1) == b.size(1) && a.size(2) == x.size(1) && b.size(2) == y.size(1),
-              "lora_add_: A must be float32 [L, R, in] and B float32 [L, R, out], contiguous");
+                  b.size(1) > 0 && a.size(1) % b.size(1) == 0 && a.size(2) == x.size(1) && b.size(2) == y.size(1),
+              "lora_add_: A must be float32 [L, P R, in] and B float32 [L, R, out], contiguous");
+  const int64_t parts = a.size(1) / b.size(1);
+  TORCH_CHECK(part_cols.dim() == 1 && part_cols.size(0) == parts + 1 && part_cols.scalar_type() == at::kLong &&
+                  part_cols.is_contiguous(),
+              "lora_add_: part_cols must be contiguous int64 [P + 1]");
+  const int64_t* cols = part_cols.const_data_ptr<int64_t>();
+  TORCH_CHECK(cols[0] == 0 && cols[parts] == y.size(1), "lora_add_: part_cols must run from 0 to out");
+  for (int64_t p = 0; p < parts; ++p) TORCH_CHECK(cols[p] <= cols[p + 1], "lora_add_: part_cols must not decrease");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong &&
                   slots.is_contiguous(),
               "lora_add_: slots must be contiguous int64 [T]");
@@ -170,17 +187,17 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
     TORCH_CHECK(sp[t] < L, "lora_add_: slot ", sp[t], " of token ", t, " is past the ", L, " slots");
   if (x.scalar_type() == at::kFloat) {
     add_updates(y.mutable_data_ptr<float>(), y.stride(0), x.const_data_ptr<float>(), x.stride(0), ap, bp, sp, T, in,
-                out, R);
+                out, R, cols, parts);
   } else {
     add_updates(y.mutable_data_ptr<c10::BFloat16>(), y.stride(0), x.const_data_ptr<c10::BFloat16>(), x.stride(0), ap,
-                bp, sp, T, in, out, R);
+                bp, sp, T, in, out, R, cols, parts);
   }
 }
 
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
-  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots) -> ()");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor part_cols) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("lora_add_", &pagedllm_ops::lora_add_); }

@@ -24,7 +24,8 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
 
 // lora.cpp (both)
-void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots);
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
+               const at::Tensor& part_cols);
 
 }  // namespace pagedllm_ops
 
