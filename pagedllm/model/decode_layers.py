@@ -10,10 +10,13 @@ the same order as LlamaForCausalLM's layers: the results are bit for bit theirs 
 Python between kernels gone.
 
 Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
-layer a plain DecoderLayer (no MoE, no latent attention, no sandwich or q/k norms), rotary in place
-over whole heads, SiLU, no local rope; all four projections QuantLinear as loaded (or wrapped for
-LoRA on the CPU, whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor
-parallelism, not batch-invariant); the KV caches of the model's dtype or compressed.
+layer a plain DecoderLayer (no latent attention, no sandwich norms), rotary over whole heads (in
+place, or after Qwen3's q/k norms, then by the same torch operations as the layer), SiLU, no local
+rope; the MLP gated, or a mixture of such experts routed greedily by softmax with no shared expert
+(Qwen3-MoE, Mixtral: model/moe.py's operations in the same order, each expert by the compiled
+kernels); every projection QuantLinear as loaded (or wrapped for LoRA on the CPU, whose updates
+csrc/lora.cpp adds in the same call; not wrapped for tensor parallelism, not batch-invariant); the
+KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
 matmul is the one the layers would run), and not batch-invariant ones.
 """
@@ -62,30 +65,36 @@ class DecodeLayers:
         tensors: list[torch.Tensor] = []
         meta = [len(layers), first.num_heads, first.num_kv_heads, first.head_dim]
         dtype = model.norm.weight.dtype
+        projections: list = []  # every projection packed, experts' included
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            qk_norms = _qk_norms(attn, model, dtype)
+            mlp = _mlp_parts(layer.mlp)
             if (layer.attn_output_norm is not None or layer.uses_local_rope
-                    or not attn.rotary_in_place
+                    or not (attn.rotary_in_place or qk_norms)
                     or (attn.scale, attn.softcap) != (first.scale, first.softcap)
                     or any(type(n) is not RMSNorm or n.weight.dtype != dtype or n.eps != model.norm.eps
                            for n in norms)
-                    or not getattr(mlp, "silu_kernel", False)):
+                    or mlp is None):
                 return None
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(_qualifies(p) for p in projections):
+            mlp_meta, mlp_tensors, mlp_projections = mlp
+            layer_projections = [attn.qkv_proj, attn.o_proj, *mlp_projections]
+            if not all(_qualifies(p) for p in layer_projections):
                 return None
-            lora_state = next((p.state for p in projections if isinstance(p, LoRALinear)), lora_state)
+            lora_state = next((p.state for p in layer_projections if isinstance(p, LoRALinear)), lora_state)
             caches = _cache_tensors(kv_cache, dtype)
             if caches is None:
                 return None
-            meta.append(attn.sliding_window or 0)
-            tensors += [norms[0].weight, norms[1].weight, *caches]
-            for projection in projections:
+            meta += [attn.sliding_window or 0, int(bool(qk_norms)), *mlp_meta]
+            tensors += [norms[0].weight, norms[1].weight, *caches, *qk_norms]
+            for projection in layer_projections[:2]:
                 _pack_projection(projection, tensors, meta)
-        bases = [_base(p) for layer in layers
-                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            tensors += mlp_tensors
+            for projection in layer_projections[2:]:
+                _pack_projection(projection, tensors, meta)
+            projections += layer_projections
+        bases = [_base(p) for p in projections]
         # Above these rows a bf16 QuantLinear takes the AMX kernel, or dequantized tiles (the
         # layers' path then runs).
         amx = any(p.amx_kernel for p in bases)
@@ -118,6 +127,36 @@ class DecodeLayers:
         if slots is None or slots.shape[0] != tokens:  # no batch set: the base alone
             return torch.full((tokens,), -1, dtype=torch.int64)
         return slots
+
+
+def _qk_norms(attn, model, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The q and k norms' weights of an attention that normalizes each head before rotating it
+    over the whole head (Qwen3), as the kernel takes them; [] for any other attention."""
+    norms = (attn.q_norm, attn.k_norm)
+    if attn.q_norm is None or model.config.rotary_dim != attn.head_dim or any(
+            n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms):
+        return []
+    return [n.weight for n in norms]
+
+
+def _mlp_parts(mlp) -> tuple[list[int], list[torch.Tensor], list] | None:
+    """(meta, tensors before its projections, its projections) of a layer's MLP as the kernel takes
+    it: a gated SiLU MLP, or a mixture of such experts with greedy softmax routing and no shared
+    expert (Qwen3-MoE, Mixtral); None for any other."""
+    from pagedllm.model.moe import SparseMoE
+
+    if isinstance(mlp, SparseMoE):
+        routing = mlp.routing
+        if (routing["method"] != "greedy" or routing["scoring"] != "softmax" or mlp.score_bias is not None
+                or mlp.shared_experts is not None
+                or not all(getattr(e, "silu_kernel", False) for e in mlp.experts)):
+            return None
+        scale = torch.tensor([float(routing["scale"])], dtype=torch.float64)
+        return ([mlp.num_experts, mlp.top_k, int(bool(routing["normalize"]))], [mlp.gate.weight, scale],
+                [p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)])
+    if not getattr(mlp, "silu_kernel", False):
+        return None
+    return [0], [], [mlp.gate_up_proj, mlp.down_proj]
 
 
 def _cache_tensors(kv_cache: KVCache, dtype: torch.dtype) -> list[torch.Tensor] | None:

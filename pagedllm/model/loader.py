@@ -138,7 +138,9 @@ class _WeightPolicy:
     """Which weights stay or become quantized, and a tally of what each became."""
 
     # Hugging Face names of the matmul weights (the rest, norms and biases, stay float).
-    _MATMUL_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+    # Mixtral's experts are w1 (gate), w2 (down) and w3 (up); its router (gate.weight) stays float.
+    _MATMUL_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", ".w1.weight", ".w2.weight",
+                        ".w3.weight")
 
     def __init__(self, quantization: str, group_size: int, dtype: torch.dtype, device: torch.device):
         self.quantization = quantization

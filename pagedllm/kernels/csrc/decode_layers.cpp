@@ -5,26 +5,36 @@
 //
 // The layers' weights come as two flat lists built once (pagedllm/model/decode_layers.py, which
 // also says which models qualify): `tensors`, and `meta` describing them. Per layer:
-//   meta:    sliding_window, then for each projection (qkv, o, gate_up, down): has_bias, has_lora,
-//            num_parts, and per part: bits, group_size, rows
+//   meta:    sliding_window, has_qk_norm, num_experts (0: a dense MLP), and for a mixture of
+//            experts top_k and normalize; then for each projection (qkv, o, then gate_up and down,
+//            or each expert's gate_up and down): has_bias, has_lora, num_parts, and per part: bits,
+//            group_size, rows
 //   tensors: input norm weight, post-attention norm weight, key cache, value cache, key scales,
-//            value scales (empty: an uncompressed cache), then for each projection: its float32
-//            bias if it has one, its LoRA A, B and part columns if it has them (lora/layers.py: every
+//            value scales (empty: an uncompressed cache), the q and k norms' weights if it has them,
+//            the q/k/v and output projections, then gate_up and down, or the router's weight, its
+//            scale (float64 [1]) and each expert's gate_up and down. A projection: its float32 bias
+//            if it has one, its LoRA A, B and part columns if it has them (lora/layers.py: every
 //            token's own adapter's update is added by lora_add_, over lora_slots), and per part:
 //            codes, scales, mins, codebook (empty: none)
 // after a header in meta: num_layers, num_heads, num_kv_heads, head_dim.
 //
 // Per layer, as model/llama.py's DecoderLayer with the compiled kernels: (add +) RMSNorm, the fused
-// q/k/v projection, rotary in place on q and k, the K/V written to the paged cache, paged attention,
-// the output projection, add + RMSNorm, gate/up, SiLU-and-mul, down. Returns [x, residual]: the last
+// q/k/v projection, rotary in place on q and k (or, with q/k norms, each head normalized and then
+// rotated by the same torch operations as the layer: Qwen3), the K/V written to the paged cache,
+// paged attention, the output projection, add + RMSNorm, then gate/up, SiLU-and-mul, down; or a
+// mixture of experts as model/moe.py's SparseMoE runs it (the router in float32, each expert once
+// over its tokens, the same torch operations in the same order). Returns [x, residual]: the last
 // layer's MLP output and the residual stream (the final norm adds them, in Python).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -52,33 +62,115 @@ struct Reader {
   }
 };
 
-// out = x @ W^T (+ bias) for a projection kept quantized in one or more parts (a fused q/k/v whose
-// parts came in different layouts), each part writing its columns: model/quant_linear.py's _kernel.
-at::Tensor project(const at::Tensor& x, Reader& r, const at::Tensor& lora_slots) {
-  const bool has_bias = r.integer() != 0, has_lora = r.integer() != 0;
-  const int64_t num_parts = r.integer();
-  const std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(r.tensor()) : std::nullopt;
-  const at::Tensor* lora_a = has_lora ? &r.tensor() : nullptr;
-  const at::Tensor* lora_b = has_lora ? &r.tensor() : nullptr;
-  const at::Tensor* lora_cols = has_lora ? &r.tensor() : nullptr;
-  const int64_t meta_start = static_cast<int64_t>(r.next_int);
+// One part of a projection kept quantized (a fused q/k/v whose parts came in different layouts).
+struct Part {
+  int64_t bits, group_size, rows;
+  const at::Tensor *codes, *scales;
+  std::optional<at::Tensor> mins, codebook;
+};
+
+// A projection as the lists describe it: read once, applied any number of times (an expert's
+// projections are read whether or not a step's tokens pick it).
+struct Projection {
+  std::optional<at::Tensor> bias;
+  const at::Tensor *lora_a = nullptr, *lora_b = nullptr, *lora_cols = nullptr;
+  std::vector<Part> parts;
   int64_t out_features = 0;
-  for (int64_t i = 0; i < num_parts; ++i) out_features += r.meta[meta_start + 3 * i + 2];
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  int64_t start = 0;
-  for (int64_t i = 0; i < num_parts; ++i) {
-    const int64_t bits = r.integer(), group_size = r.integer(), rows = r.integer();
-    const at::Tensor& codes = r.tensor();
-    const at::Tensor& scales = r.tensor();
-    const std::optional<at::Tensor> mins = present(r.tensor()), codebook = present(r.tensor());
-    at::Tensor columns = num_parts == 1 ? out : out.narrow(1, start, rows);
-    const std::optional<at::Tensor> part_bias =
-        bias && num_parts > 1 ? std::optional<at::Tensor>(bias->narrow(0, start, rows)) : bias;
-    quant_linear(x, codes, scales, mins, codebook, bits, group_size, part_bias, columns);
-    start += rows;
+
+  explicit Projection(Reader& r) {
+    const bool has_bias = r.integer() != 0, has_lora = r.integer() != 0;
+    const int64_t num_parts = r.integer();
+    if (has_bias) bias = r.tensor();
+    if (has_lora) {
+      lora_a = &r.tensor();
+      lora_b = &r.tensor();
+      lora_cols = &r.tensor();
+    }
+    for (int64_t i = 0; i < num_parts; ++i) {
+      Part part{r.integer(), r.integer(), r.integer(), nullptr, nullptr, std::nullopt, std::nullopt};
+      part.codes = &r.tensor();
+      part.scales = &r.tensor();
+      part.mins = present(r.tensor());
+      part.codebook = present(r.tensor());
+      out_features += part.rows;
+      parts.push_back(std::move(part));
+    }
   }
-  if (has_lora) lora_add_(out, x, *lora_a, *lora_b, lora_slots, *lora_cols);
-  return out;
+
+  // out = x @ W^T (+ bias), each part writing its columns: model/quant_linear.py's _kernel.
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& lora_slots) const {
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    const int64_t num_parts = static_cast<int64_t>(parts.size());
+    int64_t start = 0;
+    for (const Part& part : parts) {
+      at::Tensor columns = num_parts == 1 ? out : out.narrow(1, start, part.rows);
+      const std::optional<at::Tensor> part_bias =
+          bias && num_parts > 1 ? std::optional<at::Tensor>(bias->narrow(0, start, part.rows)) : bias;
+      quant_linear(x, *part.codes, *part.scales, part.mins, part.codebook, part.bits, part.group_size, part_bias,
+                   columns);
+      start += part.rows;
+    }
+    if (lora_a != nullptr) lora_add_(out, x, *lora_a, *lora_b, lora_slots, *lora_cols);
+    return out;
+  }
+};
+
+// A gated SiLU MLP: down(silu_and_mul(gate_up(x))), as model/llama.py's MLP with the compiled kernels.
+struct GatedMLP {
+  Projection gate_up, down;
+  explicit GatedMLP(Reader& r) : gate_up(r), down(r) {}
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& lora_slots) const {
+    return down(silu_and_mul(gate_up(x, lora_slots)), lora_slots);
+  }
+};
+
+// RMSNorm over the last dim by torch's operations, as model/llama.py's RMSNorm._norm (the layers
+// take it for a q or k head view, which the fused kernel does not).
+at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor x32 = x.to(at::kFloat);
+  x32 = x32 * at::rsqrt(x32.pow(2).mean({-1}, true) + eps);
+  return weight * x32.to(x.scalar_type());
+}
+
+// model/rope.py's apply_rotary over whole heads: x [T, heads, D], cos and sin [T, D].
+at::Tensor torch_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor rotated = at::cat({-x.narrow(-1, half, x.size(-1) - half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+// model/moe.py's SparseMoE.forward with greedy softmax routing and no shared expert: the same
+// torch operations in the same order, each expert's MLP by the compiled kernels.
+at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t top_k, bool normalize,
+                   const at::Tensor& lora_slots) {
+  const at::Tensor& router = r.tensor();
+  const double scale = r.tensor().item<double>();
+  std::vector<GatedMLP> experts;
+  experts.reserve(num_experts);
+  for (int64_t e = 0; e < num_experts; ++e) experts.emplace_back(r);
+  // route(): softmax over every expert in float32, the top k, renormalized where the model says.
+  const at::Tensor scores = at::softmax(at::linear(x.to(at::kFloat), router.to(at::kFloat)), -1);
+  const at::Tensor picked = std::get<1>(at::topk(scores, top_k, -1));
+  at::Tensor weights = scores.gather(1, picked);
+  if (normalize) weights = weights / (weights.sum({-1}, true) + 1e-20);
+  weights = (weights * scale).to(x.scalar_type());
+  // run_experts(): each (token, pick) pair's weighted output in its own row, a token's k summed.
+  const int64_t tokens = x.size(0);
+  const at::Tensor flat = picked.reshape({-1});
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor counts = at::bincount(flat, {}, num_experts);
+  const int64_t* count = counts.const_data_ptr<int64_t>();
+  const at::Tensor pair_weights = weights.reshape({-1, 1});
+  at::Tensor pair_out = at::empty({tokens * top_k, x.size(-1)}, x.options());
+  int64_t start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor pairs = order.narrow(0, start, count[e]);
+    start += count[e];
+    const at::Tensor rows = x.index({at::floor_divide(pairs, top_k)});
+    pair_out.index_put_({pairs}, experts[e](rows, lora_slots) * pair_weights.index({pairs}));
+  }
+  return pair_out.view({tokens, top_k, -1}).sum(1);
 }
 
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
@@ -93,10 +185,16 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
   at::Tensor x = x_in, residual;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const int64_t sliding_window = r.integer();
+    const bool qk_norm = r.integer() != 0;
+    const int64_t num_experts = r.integer();
+    const int64_t top_k = num_experts > 0 ? r.integer() : 0;
+    const bool normalize = num_experts > 0 && r.integer() != 0;
     const at::Tensor& input_norm = r.tensor();
     const at::Tensor& post_norm = r.tensor();
     at::Tensor key_cache = r.tensor(), value_cache = r.tensor();
     const std::optional<at::Tensor> key_scale = present(r.tensor()), value_scale = present(r.tensor());
+    const at::Tensor* q_norm = qk_norm ? &r.tensor() : nullptr;
+    const at::Tensor* k_norm = qk_norm ? &r.tensor() : nullptr;
 
     at::Tensor h;
     if (layer == 0) {  // the embeddings: the residual stream starts as them
@@ -106,19 +204,22 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
       add_rms_norm_(x, residual, input_norm, eps);
       h = x;
     }
-    at::Tensor qkv = project(h, r, lora_slots);
-    rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    at::Tensor qkv = Projection(r)(h, lora_slots);
+    if (!qk_norm) rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    if (qk_norm) {
+      q = torch_rotary(torch_rms_norm(q, *q_norm, eps), cos, sin);
+      k = torch_rotary(torch_rms_norm(k, *k_norm, eps), cos, sin);
+    }
     pagedllm_attention::write_kv(k, v, key_cache, value_cache, key_scale, value_scale, slot_mapping);
     const at::Tensor attended =
         pagedllm_attention::paged_attention(q, key_cache, value_cache, key_scale, value_scale, block_tables,
                                             seq_lens, query_start_loc, scale, sliding_window, softcap, use_amx);
-    at::Tensor o = project(attended.view({T, q_size}), r, lora_slots);
+    at::Tensor o = Projection(r)(attended.view({T, q_size}), lora_slots);
     add_rms_norm_(o, residual, post_norm, eps);
-    const at::Tensor gate_up = project(o, r, lora_slots);
-    x = project(silu_and_mul(gate_up), r, lora_slots);
+    x = num_experts > 0 ? mixture(o, r, num_experts, top_k, normalize, lora_slots) : GatedMLP(r)(o, lora_slots);
   }
   TORCH_CHECK(r.next_tensor == tensors.size() && r.next_int == meta.size(),
               "decode_layers: tensors or meta left over: they do not describe the layers");
