@@ -86,9 +86,9 @@ class Attention(nn.Module):
         if config.arch.qk_norm:  # over each head, before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        # Rotary in place on the q/k/v rows needs q and k as projected, and whole heads rotated.
-        self.rotary_in_place = (self.q_norm is None and config.rotary_dim == self.head_dim
-                                and elementwise.fused_ops_chosen())
+        # Rotary in place on the q/k/v rows needs whole heads rotated, and q and k as projected or
+        # normalized in place (Qwen3's q/k norms, by the compiled RMSNorm: _norm_heads_).
+        self.rotary_in_place = config.rotary_dim == self.head_dim and elementwise.fused_ops_chosen()
 
     def forward(
         self,
@@ -101,7 +101,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if (self.rotary_in_place and elementwise.takes(qkv) and qkv.stride(-1) == 1
-                and cos.is_contiguous()):
+                and cos.is_contiguous() and self._norm_heads_(qkv)):
             # Rotate q and k where they are, then take views: no copies.
             elementwise.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -120,6 +120,24 @@ class Attention(nn.Module):
         out = paged_attention(q, key_cache, value_cache, attn_metadata, self.scale,
                               sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+    def _norm_heads_(self, qkv: torch.Tensor) -> bool:
+        """Qwen3's q/k norms on each head of q and k, written back into the q/k/v rows (as the
+        one-call decode does, csrc/decode_layers.cpp); whether q and k are ready for rotary in
+        place (False: norms the compiled RMSNorm does not take, for the torch path)."""
+        if self.q_norm is None:
+            return True
+        norms = (self.q_norm, self.k_norm)
+        if any(n.weight.dtype != qkv.dtype for n in norms):
+            return False
+        start = 0
+        for norm, size in zip(norms, (self.q_size, self.kv_size), strict=True):
+            part = qkv[:, start:start + size]
+            part.copy_(elementwise.rms_norm(part.reshape(-1, self.head_dim), norm.weight, norm.eps)
+                       .view(qkv.shape[0], size))
+            start += size
+        return True
 
 
 class MLP(nn.Module):

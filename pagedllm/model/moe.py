@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels import tiers
 from pagedllm.model.config import ModelConfig
 
 
@@ -80,10 +81,22 @@ class SparseMoE(nn.Module):
                            if config.topk_method == "noaux_tc" else None)
         self.experts = nn.ModuleList(experts)
         self.shared_experts = shared  # DeepSeek: one MLP every token goes through too
+        # Greedy softmax routing on the CPU: the tier's compiled router (csrc/moe_route.cpp), one
+        # call instead of route()'s ten torch operations; a decode step's one call takes it too.
+        ops = tiers.current().ops
+        greedy_softmax = config.topk_method == "greedy" and config.scoring_func == "softmax"
+        self.route_kernel = (ops.moe_route if hasattr(ops, "moe_route") and self.score_bias is None
+                             and greedy_softmax else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, bias=self.score_bias, **self.routing)
-        out = self.run_experts(x, weights.to(x.dtype), experts)
+        if (self.route_kernel is not None and x.device.type == "cpu" and x.dim() == 2
+                and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1):
+            weights, experts = self.route_kernel(x, self.gate.weight, self.top_k, self.routing["normalize"],
+                                                 float(self.routing["scale"]))
+        else:
+            weights, experts = route(self.gate(x), self.top_k, bias=self.score_bias, **self.routing)
+            weights = weights.to(x.dtype)
+        out = self.run_experts(x, weights, experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,25 @@ def test_routing_takes_the_top_scores_and_renormalizes_where_asked():
     torch.testing.assert_close(weights.sum(-1), torch.ones(1))
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_router_equals_route(tier, normalize, dtype):
+    """csrc/moe_route.cpp against route() on the same logits' inputs: the same experts in the same
+    order, the weights within fp32 sums' order (and the dtype's one rounding)."""
+    from pagedllm.kernels import tiers
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 40, generator=generator).to(dtype)
+    router = torch.randn(12, 40, generator=generator)
+    weights, experts = tiers.current().ops.moe_route(x, router, 3, normalize, 0.5)
+    expected_weights, expected = route(torch.nn.functional.linear(x.float(), router), 3, normalize, scale=0.5)
+    assert torch.equal(experts, expected) and weights.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(weights.float(), expected_weights.to(dtype).float(), **tolerance)
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        tiers.current().ops.moe_route(x, router, 13, normalize, 1.0)
+
+
 def test_a_config_with_more_picks_than_experts_is_refused():
     config = moe_layer(2, 1, True, seed=0)  # builds
     assert config.num_experts == 2

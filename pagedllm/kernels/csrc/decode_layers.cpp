@@ -19,12 +19,12 @@
 // after a header in meta: num_layers, num_heads, num_kv_heads, head_dim.
 //
 // Per layer, as model/llama.py's DecoderLayer with the compiled kernels: (add +) RMSNorm, the fused
-// q/k/v projection, rotary in place on q and k (or, with q/k norms, each head normalized and then
-// rotated by the same torch operations as the layer: Qwen3), the K/V written to the paged cache,
-// paged attention, the output projection, add + RMSNorm, then gate/up, SiLU-and-mul, down; or a
-// mixture of experts as model/moe.py's SparseMoE runs it (the router in float32, each expert once
-// over its tokens, the same torch operations in the same order). Returns [x, residual]: the last
-// layer's MLP output and the residual stream (the final norm adds them, in Python).
+// q/k/v projection (Qwen3: each head of q and k normalized in place), rotary in place on q and k,
+// the K/V written to the paged cache, paged attention, the output projection, add + RMSNorm, then
+// gate/up, SiLU-and-mul, down; or a mixture of experts as model/moe.py's SparseMoE runs it (the
+// compiled router, each expert once over its tokens, the same torch operations in the same order
+// around them). Returns [x, residual]: the last layer's MLP output and the residual stream (the
+// final norm adds them, in Python).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -124,23 +124,19 @@ struct GatedMLP {
   }
 };
 
-// RMSNorm over the last dim by torch's operations, as model/llama.py's RMSNorm._norm (the layers
-// take it for a q or k head view, which the fused kernel does not).
-at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor x32 = x.to(at::kFloat);
-  x32 = x32 * at::rsqrt(x32.pow(2).mean({-1}, true) + eps);
-  return weight * x32.to(x.scalar_type());
+// Qwen3's q/k norms: each head of q and k normalized by its norm's weight, written back into the
+// q/k/v rows, as model/llama.py's Attention does before rotating them in place.
+void norm_heads_(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, double eps) {
+  const int64_t T = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+  q.copy_(rms_norm(q.reshape({T * num_heads, head_dim}), q_norm, eps).view({T, q_size}));
+  k.copy_(rms_norm(k.reshape({T * num_kv_heads, head_dim}), k_norm, eps).view({T, kv_size}));
 }
 
-// model/rope.py's apply_rotary over whole heads: x [T, heads, D], cos and sin [T, D].
-at::Tensor torch_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  const at::Tensor rotated = at::cat({-x.narrow(-1, half, x.size(-1) - half), x.narrow(-1, 0, half)}, -1);
-  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
-}
-
-// model/moe.py's SparseMoE.forward with greedy softmax routing and no shared expert: the same
-// torch operations in the same order, each expert's MLP by the compiled kernels.
+// model/moe.py's SparseMoE.forward with greedy softmax routing and no shared expert: the compiled
+// router (moe_route.cpp), then the same torch operations in the same order, each expert's MLP by
+// the compiled kernels.
 at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t top_k, bool normalize,
                    const at::Tensor& lora_slots) {
   const at::Tensor& router = r.tensor();
@@ -148,12 +144,7 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
   std::vector<GatedMLP> experts;
   experts.reserve(num_experts);
   for (int64_t e = 0; e < num_experts; ++e) experts.emplace_back(r);
-  // route(): softmax over every expert in float32, the top k, renormalized where the model says.
-  const at::Tensor scores = at::softmax(at::linear(x.to(at::kFloat), router.to(at::kFloat)), -1);
-  const at::Tensor picked = std::get<1>(at::topk(scores, top_k, -1));
-  at::Tensor weights = scores.gather(1, picked);
-  if (normalize) weights = weights / (weights.sum({-1}, true) + 1e-20);
-  weights = (weights * scale).to(x.scalar_type());
+  const auto [weights, picked] = moe_route(x, router, top_k, normalize, scale);
   // run_experts(): each (token, pick) pair's weighted output in its own row, a token's k summed.
   const int64_t tokens = x.size(0);
   const at::Tensor flat = picked.reshape({-1});
@@ -205,14 +196,11 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
       h = x;
     }
     at::Tensor qkv = Projection(r)(h, lora_slots);
-    if (!qk_norm) rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    if (qk_norm) norm_heads_(qkv, *q_norm, *k_norm, num_heads, num_kv_heads, head_dim, eps);
+    rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    if (qk_norm) {
-      q = torch_rotary(torch_rms_norm(q, *q_norm, eps), cos, sin);
-      k = torch_rotary(torch_rms_norm(k, *k_norm, eps), cos, sin);
-    }
     pagedllm_attention::write_kv(k, v, key_cache, value_cache, key_scale, value_scale, slot_mapping);
     const at::Tensor attended =
         pagedllm_attention::paged_attention(q, key_cache, value_cache, key_scale, value_scale, block_tables,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace pagedllm_ops {
@@ -22,6 +23,10 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
+
+// moe_route.cpp (both)
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                             bool normalize, double scale);
 
 // lora.cpp (both)
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
