@@ -72,7 +72,10 @@ def test_serve_with_tensor_parallel_size_two(model_dir):
 
 
 def test_a_dead_worker_makes_the_server_say_503(model_dir):
-    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    # The collective timeout well under the client's 60 s: gloo usually sees the dead peer at once,
+    # but beside a parallel suite's other work it once waited for the timeout (120 s by default).
+    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+                          distributed_timeout_s=15)
     with RunningServer(config) as running:
         assert complete(running.base_url).status_code == 200
         (worker,) = workers_of(running.core.pid)  # the core process started it
