@@ -85,6 +85,24 @@ def test_one_call_equals_the_layers(tier, source, dtype, kv_cache_dtype, tmp_pat
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_three_picks_of_renormalized_experts_sum_as_the_layers_do(tier, dtype, tmp_path):
+    """The call sums a token's picks itself: with three (the order of an fp32 sum matters then)
+    and renormalized weights, still bit for bit the layers' torch sum."""
+    from tests.model.tiny import save_checkpoint
+
+    folder = save_checkpoint(make_hf_model("qwen3_moe", num_experts_per_tok=3, norm_topk_prob=True),
+                             tmp_path / "top3")
+    model = load_model(folder, dtype=dtype, quantization="int8").model
+    if not tier_runs_it():
+        return
+    calls: list = []
+    fused = _steps(model, "auto", True, calls)
+    assert len(calls) == 9
+    for a, b in zip(fused, _steps(model, "auto", False, []), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_one_call_adds_lora_updates_as_the_layers_do(tier, tmp_path, tiny_checkpoint):
     """Projections wrapped for LoRA (their updates by csrc/lora.cpp): the same logits in one call,
     two adapters and the base mixed in each step."""

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <cstdint>
 #include <optional>
@@ -145,23 +146,42 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
   experts.reserve(num_experts);
   for (int64_t e = 0; e < num_experts; ++e) experts.emplace_back(r);
   const auto [weights, picked] = moe_route(x, router, top_k, normalize, scale);
-  // run_experts(): each (token, pick) pair's weighted output in its own row, a token's k summed.
-  const int64_t tokens = x.size(0);
-  const at::Tensor flat = picked.reshape({-1});
-  const at::Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor counts = at::bincount(flat, {}, num_experts);
-  const int64_t* count = counts.const_data_ptr<int64_t>();
-  const at::Tensor pair_weights = weights.reshape({-1, 1});
-  at::Tensor pair_out = at::empty({tokens * top_k, x.size(-1)}, x.options());
-  int64_t start = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    if (count[e] == 0) continue;
-    const at::Tensor pairs = order.narrow(0, start, count[e]);
-    start += count[e];
-    const at::Tensor rows = x.index({at::floor_divide(pairs, top_k)});
-    pair_out.index_put_({pairs}, experts[e](rows, lora_slots) * pair_weights.index({pairs}));
-  }
-  return pair_out.view({tokens, top_k, -1}).sum(1);
+  // run_experts(): each expert once over its tokens; each (token, pick) pair's output times its
+  // weight, rounded, in a row of its own; a token's k rows summed in fp32 in pick order and rounded
+  // once, as torch's sum over that dim does. The same values as moe.py's torch operations (the
+  // pairs' order within an expert is argsort's stable one), without their ~15 calls a layer.
+  const int64_t tokens = x.size(0), H = x.size(-1);
+  std::vector<std::vector<int64_t>> pairs_of(num_experts);
+  const int64_t* pick = picked.const_data_ptr<int64_t>();
+  for (int64_t pair = 0; pair < tokens * top_k; ++pair) pairs_of[pick[pair]].push_back(pair);
+  at::Tensor pair_out = at::empty({tokens * top_k, H}, x.options());
+  at::Tensor out = at::empty({tokens, H}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mixture", [&] {
+    const scalar_t* w = weights.const_data_ptr<scalar_t>();
+    scalar_t* po = pair_out.mutable_data_ptr<scalar_t>();
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const std::vector<int64_t>& pairs = pairs_of[e];
+      if (pairs.empty()) continue;
+      std::vector<int64_t> token_of(pairs.size());
+      for (size_t i = 0; i < pairs.size(); ++i) token_of[i] = pairs[i] / top_k;
+      const at::Tensor rows = x.index_select(0, at::tensor(token_of, x.options().dtype(at::kLong)));
+      const at::Tensor expert_out = experts[e](rows, lora_slots).contiguous();
+      const scalar_t* eo = expert_out.const_data_ptr<scalar_t>();
+      for (size_t i = 0; i < pairs.size(); ++i) {
+        const float weight = static_cast<float>(w[pairs[i]]);
+        scalar_t* dst = po + pairs[i] * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<scalar_t>(static_cast<float>(eo[i * H + h]) * weight);
+      }
+    }
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < top_k; ++j) sum += static_cast<float>(po[(t * top_k + j) * H + h]);
+        o[t * H + h] = static_cast<scalar_t>(sum);
+      }
+  });
+  return out;
 }
 
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
