@@ -121,7 +121,6 @@ class Attention(nn.Module):
                               sliding_window=self.sliding_window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-
     def _norm_heads_(self, qkv: torch.Tensor) -> bool:
         """Qwen3's q/k norms on each head of q and k, written back into the q/k/v rows (as the
         one-call decode does, csrc/decode_layers.cpp); whether q and k are ready for rotary in
