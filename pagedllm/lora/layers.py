@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import tiers
+from pagedllm.lora.adapter import MODEL_WIDE
 from pagedllm.model.config import ModelConfig
 
 
@@ -228,7 +229,7 @@ class LoRAEmbedding(nn.Module):
 
 def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAState, dict]:
     """Wrap every LoRA target of model (before prepacking); (its state, {(layer, our module name):
-    LoRALinear}, the embeddings and LM head under layer -1). A mixture-of-experts layer's experts
+    LoRALinear}, the embeddings and LM head under layer MODEL_WIDE). A mixture-of-experts layer's experts
     are not targets."""
     config: ModelConfig = model.config
     state = LoRAState()
@@ -254,10 +255,10 @@ def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRASta
                                 like)
             setattr(parent, attr, module)
             wrapped[(i, name)] = module
-    # The embeddings and the LM head: model-wide, under layer -1. The head's updates are added to
+    # The embeddings and the LM head: model-wide, under layer MODEL_WIDE. The head's updates are added to
     # the logits the model computes (whatever kernel runs the head), over the rows it is given.
     model.lora_embedding = LoRAEmbedding(config.vocab_size, hidden, state, max_loras, max_rank, like)
     model.lora_head = LoRALinear(None, [config.vocab_size], hidden, state.head, max_loras, max_rank, like)
-    wrapped[(-1, "embed_tokens")] = model.lora_embedding
-    wrapped[(-1, "lm_head")] = model.lora_head
+    wrapped[(MODEL_WIDE, "embed_tokens")] = model.lora_embedding
+    wrapped[(MODEL_WIDE, "lm_head")] = model.lora_head
     return state, wrapped

@@ -147,11 +147,11 @@ def _mlp_parts(mlp) -> tuple[list[int], list[torch.Tensor], list] | None:
     from pagedllm.model.moe import SparseMoE
 
     if isinstance(mlp, SparseMoE):
-        routing = mlp.routing
-        if (routing["method"] != "greedy" or routing["scoring"] != "softmax" or mlp.score_bias is not None
-                or mlp.shared_experts is not None
+        # The call routes with the compiled router: only where the layer does too (route_kernel).
+        if (mlp.route_kernel is None or mlp.shared_experts is not None
                 or not all(getattr(e, "silu_kernel", False) for e in mlp.experts)):
             return None
+        routing = mlp.routing
         scale = torch.tensor([float(routing["scale"])], dtype=torch.float64)
         return ([mlp.num_experts, mlp.top_k, int(bool(routing["normalize"]))], [mlp.gate.weight, scale],
                 [p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)])

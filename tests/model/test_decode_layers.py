@@ -106,6 +106,7 @@ def test_three_picks_of_renormalized_experts_sum_as_the_layers_do(tier, dtype, t
 def test_one_call_adds_lora_updates_as_the_layers_do(tier, tmp_path, tiny_checkpoint):
     """Projections wrapped for LoRA (their updates by csrc/lora.cpp): the same logits in one call,
     two adapters and the base mixed in each step."""
+    from pagedllm.lora.adapter import MODEL_WIDE
     from pagedllm.lora.layers import wrap_model
 
     model = _load("gguf", tmp_path, tiny_checkpoint, "float32")
@@ -114,7 +115,7 @@ def test_one_call_adds_lora_updates_as_the_layers_do(tier, tmp_path, tiny_checkp
     _, wrapped = wrap_model(model, max_loras=2, max_rank=4)
     gen = torch.Generator().manual_seed(0)
     for (index, _), layer in wrapped.items():
-        if index < 0:  # the embeddings and the LM head: outside the layers' one call
+        if index == MODEL_WIDE:  # the embeddings and the LM head: outside the layers' one call
             continue
         for slot in range(2):
             parts = {p: (torch.randn(4, layer.lora_a.shape[2], generator=gen) * 0.1,
