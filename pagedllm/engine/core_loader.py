@@ -134,7 +134,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                             kv_kind=kv_page_kind(model_config.kv_window, model_config.kv_lora_rank > 0))
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, kv_plan.max_model_len,
-                        config.scheduling_policy),
+                        config.scheduling_policy, config.step_share_tokens),
         make_kv_manager(config, kv_plan))
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
