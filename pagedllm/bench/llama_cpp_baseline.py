@@ -23,14 +23,19 @@ def add_args(parser) -> None:
     parser.add_argument("--llama-cpp-python", default=None, metavar="PATH",
                         help="the python interpreter of a venv with llama-cpp-python, for "
                              "--baseline llama.cpp")
+    parser.add_argument("--llama-cpp-prompt-lookup", type=int, default=None, metavar="K",
+                        help="llama.cpp speculates with prompt lookup, K tokens proposed a step "
+                             "(llama-cpp-python's LlamaPromptLookupDecoding; its default is 10): the "
+                             "rival of --speculative-config's ngram method")
 
 
 class Session:
-    def __init__(self, python: str, model: Path, threads: int, n_ctx: int):
+    def __init__(self, python: str, model: Path, threads: int, n_ctx: int, prompt_lookup: int | None = None):
         self.process = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
-        self.info = self._ask({"model": str(model), "threads": threads, "n_ctx": n_ctx})
-        self.info.update(threads=threads, model=str(model))
+        self.info = self._ask({"model": str(model), "threads": threads, "n_ctx": n_ctx,
+                               "prompt_lookup": prompt_lookup})
+        self.info.update(threads=threads, model=str(model), prompt_lookup=prompt_lookup)
         self.token_ids: list[list[int]] = []  # what it generated, request by request
 
     def _ask(self, message: dict) -> dict:
@@ -62,5 +67,8 @@ def start(engine, args, requests: list[BenchRequest]) -> Session:
                          "llama-cpp-python; ../shared/tools/llama-cpp/setup.sh builds one)")
     if Path(engine.model_path).suffix != ".gguf":
         raise ValueError(f"--baseline llama.cpp runs GGUF files; {engine.model_path} is not one")
-    n_ctx = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + 8
-    return Session(args.llama_cpp_python, engine.model_path, torch.get_num_threads(), n_ctx)
+    lookup = args.llama_cpp_prompt_lookup
+    if lookup is not None and lookup < 1:
+        raise ValueError(f"--llama-cpp-prompt-lookup takes a number of tokens >= 1; got {lookup}")
+    n_ctx = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + 8 + (lookup or 0)
+    return Session(args.llama_cpp_python, engine.model_path, torch.get_num_threads(), n_ctx, lookup)

@@ -2,9 +2,12 @@
 
 Run by that interpreter, in its own venv: this file imports only the standard library and
 llama_cpp, never pagedllm. It speaks JSON lines on stdin / stdout:
-  in:  {"model": PATH, "threads": N, "n_ctx": N}    out: {"ready": true, "load_s", "rss_mib", ...}
+  in:  {"model": PATH, "threads": N, "n_ctx": N, "prompt_lookup": K or null}
+                                                    out: {"ready": true, "load_s", "rss_mib", ...}
   in:  {"prompt_token_ids": [...], "max_tokens": N} out: {"ttft_s", "decode_s", "decode_cpu_s", "token_ids"}
 and exits at the end of its input. Greedy decoding, exactly max_tokens tokens (EOS ignored).
+prompt_lookup K: llama-cpp-python's prompt-lookup speculation (LlamaPromptLookupDecoding, K tokens
+proposed from the prompt and output so far), llama.cpp's answer to pagedllm's n-gram proposer.
 """
 
 import json
@@ -49,8 +52,13 @@ def main() -> int:
 
     config = json.loads(sys.stdin.readline())
     started = time.perf_counter()
+    draft = None
+    if config.get("prompt_lookup"):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=config["prompt_lookup"])
     llm = llama_cpp.Llama(model_path=config["model"], n_ctx=config["n_ctx"], n_threads=config["threads"],
-                          n_threads_batch=config["threads"], n_batch=512, verbose=False)
+                          n_threads_batch=config["threads"], n_batch=512, verbose=False, draft_model=draft)
     ready = {"ready": True, "load_s": time.perf_counter() - started, "rss_mib": rss_mib(),
              "version": llama_cpp.__version__}
     print(json.dumps(ready), flush=True)

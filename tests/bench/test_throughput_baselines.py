@@ -20,8 +20,10 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
     __version__ = "fake"
 
     class Llama:
-        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose, draft_model):
             assert model_path.endswith(".gguf") and n_ctx > 0 and n_threads >= 1
+            # --llama-cpp-prompt-lookup K reaches llama-cpp-python as its prompt-lookup draft
+            assert draft_model is None or draft_model.num_pred_tokens == 4, draft_model
             self.prefills = 0
 
         def reset(self):
@@ -42,6 +44,11 @@ def fake_llama_cpp(tmp_path, monkeypatch):
     package = tmp_path / "fake_site"
     (package / "llama_cpp").mkdir(parents=True)
     (package / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (package / "llama_cpp" / "llama_speculative.py").write_text(textwrap.dedent('''
+        class LlamaPromptLookupDecoding:
+            def __init__(self, num_pred_tokens):
+                self.num_pred_tokens = num_pred_tokens
+    '''))
     monkeypatch.setenv("PYTHONPATH", str(package))
     return sys.executable
 
@@ -82,6 +89,17 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
     assert "Single stream" in printed and "one request at a time" in printed
 
 
+def test_llama_cpp_speculates_by_prompt_lookup_when_asked(tmp_path, tiny_gguf, fake_llama_cpp, capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--baseline", "llama.cpp", "--no-sequential",
+                       "--llama-cpp-python", fake_llama_cpp, "--single-stream-runs", "1",
+                       "--single-stream-len", "6:4", "--llama-cpp-prompt-lookup", "4")
+    assert result["llama.cpp"]["prompt_lookup"] == 4
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
+                 "--output-len", "2", "--kv-cache-memory", "4MiB", "--baseline", "llama.cpp",
+                 "--llama-cpp-python", fake_llama_cpp, "--llama-cpp-prompt-lookup", "0"]) == 2
+    assert "--llama-cpp-prompt-lookup" in capsys.readouterr().err
+
+
 def test_llama_cpp_baseline_needs_its_interpreter_and_a_gguf(tmp_path, tiny_model, tiny_gguf, capsys):
     common = ["--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--kv-cache-memory", "4MiB"]
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--baseline", "llama.cpp", *common]) == 2
@@ -107,6 +125,12 @@ def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
     assert lockstep["this"]["output_tokens_per_s"] > 0 and lockstep["ratio_output_tokens_per_s"] > 0
     assert lockstep["this"]["cpu_s"] > 0 and lockstep["ratio_output_tokens_per_cpu_s"] > 0
     assert "twin engine" in capsys.readouterr().out
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--lockstep-with", "block_size=8",
+                       "--lockstep-single-stream", "--single-stream-runs", "2", "--single-stream-len", "6:4")
+    single = result["lockstep"]["single_stream"]
+    assert single["this"]["runs"] == single["block_size=8"]["runs"] == 2
+    assert single["ratio_decode_tokens_per_s_median"] > 0
+    assert "Single stream on both engines" in capsys.readouterr().out
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
                  "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
     assert "FIELD=VALUE" in capsys.readouterr().err
