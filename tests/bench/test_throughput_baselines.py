@@ -17,7 +17,46 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.tiny import make_hf_model, save_checkpoint, write_gguf
 
 FAKE_LLAMA_CPP = textwrap.dedent('''
+    import ctypes
+    from types import SimpleNamespace
+
     __version__ = "fake"
+    N_VOCAB = 256
+
+    # The C API the batched scenario uses: each row asking for logits gets one-hot logits on
+    # (its token + 1) % 256, the rule the Python API's generate() follows below.
+    def llama_context_default_params():
+        return SimpleNamespace()
+
+    def llama_init_from_model(model, params):
+        assert model == "fake model" and params.n_seq_max >= 1 and params.kv_unified
+        return {"rows": {}, "positions": {}}
+
+    def llama_batch_init(n_tokens, embd, n_seq_max):
+        return SimpleNamespace(n_tokens=0, token=[0] * n_tokens, pos=[0] * n_tokens,
+                               seq_id=[[0] for _ in range(n_tokens)], n_seq_id=[0] * n_tokens,
+                               logits=[False] * n_tokens)
+
+    def llama_decode(ctx, batch):
+        ctx["rows"].clear()
+        for row in range(batch.n_tokens):
+            seq, pos = batch.seq_id[row][0], batch.pos[row]
+            assert pos == ctx["positions"].get(seq, 0), "positions of a sequence come in order"
+            ctx["positions"][seq] = pos + 1
+            if batch.logits[row]:
+                logits = (ctypes.c_float * N_VOCAB)()
+                logits[(batch.token[row] + 1) % N_VOCAB] = 1.0
+                ctx["rows"][row] = logits
+        return 0
+
+    def llama_get_logits_ith(ctx, row):
+        return ctypes.cast(ctx["rows"][row], ctypes.POINTER(ctypes.c_float))
+
+    def llama_batch_free(batch):
+        pass
+
+    def llama_free(ctx):
+        pass
 
     class Llama:
         def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose, draft_model):
@@ -25,6 +64,10 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
             # --llama-cpp-prompt-lookup K reaches llama-cpp-python as its prompt-lookup draft
             assert draft_model is None or draft_model.num_pred_tokens == 4, draft_model
             self.prefills = 0
+            self._model = SimpleNamespace(model="fake model")
+
+        def n_vocab(self):
+            return N_VOCAB
 
         def reset(self):
             pass
@@ -34,7 +77,7 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
             self.prefills += 1
             token = tokens[-1]
             while True:  # never stops by itself: the worker stops at max_tokens
-                token = (token + 1) % 256
+                token = (token + 1) % N_VOCAB
                 yield token
 ''')
 
@@ -85,8 +128,30 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
         assert system["single_stream"]["decode_cpu_ms_per_token_median"] >= 0
         assert system["sequential"]["output_tokens_per_s"] > 0
     assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
+    assert theirs["output_tokens_per_s"] > 0 and theirs["output_tokens_per_cpu_s"] > 0  # batched
+    assert result["same_output"]["requests_identical"] == 0  # the stand-in's tokens are its own
     printed = capsys.readouterr().out
     assert "Single stream" in printed and "one request at a time" in printed
+
+
+def test_llama_cpp_batched_serves_every_request_at_once_in_continuous_batches(tmp_path, tiny_gguf,
+                                                                              fake_llama_cpp):
+    """More prompt tokens than one llama_decode call takes: prompts are fed in chunks beside the
+    running sequences' next tokens, each sequence's positions in order (the stand-in checks),
+    and each request gets exactly its max_tokens, the first from its prompt's last logits."""
+    from pagedllm.bench.llama_cpp_baseline import Session
+    from pagedllm.bench.llama_cpp_worker import N_BATCH
+    from pagedllm.bench.workload import BenchRequest
+
+    requests = [BenchRequest(list(range(1, 300)), 5), BenchRequest([7] * 400, 3), BenchRequest([250], 9)]
+    assert sum(len(r.prompt_token_ids) for r in requests) > N_BATCH
+    session = Session(fake_llama_cpp, tiny_gguf, threads=1, n_ctx=1024)
+    try:
+        assert session.batched(requests) > 0 and session.cpu_s >= 0
+    finally:
+        session.close()
+    expected = [[(r.prompt_token_ids[-1] + 1 + j) % 256 for j in range(r.max_tokens)] for r in requests]
+    assert session.token_ids == expected
 
 
 def test_llama_cpp_speculates_by_prompt_lookup_when_asked(tmp_path, tiny_gguf, fake_llama_cpp, capsys):
