@@ -35,6 +35,9 @@ class Architecture:
     sliding_period: int | None = None
     # The rope base of the sliding-window layers where the checkpoint does not say (Gemma 3).
     local_rope_theta: float | None = None
+    # The shared expert's output is scaled by sigmoid(shared_expert_gate(x)), a learned gate of one
+    # output (Qwen2-MoE), before it joins the routed experts'.
+    shared_expert_gate: bool = False
 
 
 _GEMMA = dict(sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
@@ -49,6 +52,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Mixtures of experts (model/moe.py); Mixtral's GGUF files say "llama" with expert tensors.
     "Qwen3MoeForCausalLM": Architecture(gguf_name="qwen3moe", qk_norm=True),
     "MixtralForCausalLM": Architecture(),
+    # Qwen2's attention (q/k/v bias, unless config.json's qkv_bias says none) and a gated shared
+    # expert beside the routed ones.
+    "Qwen2MoeForCausalLM": Architecture(gguf_name="qwen2moe", qkv_bias=True, shared_expert_gate=True),
     # Multi-head latent attention (model/mla.py) and mixtures of experts with shared experts.
     "DeepseekV2ForCausalLM": Architecture(sliding_window=False),
     "DeepseekV3ForCausalLM": Architecture(sliding_window=False),

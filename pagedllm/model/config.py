@@ -450,6 +450,7 @@ def _gguf_sliding_window(
 _LLAMA_CPP_DEFAULTS = {
     "gemma2": {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
+    "qwen2moe": {"expert_weights_norm": False},  # its graph never renormalizes the top-k scores
 }
 
 # GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every

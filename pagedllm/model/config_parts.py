@@ -1,5 +1,5 @@
 """The config fields of the families that go beyond a Llama's shape, read from config.json and GGUF
-metadata: mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek) and multi-head latent attention
+metadata: mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek) and multi-head latent attention
 (DeepSeek-V2/V3). model/config.py's ModelConfig declares the fields; this says where they come from.
 """
 
@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.errors import UnsupportedModelError
+from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def hf_sparse_and_latent_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    if architecture == "Qwen2MoeForCausalLM":
+        config = {**_QWEN2_MOE_DEFAULTS, **config}
     fields = _hf_moe(config, architecture)
+    if architecture == "Qwen2MoeForCausalLM":
+        fields.update(_hf_qwen2_moe(config, bool(fields)))
     if architecture in _DEEPSEEK:
         fields.update(_hf_mla(config, architecture))
     if architecture == "Qwen3_5ForCausalLM":
@@ -91,11 +95,31 @@ def _hf_granite_hybrid(config: dict[str, Any], architecture: str) -> dict[str, A
         logits_scaling=float(config.get("logits_scaling", 1.0)), use_rope=position == "rope", **moe)
 
 
+# What transformers' Qwen2MoeConfig takes for the keys a config.json leaves out.
+_QWEN2_MOE_DEFAULTS = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                           shared_expert_intermediate_size=5632, norm_topk_prob=False,
+                           decoder_sparse_step=1, qkv_bias=True, sliding_window=4096, max_window_layers=28)
+
+
+def _hf_qwen2_moe(config: dict[str, Any], sparse: bool) -> dict[str, Any]:
+    """Qwen2-MoE: q/k/v bias as qkv_bias says (none on o_proj); on its sparse layers one shared
+    expert of shared_expert_intermediate_size (0: none; transformers' MLP of width 0 adds zeros)
+    whose output a sigmoid gate scales (architectures.py); and, where config.json lists no
+    layer_types, its own sliding layers: every other one (0, 2, ...) below max_window_layers."""
+    fields: dict[str, Any] = dict(attention_bias=bool(config["qkv_bias"]), output_bias=False)
+    if sparse:
+        fields["shared_expert_intermediate_size"] = config["shared_expert_intermediate_size"] or 0
+    if config.get("use_sliding_window") and config["sliding_window"] and not config.get("layer_types"):
+        below = min(config["max_window_layers"], config["num_hidden_layers"])
+        fields.update(sliding_window=config["sliding_window"], sliding_layers=tuple(range(0, below, 2)))
+    return fields
+
+
 def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Mixtral's experts are intermediate_size wide, on every layer, their top-k scores always
-    renormalized; Qwen3-MoE's are moe_intermediate_size wide, on every decoder_sparse_step-th layer
-    (counting from 1) not in mlp_only_layers; DeepSeek's on every layer from first_k_dense_replace
-    on, beside shared experts."""
+    renormalized; Qwen2-MoE's and Qwen3-MoE's are moe_intermediate_size wide, on every
+    decoder_sparse_step-th layer (counting from 1) not in mlp_only_layers; DeepSeek's on every
+    layer from first_k_dense_replace on, beside shared experts."""
     experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                     if config.get(k)), 0)
     if not experts:
@@ -119,8 +143,9 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 "scoring_func": "sigmoid" if v3 else "softmax",
                 "n_group": config.get("n_group") or 1, "topk_group": config.get("topk_group") or 1}
     step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-    return {**fields, "moe_layers": tuple(i for i in layers
-                                          if i not in dense and step > 0 and (i + 1) % step == 0)}
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"config.json: decoder_sparse_step must be a positive integer; got {step!r}")
+    return {**fields, "moe_layers": tuple(i for i in layers if i not in dense and (i + 1) % step == 0)}
 
 
 def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -145,12 +170,18 @@ def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 
 def gguf_moe_fields(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
-    """From llama.cpp's keys; the sparse layers are those with a router tensor. llama.cpp
-    renormalizes the top-k scores unless the file says otherwise."""
+    """From llama.cpp's keys; the sparse layers are those with a router tensor, and they have a
+    shared expert where their ffn_*_shexp tensors are there (Qwen2-MoE: as wide as
+    expert_shared_feed_forward_length says, else feed_forward_length, as llama.cpp reads it).
+    llama.cpp renormalizes the top-k scores unless the file says otherwise (or, for qwen2moe,
+    config.py's _LLAMA_CPP_DEFAULTS)."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
+    moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    shared = any(f"blk.{i}.ffn_down_shexp.weight" in tensor_names for i in moe_layers)
     return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
                 moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
-                norm_topk_prob=bool(key("expert_weights_norm", True)),
-                moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names))
+                norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers,
+                shared_expert_intermediate_size=(key("expert_shared_feed_forward_length")
+                                                 or key("feed_forward_length")) if shared else 0)

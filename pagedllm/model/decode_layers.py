@@ -14,7 +14,8 @@ layer a plain DecoderLayer (no latent attention, no sandwich norms), rotary in p
 heads (after Qwen3's q/k norms, which the layer and the call both apply in place by the compiled
 RMSNorm), SiLU, no local rope; the MLP gated, or a mixture of such experts routed greedily by
 softmax with no shared expert (Qwen3-MoE, Mixtral: the compiled router, then model/moe.py's
-operations in the same order, each expert by the compiled kernels); every projection QuantLinear
+operations in the same order, each expert by the compiled kernels; Qwen2-MoE, whose gated shared
+expert the call does not run, stays on the layers' path); every projection QuantLinear
 as loaded (or wrapped for LoRA on the CPU, whose updates csrc/lora.cpp adds in the same call; not
 wrapped for tensor parallelism, not batch-invariant); the KV caches of the model's dtype or
 compressed.

@@ -54,6 +54,10 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_LAYER_NAMES,
     # Phi-3 keeps q/k/v and gate/up fused; llama.cpp calls the fused gate/up ffn_up.
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Qwen2-MoE's shared expert and its gate (one output, stored [1, hidden]).
+    "qwen2moe": {**_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
@@ -62,6 +66,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _MOE_NAMES = {
     "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "qwen2moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
 }
 
@@ -223,9 +228,19 @@ def _undo_norm_offset(weights: torch.Tensor, name: str, metadata: dict[str, Any]
     return weights - 1 if name.endswith("norm.weight") else weights
 
 
+def _shared_gate_as_a_row(
+    weights: torch.Tensor | QuantizedWeight, name: str, metadata: dict[str, Any]
+) -> torch.Tensor | QuantizedWeight:
+    """llama.cpp reads the shared expert's gate as a vector of hidden_size ({n_embd}); a file may
+    store it so. The model holds it as a one-row matrix, as transformers does."""
+    vector = isinstance(weights, torch.Tensor) and weights.dim() == 1
+    return weights.reshape(1, -1) if vector and name.endswith("ffn_gate_inp_shexp.weight") else weights
+
+
 # What llama.cpp's converter changed in the tensors of each architecture, undone.
 _CONVERTER_CHANGES = {
     "llama": _undo_rotary_permutation,
     "gemma2": _undo_norm_offset,
     "gemma3": _undo_norm_offset,
+    "qwen2moe": _shared_gate_as_a_row,
 }

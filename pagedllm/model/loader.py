@@ -142,6 +142,8 @@ class _WeightPolicy:
     _MATMUL_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", ".w1.weight", ".w2.weight",
                         ".w3.weight")
 
+    _ROUTERS = (".gate.weight", ".shared_expert_gate.weight")
+
     def __init__(self, quantization: str, group_size: int, dtype: torch.dtype, device: torch.device):
         self.quantization = quantization
         self.group_size = group_size
@@ -164,7 +166,9 @@ class _WeightPolicy:
         keep = self.quantization == "auto" and self.keeps_quantized
 
         def get(hf: str):
-            weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep)
+            # A router's weight (and Qwen2-MoE's shared-expert gate) stays float whatever the file
+            # holds: model/moe.py's Router multiplies in float32, as transformers does.
+            weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep and not hf.endswith(self._ROUTERS))
             if isinstance(weight, QuantizedWeight) and not self.on_cpu:
                 weight = weight.to(self.device)
             type_name = checkpoint.tensors[checkpoint.hf_names[hf]].tensor_type.name

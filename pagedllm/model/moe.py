@@ -1,5 +1,7 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks top_k of num_experts gated
-MLPs for each token, and the token's output is their outputs weighted by the router's scores.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek): a router picks top_k of
+num_experts gated MLPs for each token, and the token's output is their outputs weighted by the
+router's scores; plus, where the model has one, a shared expert every token goes through (DeepSeek's
+added as it is, Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)), a one-output gate of its own).
 
 The layer is fused over the batch: the (token, expert) pairs of the whole flat batch are sorted by
 expert once, and each expert that got any token runs one matmul over all of its tokens (a decode
@@ -60,7 +62,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float64 stays (the tests' reference)
+        return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class SparseMoE(nn.Module):
@@ -80,7 +83,10 @@ class SparseMoE(nn.Module):
         self.score_bias = (nn.Parameter(torch.zeros(config.num_experts))
                            if config.topk_method == "noaux_tc" else None)
         self.experts = nn.ModuleList(experts)
-        self.shared_experts = shared  # DeepSeek: one MLP every token goes through too
+        self.shared_experts = shared  # one MLP every token goes through too
+        # Qwen2-MoE scales the shared expert's output per token: a Router of one output, in float32.
+        self.shared_expert_gate = (Router(config.hidden_size, 1)
+                                   if shared is not None and config.arch.shared_expert_gate else None)
         # Greedy softmax routing on the CPU: the tier's compiled router (csrc/moe_route.cpp), one
         # call instead of route()'s ten torch operations; a decode step's one call takes it too.
         ops = tiers.current().ops
@@ -97,7 +103,14 @@ class SparseMoE(nn.Module):
             weights, experts = route(self.gate(x), self.top_k, bias=self.score_bias, **self.routing)
             weights = weights.to(x.dtype)
         out = self.run_experts(x, weights, experts)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else out + self.shared_output(x)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, scaled by its gate where it has one."""
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype) * shared
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum over k of weights[t, k] * expert[experts[t, k]](x[t]), each expert once per batch."""

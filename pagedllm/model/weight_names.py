@@ -54,8 +54,8 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
 
 
 def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
-    """A mixture-of-experts layer's router and stacked experts (model/moe.py), from Qwen3-MoE's
-    per-expert names or Mixtral's (w1 gate, w3 up, w2 down)."""
+    """A mixture-of-experts layer's router, experts and shared expert (model/moe.py), from the
+    per-expert names of Qwen2/Qwen3-MoE and DeepSeek, or Mixtral's (w1 gate, w3 up, w2 down)."""
     ours = f"layers.{i}.mlp"
     if config.architecture == "MixtralForCausalLM":
         moe, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
@@ -65,10 +65,14 @@ def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
     if config.topk_method == "noaux_tc":
         names[f"{ours}.score_bias"] = [f"{moe}.gate.e_score_correction_bias"]
     if config.shared_expert_intermediate_size:
-        shared = f"{moe}.shared_experts"
+        # Qwen2-MoE names its one shared expert in the singular, beside the gate that scales it.
+        gated = config.arch.shared_expert_gate
+        shared = f"{moe}.shared_expert" if gated else f"{moe}.shared_experts"
         names[f"{ours}.shared_experts.gate_up_proj.weight"] = [f"{shared}.gate_proj.weight",
                                                                f"{shared}.up_proj.weight"]
         names[f"{ours}.shared_experts.down_proj.weight"] = [f"{shared}.down_proj.weight"]
+        if gated:
+            names[f"{ours}.shared_expert_gate.weight"] = [f"{moe}.shared_expert_gate.weight"]
     for e in range(config.num_experts):
         theirs = f"{moe}.experts.{e}"
         names[f"{ours}.experts.{e}.gate_up_proj.weight"] = [f"{theirs}.{p}.weight" for p in (gate, up)]

@@ -67,6 +67,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    # Qwen2-MoE: q/k/v bias, a gated shared expert beside the routed ones, layer 1 of 3 dense
+    # (mlp_only_layers), scores not renormalized.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),
     # Latent attention: q through its own low-rank projection (V3) or not (V2); DeepSeek's experts
     # (a dense first layer, shared experts, grouped routing).
     "deepseek_v2_mla": ("DeepseekV2Config", dict(
@@ -165,7 +170,7 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+              "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
               "mixtral": "llama"}  # llama.cpp writes Mixtral as a Llama with experts
 
 
@@ -229,8 +234,10 @@ def _add_hparams(writer, config, arch: str) -> None:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
