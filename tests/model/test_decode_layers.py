@@ -68,7 +68,8 @@ def _steps(model, kv_cache_dtype: str, fused: bool, calls: list,
 
 
 @pytest.mark.parametrize("source", ["gguf", "qwen2_qkv_bias:int4", "mistral_linear_rope_window:int8",
-                                    "qwen3_qk_norm:int4", "qwen3_moe:int8", "mixtral_moe:int4"])
+                                    "qwen3_qk_norm:int4", "qwen3_moe:int8", "mixtral_moe:int4",
+                                    "qwen2_moe:int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_one_call_equals_the_layers(tier, source, dtype, kv_cache_dtype, tmp_path, tiny_checkpoint):
@@ -140,11 +141,10 @@ def tier_runs_it() -> bool:
 
 @pytest.mark.parametrize("shape,quantization", [("phi4_partial_rotary", "int8"),
                                                 ("gemma2_softcap_window", "int8"),
-                                                ("llama_gqa_untied", "none"), ("deepseek_v2_mla", "int8"),
-                                                ("qwen2_moe", "int8")])
+                                                ("llama_gqa_untied", "none"), ("deepseek_v2_mla", "int8")])
 def test_models_that_do_not_qualify_keep_the_layers(shape, quantization, tiny_checkpoint):
-    """Partial rotary, sandwich norms, float weights, latent attention with shared experts, Qwen2-MoE's
-    gated shared expert: no packed layers."""
+    """Partial rotary, sandwich norms, float weights, latent attention with shared experts: no
+    packed layers."""
     with kernel_tier(COMPILED_TIERS[-1] if COMPILED_TIERS else "portable"):
         model = load_model(tiny_checkpoint(shape).folder, dtype="float32", quantization=quantization).model
         assert DecodeLayers.build(model, PagedSequences(model, num_blocks=8, block_size=4).kv_caches) is None
