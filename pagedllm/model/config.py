@@ -71,8 +71,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] | None = None
-    # DeepSeek's experts: shared experts (one MLP this wide, every token), the routed weights'
-    # factor, and how experts are picked (model/moe.py's route says each way).
+    # DeepSeek's and Qwen2-MoE's shared experts (one MLP this wide, every token; Qwen2-MoE's scaled
+    # by its gate, architectures.py), and DeepSeek's: the routed weights' factor, and how experts
+    # are picked (model/moe.py's route says each way).
     shared_expert_intermediate_size: int = 0
     routed_scaling_factor: float = 1.0
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
