@@ -231,6 +231,26 @@ def test_qwen2_moe_gguf_and_hf_folder_generate_transformers_tokens(tmp_path):
         assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+def test_a_qwen2_moe_shared_gate_stored_as_a_vector_loads_as_its_row(tmp_path):
+    """llama.cpp reads ffn_gate_inp_shexp as {n_embd}: a file that stores it one-dimensional
+    gives the same model as one that stores transformers' [1, hidden]."""
+    from tests.model import tiny
+
+    hf_model = make_hf_model("qwen2_moe", seed=5, mlp_only_layers=[])
+    as_written = tiny._gguf_tensors
+
+    def with_vector_gates(model, arch):
+        return {name: tensor.reshape(-1) if name.endswith("ffn_gate_inp_shexp.weight") else tensor
+                for name, tensor in as_written(model, arch).items()}
+
+    with mock.patch.object(tiny, "_gguf_tensors", with_vector_gates):
+        vector = load_model(write_gguf(hf_model, tmp_path / "vector.gguf"), dtype="float32").model
+    row = load_model(write_gguf(hf_model, tmp_path / "row.gguf"), dtype="float32").model
+    assert vector.layers[0].mlp.shared_expert_gate.weight.shape == (1, hf_model.config.hidden_size)
+    prompts = [token_ids(n, seed=90 + n) for n in (3, 11)]
+    assert greedy_generate(vector, prompts, 6) == greedy_generate(row, prompts, 6)
+
+
 def _qwen2_moe_config(**overrides):
     import transformers
 
