@@ -52,6 +52,14 @@ def test_a_looping_template_is_cut_by_its_time_budget(source):
     "{{ 'a'.ljust(400000000) }}",
     "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
     "{{ 10 ** 100000000 }}",
+    # Issue 32, finding 8: `~` chains (each part within the budget), str.format and format widths.
+    "{% set a = 'a' * 90000 %}{{ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a }}",
+    "{% set a = 'a' * 90000 %}{% set b = a ~ a %}{{ b | length }}",
+    "{{ '{:>400000000}'.format('a') }}",
+    "{{ '{0:.400000000f}'.format(1.5) }}",
+    "{{ '{x:400000000}'.format_map({'x': 'a'}) }}",
+    "{{ '%400000000s' | format('a') }}",
+    "{{ '%.400000000f' % 1.5 }}",
 ])
 def test_an_inflating_template_is_cut_by_its_size_budget(source):
     """Each would build hundreds of MB, or loop for long, unless cut first."""
@@ -62,6 +70,8 @@ def test_an_inflating_template_is_cut_by_its_size_budget(source):
 def test_templates_within_the_budget_render_as_jinja_does():
     assert render("{{ 'ab' * 3 }}|{{ 'x' | center(5) }}|{% for m in messages %}{{ m.content }}{% endfor %}",
                   max_chars=100) == "ababab|  x  |hi"
+    assert render("{{ 'a' ~ 1 ~ messages[0].content }}|{{ '{:>4}'.format('b') }}|{{ '%3s' | format('c') }}"
+                  "|{{ '%.2f' % 1.5 }}", max_chars=100) == "a1hi|   b|  c|1.50"
 
 
 def test_the_processor_gives_a_timeout_as_the_templates_fault_and_size_as_the_requests():
