@@ -222,11 +222,7 @@ def _speculative_config(name: str, value) -> None:
     """A dict or its JSON text that pagedllm.spec_decode.config accepts (it imports no torch)."""
     from pagedllm.spec_decode.config import SpeculativeConfig
 
-    config = SpeculativeConfig.parse(value)
-    if config is not None and config.method == "draft_model":
-        # Refused rather than accepted and ignored: the step runs the model-free proposers only.
-        raise ValueError("speculative_config: method 'draft_model' is not run by the engine yet; "
-                         "use 'ngram' or 'suffix'")
+    SpeculativeConfig.parse(value)
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -444,6 +440,9 @@ class EngineConfig:
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
         self._check_lora()
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft_model":
+            raise ValueError("speculative_config: method 'draft_model' runs on one process: the draft "
+                             "is not split over tensor-parallel ranks yet; use tensor_parallel_size 1")
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
@@ -459,6 +458,14 @@ class EngineConfig:
         if self.batch_invariant:
             raise ValueError("enable_lora and batch_invariant cannot be combined: each adapter's "
                              "rows are summed as a group whose size depends on the batch")
+
+    @property
+    def speculative_method(self) -> str | None:
+        """speculative_config's method (None: no speculative decoding)."""
+        from pagedllm.spec_decode.config import SpeculativeConfig  # torch-free
+
+        config = SpeculativeConfig.parse(self.speculative_config)
+        return None if config is None else config.method
 
     @property
     def pooling_reads_every_token(self) -> bool:

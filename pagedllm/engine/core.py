@@ -133,6 +133,8 @@ class EngineCore(StepIsolation):
         if self.speculator is not None and choose is None:
             self.speculator.propose(self.scheduler.running, self.requests.seqs)
         out = self.scheduler.schedule()
+        if self.speculator is not None:  # a draft model proposes into the slots just given
+            self.speculator.fill(out, self.requests.seqs)
         counts = self._counts
         counts.update(step_requests=len(out.scheduled), step_blocks=self.kv_manager.stats().num_used_blocks,
                       computed=counts["computed"] + out.num_batched_tokens)
