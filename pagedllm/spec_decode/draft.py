@@ -29,7 +29,8 @@ Sampling: a greedy request takes the draft's argmax; a sampled one draws from th
 distribution under the request's own settings (its penalties and token rules over the history
 grown by the proposal so far, temperature, top-k, top-p, min-p: the sampler's
 process_logits and sampling_probs) with its seeded generator where it has one, and hands that
-distribution to the rejection sampler (q in min(1, p / q)).
+distribution to the rejection sampler (q in min(1, p / q)). A seeded request thus takes k numbers
+from its generator for the draft and k + 1 for the verification each step, and repeats run to run.
 """
 
 from __future__ import annotations
