@@ -73,9 +73,8 @@ class CoreFacts:
         bytes and what fits; the weights' bytes and weights_note (LoadedModel.weights_note: what
         stayed quantized, what is float); the device and dtype; prefix caching, tensor
         parallelism, batch invariance."""
-        draft = (f" ({self.draft_kv_bytes_per_block} bytes per block are the draft model's K/V)"
-                 if self.draft_kv_bytes_per_block else "")
-        return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}{draft}; "
+        plan = describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout, self.draft_kv_bytes_per_block)
+        return (f"{plan}; "
                 f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); "
                 f"{self.device}, {str(self.dtype).removeprefix('torch.')}, {self.choices}")
 
