@@ -187,6 +187,25 @@ def test_the_draft_writes_only_into_the_requests_own_blocks(near):
     assert stats["num_free_blocks"] == stats["num_blocks"] == 256
 
 
+def test_an_aborted_request_takes_its_draft_kv_with_it(near):
+    """Aborted while speculating: its blocks (the draft's K/V among them) all go back, and the
+    draft's table forgets it."""
+    engine, core = near.engine, near.engine.engine_core
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, GREEDY)
+    drafted = spec_stats(near)["num_draft_tokens"]
+    for _ in range(6):
+        engine.step()
+    assert spec_stats(near)["num_draft_tokens"] > drafted
+    assert core.speculator.draft.runner.block_table.num_live == 3
+    assert near.memory_stats()["num_free_blocks"] < near.memory_stats()["num_blocks"]
+    for i in range(3):
+        engine.abort_request(f"abort-{i}")
+    assert core.speculator.draft.runner.block_table.num_live == 0
+    assert not core.speculator.draft._computed
+    assert_all_blocks_free(near)
+
+
 def test_a_seeded_sampled_request_gives_the_same_tokens_on_every_run(near):
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
     before = spec_stats(near)["num_accepted_tokens"]
