@@ -14,8 +14,9 @@ after the model ran (the plan in pagedllm.spec_decode's docstring; the pieces ar
 - fill(): with a draft model, propose() only reserves: each proposal is k placeholders, the
   scheduler gives them slots, and fill() has the draft (pagedllm.spec_decode.draft) write its
   K/V into those slots and its tokens over the placeholders before the target runs them. A
-  constrained sequence's draft proposal is cut by its grammar then; the slots past the cut run
-  anyway (the scheduler fixed the step) and verify() reads only the rows up to it.
+  constrained sequence's draft proposes under its grammar's masks, and is cut where the grammar
+  completes; the slots past the cut run anyway (the scheduler fixed the step) and verify() reads
+  only the rows up to it.
 - observe(): the counters (SpecDecodeStats, vLLM's names) and each sequence's AcceptanceRate.
 
 Sequences that take a chooser's tokens (beam search) or still fan out (a prompt's first sample
@@ -116,8 +117,8 @@ class Speculator:
         items = [s for s in out.scheduled if s.num_spec_tokens]
         if not items:
             return
-        batch = [DraftSequence(s.request, s.num_spec_tokens, s.block_ids, seqs[s.request.request_id].row)
-                 for s in items]
+        batch = [DraftSequence(s.request, s.num_spec_tokens, s.block_ids, seq.row, seq.matcher)
+                 for s in items for seq in (seqs[s.request.request_id],)]
         proposals = self.draft.propose(batch)
         for s, tokens, probs in zip(items, proposals.token_ids, proposals.probs):
             request_id, seq = s.request.request_id, seqs[s.request.request_id]

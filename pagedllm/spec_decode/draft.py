@@ -25,6 +25,10 @@ co-owners' drafts hold for the same tokens). Each step the draft first catches u
 has not seen (the prompt, the tokens the target accepted or produced), in chunks of at most
 max_num_batched_tokens, the last chunk giving x_1; then one pass per further proposed token.
 
+A constrained request's draft proposes under its grammar: each position's draft logits are masked
+by the grammar's state after the proposal so far (its matcher walked along and rolled back at the
+end, as grammar.constrain_proposal does), so its tokens are ones the target may accept.
+
 Sampling: a greedy request takes the draft's argmax; a sampled one draws from the draft's
 distribution under the request's own settings (its penalties and token rules over the history
 grown by the proposal so far, temperature, top-k, top-p, min-p: the sampler's
@@ -43,6 +47,8 @@ import torch
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.spec_decode.rejection import _Extended
+from pagedllm.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_
+from pagedllm.structured.matcher import GrammarMatcher
 from pagedllm.worker.runner import ModelRunner
 from pagedllm.worker.sampler import (
     Sampler,
@@ -65,6 +71,7 @@ class DraftSequence:
     num_tokens: int  # k: the placeholders the scheduler kept, the tokens to propose
     block_ids: list[int]  # the request's whole block table (the KV manager's live list)
     row: SamplingRow
+    matcher: GrammarMatcher | None = None  # a constrained request's, standing after its accepted tokens
 
 
 @dataclass
@@ -120,10 +127,16 @@ class DraftModelProposer:
         self._in_table = [s.request.request_id for s in batch]
         seqs = [_Tokens(s.request.request_id, list(s.request.token_ids)) for s in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
-        self._catch_up(batch, seqs, probs)
-        for j in range(1, max(s.num_tokens for s in batch)):
-            going = [i for i, s in enumerate(batch) if s.num_tokens > j]
-            self._run(batch, seqs, probs, [(i, 1, seqs[i].num_tokens - 1) for i in going])
+        walked = [0] * len(batch)  # tokens each grammar took, to roll back
+        try:
+            self._catch_up(batch, seqs, probs, walked)
+            for j in range(1, max(s.num_tokens for s in batch)):
+                going = [i for i, s in enumerate(batch) if s.num_tokens > j]
+                self._run(batch, seqs, probs, [(i, 1, seqs[i].num_tokens - 1) for i in going], walked)
+        finally:
+            for s, n in zip(batch, walked):
+                if n:
+                    s.matcher.rollback(n)
         proposals = DraftProposals([], [])
         for s, seq, p in zip(batch, seqs, probs):
             num_known = s.request.num_tokens
@@ -134,7 +147,7 @@ class DraftModelProposer:
         return proposals
 
     def _catch_up(self, batch: Sequence[DraftSequence], seqs: list[_Tokens],
-                  probs: list[list[torch.Tensor]]) -> None:
+                  probs: list[list[torch.Tensor]], walked: list[int]) -> None:
         """Run each sequence's tokens the draft has not seen, the last known one included (its
         logits give the first proposed token), in passes of at most max_num_batched_tokens."""
         starts = {i: min(self._computed.get(s.request.request_id, 0), s.request.num_computed_tokens)
@@ -147,7 +160,7 @@ class DraftModelProposer:
                     break
                 chunks.append((i, take, start))
                 budget -= take
-            self._run(batch, seqs, probs, chunks)
+            self._run(batch, seqs, probs, chunks, walked)
             for i, take, start in chunks:
                 if start + take == batch[i].request.num_tokens:
                     del starts[i]
@@ -155,22 +168,41 @@ class DraftModelProposer:
                     starts[i] = start + take
 
     def _run(self, batch: Sequence[DraftSequence], seqs: list[_Tokens], probs: list[list[torch.Tensor]],
-             chunks: list[tuple[int, int, int]]) -> None:
+             chunks: list[tuple[int, int, int]], walked: list[int]) -> None:
         """One draft pass over chunks (sequence, tokens, first position); each chunk that reaches
-        its sequence's last token draws the next one, appended to it."""
+        its sequence's last token draws the next one, appended to it (and to its grammar's walk)."""
         block_size = self.runner.block_size
         scheduled = [ScheduledRequest(seqs[i], take, start, batch[i].block_ids, block_size)  # type: ignore[arg-type]
                      for i, take, start in chunks]
         sampling = [chunks[j][0] for j, s in enumerate(scheduled) if s.samples]
-        argmax_only = all(takes_argmax(batch[i].row) for i in sampling)
+        argmax_only = all(takes_argmax(batch[i].row) and batch[i].matcher is None for i in sampling)
         result = self.runner.execute(scheduled, argmax_only)
         drawn = [chunks[j][0] for j in result.sample_indices]
         if argmax_only:
             tokens = result.logits.tolist()
         else:
-            tokens = self._draw(batch, seqs, probs, drawn, result.logits)
+            tokens = self._draw(batch, seqs, probs, drawn, self._masked(batch, drawn, result.logits))
         for i, token in zip(drawn, tokens):
             seqs[i].token_ids.append(token)
+            matcher = batch[i].matcher
+            if matcher is not None and not matcher.is_terminated:  # a completed grammar: cut in fill
+                if not matcher.accept_token(token):  # drawn under its mask: the library disagrees
+                    raise RuntimeError(f"the grammar refused token {token} its mask allowed: {matcher.error}")
+                walked[i] += 1
+
+    @staticmethod
+    def _masked(batch: Sequence[DraftSequence], drawn: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each constrained row masked by its grammar's current state."""
+        constrained = [(j, batch[i].matcher) for j, i in enumerate(drawn)
+                       if batch[i].matcher is not None and not batch[i].matcher.is_terminated]
+        if not constrained:
+            return logits
+        logits = logits.float().clone()
+        for j, matcher in constrained:
+            mask = allocate_token_bitmask(1, matcher.vocab_size)
+            matcher.fill_bitmask(mask, 0)
+            apply_token_bitmask_(logits[j:j + 1], mask, matcher.vocab_size)
+        return logits
 
     def _draw(self, batch: Sequence[DraftSequence], seqs: list[_Tokens], probs: list[list[torch.Tensor]],
               drawn: list[int], logits: torch.Tensor) -> list[int]:

@@ -156,6 +156,21 @@ def test_a_json_schema_cuts_the_drafts_proposals(plain, near):
     assert_all_blocks_free(near)
 
 
+def test_a_constrained_draft_proposes_under_the_grammar(drafts):
+    """With the target as its draft, the draft's masked choice is the target's: proposals stay
+    whole and are all accepted (an unmasked draft's are mostly cut at its first refused token)."""
+    gguf = drafts["target"]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
+    prompts = ["hello hello hello", "abc abc abc abc"]
+    llm = make_llm(gguf, gguf)
+    got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].text for o in make_llm(gguf).generate(prompts, params, use_tqdm=False)]
+    stats = spec_stats(llm)
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 2 * stats["num_drafts"] > 0
+    assert_all_blocks_free(llm)
+
+
 def test_the_draft_writes_only_into_the_requests_own_blocks(near):
     """Every draft pass's block table is the KV manager's live list for that request, and its
     positions fall inside it; the KV plan counts both models' bytes in each block; afterwards the
