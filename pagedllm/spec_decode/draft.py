@@ -120,6 +120,8 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[DraftSequence]) -> DraftProposals:
+        """Each sequence's num_tokens proposed tokens (and a sampled one's distributions), its
+        K/V written into its slots up to the last proposed token, which the target's step runs."""
         # The target's block lists change under the draft between its runs (trim, copy-on-write,
         # preemption): its table rows are written afresh each step (a few ints per block).
         for request_id in self._in_table:
