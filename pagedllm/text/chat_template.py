@@ -23,7 +23,7 @@ import functools
 import json
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -249,16 +249,24 @@ def load_chat_template(value: str) -> str:
     return template
 
 
-def content_spans(text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+def content_spans(text: str, messages: list[dict[str, Any]],
+                  render: Callable[[list], str] | None = None) -> list[tuple[int, int]]:
     """Where each message's text sits in the rendered conversation, in order: (start, end)
     character spans, for the texts found as written (or stripped, as templates often trim them).
-    A text part list counts part by part."""
+    A text part list counts part by part.
+
+    render(messages) renders as `text` was rendered: the spans are then read from a render whose
+    texts are placeholders (_placed_spans), so a text that also occurs earlier in the prompt (a
+    message that is the template's own end-of-turn marker, say) is found where the message put
+    it, not at the earlier occurrence, whose special tokens would then act. A template whose
+    output depends on the texts themselves falls back to searching, in order."""
+    if render is not None:
+        placed = _placed_spans(text, messages, render)
+        if placed is not None:
+            return placed
     spans, at = [], 0
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        parts = [content] if isinstance(content, str) else [
-            p.get("text") for p in content or () if isinstance(p, dict)] if isinstance(content, list) else []
-        for part in parts:
+        for part in _text_parts(message):
             if not isinstance(part, str) or not part.strip():
                 continue
             for candidate in (part, part.strip()):
@@ -268,3 +276,57 @@ def content_spans(text: str, messages: list[dict[str, Any]]) -> list[tuple[int, 
                     at = found + len(candidate)
                     break
     return spans
+
+
+def _text_parts(message) -> list:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return [content]
+    return [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+
+
+_PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: no template writes them
+_PLACEHOLDERS = re.compile("\ue000(\\d+)\ue001")
+
+
+def _placed_spans(text: str, messages: list, render: Callable[[list], str]) -> list[tuple[int, int]] | None:
+    """The spans of the texts in `text`, read off a render whose texts are numbered placeholders:
+    each placeholder once, in order, and `text` that render with each placeholder replaced by its
+    text (as written or trimmed); None where that does not hold."""
+    texts: list[str] = []
+
+    def placeholder(value):
+        if isinstance(value, str):
+            texts.append(value)
+            return _PLACEHOLDER.format(len(texts) - 1)
+        return value
+
+    skeleton_messages = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{**p, "text": placeholder(p.get("text"))} if isinstance(p, dict) else p
+                       for p in content]
+        skeleton_messages.append({**message, "content": placeholder(content)})
+    try:
+        skeleton = render(skeleton_messages)
+    except Exception:  # noqa: BLE001 (a template that refuses placeholders: search instead)
+        return None
+    pieces = _PLACEHOLDERS.split(skeleton)  # literal, index, literal, index, ..., literal
+    indices = [int(i) for i in pieces[1::2]]
+    if indices != list(range(len(texts))) or not text.startswith(pieces[0]):
+        return None
+    spans, at = [], len(pieces[0])
+    for index, literal in zip(indices, pieces[2::2]):
+        value = texts[index]
+        for candidate in dict.fromkeys((value, value.strip(), value.lstrip(), value.rstrip())):
+            if text.startswith(candidate, at) and text.startswith(literal, at + len(candidate)):
+                break
+        else:
+            return None
+        if candidate.strip():
+            spans.append((at, at + len(candidate)))
+        at += len(candidate) + len(literal)
+    return spans if at == len(text) else None
