@@ -145,10 +145,15 @@ class ShardPlan:
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
             columns = share.intermediate
             return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
+        if name.endswith("self_attn.sinks"):  # gpt-oss: one logit per query head
+            return value[share.q_heads[0]:share.q_heads[1]].clone()
         if ".mlp.experts." in name:  # one expert of a mixture: its own columns, as an MLP's
             columns, width = share.moe_intermediate, config.moe_intermediate_size
-            if name.endswith("gate_up_proj.weight"):
+            if name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
                 return _take_rows(value, [columns, _shifted(columns, width)])
+            if name.endswith("down_proj.bias"):
+                # The ranks' outputs are summed (layers.ReducedOutput): the bias counts on one.
+                return value if rank == 0 else torch.zeros_like(value)
             return self._take_columns(name, value, [s.moe_intermediate for s in self.shares], rank)
         if ".mlp.shared_experts." in name:  # the shared expert: its own columns, as an MLP's
             columns, width = share.shared_intermediate, config.shared_expert_intermediate_size

@@ -38,6 +38,12 @@ class Architecture:
     # The shared expert's output is scaled by sigmoid(shared_expert_gate(x)), a learned gate of one
     # output (Qwen2-MoE), before it joins the routed experts'.
     shared_expert_gate: bool = False
+    # A learned logit per attention head that joins each softmax's denominator and adds no value
+    # (gpt-oss's "sinks"): a query may give part of its attention to nothing.
+    attention_sinks: bool = False
+    # YaRN's ramp between kept and interpolated frequencies starts and ends on whole dimensions,
+    # where the GGUF file does not say (gpt-oss was trained without that rounding).
+    yarn_truncate: bool = True
 
 
 _GEMMA = dict(sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
@@ -68,6 +74,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture(gguf_name="gemma3", qk_norm=True, sliding_period=6,
                                       local_rope_theta=10000.0, **_GEMMA),
     "Phi3ForCausalLM": Architecture(gguf_name="phi3", fused_checkpoint=True),
+    # Attention sinks, windowed and full layers alternating (layers 0, 2, 4... slide), biases on
+    # q/k/v/o; a mixture of experts with biases everywhere (config_parts.py's _GPT_OSS_MOE says how
+    # it routes and gates).
+    "GptOssForCausalLM": Architecture(gguf_name="gpt-oss", attention_sinks=True, sliding_period=2,
+                                      yarn_truncate=False),
 }
 
 # GGUF general.architecture -> the Hugging Face class it stands for.

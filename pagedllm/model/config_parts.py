@@ -115,16 +115,27 @@ def _hf_qwen2_moe(config: dict[str, Any], sparse: bool) -> dict[str, Any]:
     return fields
 
 
+# gpt-oss's experts, on every layer, intermediate_size wide: the router's logits carry a bias, the
+# top k of them are softmaxed among themselves, and every expert projection has a bias.
+_GPT_OSS_MOE = dict(topk_method="topk_softmax", router_bias=True, mlp_bias=True)
+
+
 def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """Mixtral's experts are intermediate_size wide, on every layer, their top-k scores always
-    renormalized; Qwen2-MoE's and Qwen3-MoE's are moe_intermediate_size wide, on every
-    decoder_sparse_step-th layer (counting from 1) not in mlp_only_layers; DeepSeek's on every
-    layer from first_k_dense_replace on, beside shared experts."""
+    """Mixtral's and gpt-oss's experts are intermediate_size wide, on every layer, their top-k
+    scores always renormalized (gpt-oss: softmaxed among themselves); Qwen2-MoE's and Qwen3-MoE's
+    are moe_intermediate_size wide, on every decoder_sparse_step-th layer (counting from 1) not in
+    mlp_only_layers; DeepSeek's on every layer from first_k_dense_replace on, beside shared
+    experts."""
     experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                     if config.get(k)), 0)
     if not experts:
         return {}
     top_k = config.get("num_experts_per_tok")
+    if architecture == "GptOssForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=config["intermediate_size"],
+                    swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(config.get("swiglu_alpha", 1.702)), **_GPT_OSS_MOE)
     if architecture == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True)
@@ -169,19 +180,23 @@ def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 partial_rotary_factor=rope / (kv_lora + rope))
 
 
-def gguf_moe_fields(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
+def gguf_moe_fields(key, tensor_names: set[str], layers: int, architecture: str) -> dict[str, Any]:
     """From llama.cpp's keys; the sparse layers are those with a router tensor, and they have a
     shared expert where their ffn_*_shexp tensors are there (Qwen2-MoE: as wide as
     expert_shared_feed_forward_length says, else feed_forward_length, as llama.cpp reads it).
     llama.cpp renormalizes the top-k scores unless the file says otherwise (or, for qwen2moe,
-    config.py's _LLAMA_CPP_DEFAULTS)."""
+    config.py's _LLAMA_CPP_DEFAULTS). gpt-oss's files hold no key for its SwiGLU's clamp: llama.cpp
+    runs it with transformers' defaults, 7.0 and 1.702."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
     moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
     shared = any(f"blk.{i}.ffn_down_shexp.weight" in tensor_names for i in moe_layers)
-    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
-                moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
-                norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers,
-                shared_expert_intermediate_size=(key("expert_shared_feed_forward_length")
-                                                 or key("feed_forward_length")) if shared else 0)
+    fields = dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
+                  moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
+                  norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers,
+                  shared_expert_intermediate_size=(key("expert_shared_feed_forward_length")
+                                                   or key("feed_forward_length")) if shared else 0)
+    if architecture == "GptOssForCausalLM":
+        fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, **_GPT_OSS_MOE)
+    return fields

@@ -10,16 +10,16 @@ the same order as LlamaForCausalLM's layers: the results are bit for bit theirs 
 Python between kernels gone.
 
 Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
-layer a plain DecoderLayer (no latent attention, no sandwich norms), rotary in place over whole
-heads (after Qwen3's q/k norms, which the layer and the call both apply in place by the compiled
-RMSNorm), SiLU, no local rope; the MLP gated, or a mixture of such experts routed greedily by
-softmax, with no shared expert (Qwen3-MoE, Mixtral) or a gated one (Qwen2-MoE): the compiled
-router, then model/moe.py's operations in the same order, each expert and the shared one by the
-compiled kernels, the shared expert's gate by the same torch operations (DeepSeek's ungated shared
-experts come with latent attention, which keeps the layers' path anyway); every projection QuantLinear
-as loaded (or wrapped for LoRA on the CPU, whose updates csrc/lora.cpp adds in the same call; not
-wrapped for tensor parallelism, not batch-invariant); the KV caches of the model's dtype or
-compressed.
+layer a plain DecoderLayer (no latent attention, no sandwich norms, no attention sinks: the
+compiled attention has none), rotary in place over whole heads (after Qwen3's q/k norms, which the
+layer and the call both apply in place by the compiled RMSNorm), SiLU, no local rope; the MLP
+gated, or a mixture of such experts routed greedily by softmax, with no shared expert (Qwen3-MoE,
+Mixtral) or a gated one (Qwen2-MoE): the compiled router, then model/moe.py's operations in the
+same order, each expert and the shared one by the compiled kernels, the shared expert's gate by the
+same torch operations (DeepSeek's ungated shared experts come with latent attention, which keeps
+the layers' path anyway); every projection QuantLinear as loaded (or wrapped for LoRA on the CPU,
+whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor parallelism, not
+batch-invariant); the KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
 matmul is the one the layers would run), and not batch-invariant ones.
 """
@@ -75,6 +75,7 @@ class DecodeLayers:
             qk_norms = _qk_norms(attn, model, dtype)
             mlp = _mlp_parts(layer.mlp)
             if (layer.attn_output_norm is not None or layer.uses_local_rope
+                    or attn.sinks is not None  # the compiled attention has no sinks
                     or not attn.rotary_in_place or (attn.q_norm is not None and not qk_norms)
                     or (attn.scale, attn.softcap) != (first.scale, first.softcap)
                     or any(type(n) is not RMSNorm or n.weight.dtype != dtype or n.eps != model.norm.eps

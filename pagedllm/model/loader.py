@@ -35,6 +35,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.gguf_file import GGUFCheckpoint
+from pagedllm.model.gpt_oss import UnstackedExperts
 from pagedllm.model.granite_hybrid import GraniteHybridForCausalLM
 from pagedllm.model.hybrid import HybridForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
@@ -264,6 +265,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
+        if config.architecture == "GptOssForCausalLM":  # its experts stacked, read one at a time
+            tensors = UnstackedExperts(tensors.names, tensors.get, config.num_experts)
         model = _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)

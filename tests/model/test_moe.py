@@ -151,7 +151,7 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("shape", ["qwen2_moe", "qwen3_moe", "mixtral_moe", "deepseek_v2_mla",
-                                   "deepseek_v3_mla"])
+                                   "deepseek_v3_mla", "gpt_oss"])
 def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_n(shape, tiny_checkpoint):
     checkpoint = tiny_checkpoint(shape)
     shared = token_ids(12, seed=40)

@@ -100,6 +100,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
         position_embedding_type="rope")),
     "mixtral_moe": ("MixtralConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
+    # gpt-oss: attention sinks (randomized large, _randomized), windowed layers 0 and 2 around a
+    # full one, biases on q/k/v/o, the router and every expert; a SwiGLU limit low enough that the
+    # clamps bite; YaRN without truncation over an original context of 16, so its ramp moves.
+    "gpt_oss": ("GptOssConfig", dict(
+        num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=5, swiglu_limit=1.5, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 1e4})),
 }
 
 
@@ -134,6 +142,8 @@ def _randomized(model):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: as large as the scores, so they show
+                param.copy_(1.5 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
