@@ -1,6 +1,12 @@
 """Reading a llama.cpp GGUF file: metadata, and tensors under Hugging Face names (dequantized, or
 repacked quantized by gguf_repack), with what llama.cpp's converter changed in them undone (the
 q/k row order of Llama, Gemma's norm offset).
+
+gpt-oss's files (general.architecture "gpt-oss"): its sinks are attn_sinks.weight, its router
+ffn_gate_inp (weight and bias), its experts ffn_{gate,up,down}_exps stacked (weights, typically
+MXFP4, and biases), the gate and up columns llama.cpp's converter split out of transformers'
+interleaved gate_up_proj; they come out under the per-expert names gpt_oss.py gives a Hugging Face
+folder's.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pagedllm.model.quant_weight import QuantizedWeight
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-    Q.Q6_K, Q.IQ4_NL})
+    Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -58,16 +64,22 @@ _ARCH_LAYER_NAMES = {
     "qwen2moe": {**_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                  "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
                  "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
+    "gpt-oss": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"},
 }
+# Tensors transformers names without a .weight suffix: GGUF name part -> the name's end.
+_BARE_NAMES = {"attn_sinks": "self_attn.sinks"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
 # projection; transformers names each expert's own. Where each GGUF architecture's live, and the
 # Hugging Face names of its router and of an expert's gate, up and down projections.
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
+_QWEN_EXPERTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# (the layer's module, its router's name, the experts' projections)
 _MOE_NAMES = {
-    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "qwen2moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
+    "qwen3moe": ("mlp", "gate", _QWEN_EXPERTS),
+    "qwen2moe": ("mlp", "gate", _QWEN_EXPERTS),
+    "llama": ("block_sparse_moe", "gate", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
+    "gpt-oss": ("mlp", "router", _QWEN_EXPERTS),
 }
 
 
@@ -187,8 +199,11 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     if architecture in _MOE_NAMES:  # the router of a mixture of experts
-        layer_names = {**layer_names, "ffn_gate_inp": f"{_MOE_NAMES[architecture][0]}.gate"}
+        module, router, _ = _MOE_NAMES[architecture]
+        layer_names = {**layer_names, "ffn_gate_inp": f"{module}.{router}"}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and match[2] in _BARE_NAMES and match[3] == "weight":
+        return f"model.layers.{match[1]}.{_BARE_NAMES[match[2]]}"
     if match is None or match[2] not in layer_names:
         return None
     return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
@@ -199,9 +214,9 @@ def expert_hf_names(gguf_name: str, architecture: str | None, num_experts: int) 
     match = _EXPERT_TENSOR.fullmatch(gguf_name)
     if match is None or architecture not in _MOE_NAMES:
         return []
-    prefix, projections = _MOE_NAMES[architecture]
-    layer, projection = match[1], projections[match[2]]
-    return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.weight" for e in range(num_experts)]
+    prefix, _, projections = _MOE_NAMES[architecture]
+    layer, projection, kind = match[1], projections[match[2]], match[3]
+    return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.{kind}" for e in range(num_experts)]
 
 
 def _undo_rotary_permutation(

@@ -129,9 +129,9 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_quantization(tiny_checkpoint, tmp_path):
-    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "mxfp4.gguf",
-                      raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.MXFP4})
-    with expect(UnsupportedModelError, "MXFP4", "blk.1.ffn_up.weight", str(path)):
+    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "nvfp4.gguf",
+                      raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.NVFP4})
+    with expect(UnsupportedModelError, "NVFP4", "blk.1.ffn_up.weight", str(path)):
         load_model(path, dtype="float32")
 
 

@@ -207,7 +207,8 @@ def test_quantized_gguf_experts_stay_quantized_and_equal_dequantized(shape, tmp_
 @pytest.mark.parametrize("shape, tensor", [("mixtral_moe", "blk.1.ffn_down_exps.weight"),
                                            ("qwen3_moe", "blk.2.ffn_gate_exps.weight"),
                                            ("qwen2_moe", "blk.0.ffn_up_exps.weight"),
-                                           ("qwen2_moe", "blk.2.ffn_down_shexp.weight")])
+                                           ("qwen2_moe", "blk.2.ffn_down_shexp.weight"),
+                                           ("gpt_oss", "blk.2.ffn_up_exps.weight")])
 def test_an_unsupported_expert_tensor_type_is_refused_by_name(shape, tensor, tmp_path):
     overrides = {"mlp_only_layers": []} if shape.startswith("qwen") else {}
     path = write_gguf(make_hf_model(shape, **overrides), tmp_path / "moe.gguf", raw_types={tensor: Q.IQ2_XXS})
@@ -306,3 +307,72 @@ def test_a_decoder_sparse_step_below_one_is_refused():
     config = _qwen2_moe_config().to_dict() | {"decoder_sparse_step": 0}
     with pytest.raises(ModelLoadError, match="decoder_sparse_step must be a positive integer; got 0"):
         ModelConfig.from_hf_config(config)
+
+
+
+
+def mxfp4_round_trip(hf_model) -> None:
+    """Each expert weight of a gpt-oss model replaced, in place, by its MXFP4 value as the GGUF
+    will hold it (blocks of 32 along each row's inputs): both paths then hold the same weights."""
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                rows = param.transpose(1, 2)  # [E, out, in], as llama.cpp stores them
+                flat = rows.reshape(-1, rows.shape[-1]).numpy()
+                blocks = gguf.quants.quantize(flat, Q.MXFP4)
+                exact = torch.from_numpy(gguf.quants.dequantize(blocks, Q.MXFP4)).view(rows.shape)
+                assert not torch.equal(exact, rows)  # the round trip moved the weights
+                param.copy_(exact.transpose(1, 2))
+
+
+def test_gpt_oss_mxfp4_experts_stay_quantized_and_give_transformers_logits(tmp_path):
+    """gguf's MXFP4 experts kept MXFP4 (4-bit codes, E2M1 codebook, power-of-two scales) give
+    transformers' float32 logits and greedy tokens on the same (round-tripped) weights, as the
+    float GGUF and the Hugging Face folder do (test_llama_equivalence.py)."""
+    from tests.model.paged import PagedSequences
+    from tests.model.test_llama_equivalence import assert_logits_close, hf_chunked_logits
+
+    hf_model = make_hf_model("gpt_oss", swiglu_limit=7.0)  # llama.cpp's files hold no clamp key
+    mxfp4_round_trip(hf_model)
+    layers = hf_model.config.num_hidden_layers
+    quantize = {f"blk.{i}.ffn_{p}_exps.weight": Q.MXFP4
+                for i in range(layers) for p in ("gate", "up", "down")}
+    path = write_gguf(hf_model, tmp_path / "gpt_oss_mxfp4.gguf", quantize=quantize)
+    loaded = load_model(path, dtype="float32")
+    experts = [e for layer in loaded.model.layers for e in layer.mlp.experts]
+    assert all(isinstance(p, QuantLinear) and p.parts[0].source == "MXFP4"
+               for e in experts for p in (e.gate_up_proj, e.down_proj))
+    assert "MXFP4 quantized" in loaded.weights_note
+    ids = token_ids(22, seed=70)
+    paged = PagedSequences(loaded.model, num_blocks=12, block_size=4)
+    ours = torch.cat([paged.step({0: ids[:12]})[0], paged.step({0: ids[12:]})[0]])
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [12, 10]))
+    prompts = [token_ids(n, seed=71 + n) for n in (3, 14)]
+    llm = LLM(model=str(path), dtype="float32", block_size=4, max_model_len=32, kv_cache_memory="1MiB",
+              max_num_batched_tokens=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 10) for p in prompts]
+
+
+def test_gpt_oss_experts_in_nvfp4_are_refused_by_name(tmp_path):
+    """NVFP4, the other FP4 format, is not MXFP4: refused like any type without a reader."""
+    path = write_gguf(make_hf_model("gpt_oss"), tmp_path / "gpt_oss.gguf",
+                      raw_types={"blk.2.ffn_up_exps.weight": Q.NVFP4})
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path, dtype="float32")
+    assert "NVFP4" in str(info.value) and "blk.2.ffn_up_exps.weight" in str(info.value)
+
+
+def test_mxfp4_experts_in_a_hugging_face_folder_are_refused_by_name(tiny_checkpoint, tmp_path):
+    """The released gpt-oss checkpoints' *_blocks / *_scales: not read (their GGUF conversions are),
+    and not silently skipped."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = shutil.copytree(tiny_checkpoint("gpt_oss").folder, tmp_path / "mxfp4")
+    name = "model.layers.1.mlp.experts.down_proj_blocks"
+    save_file({name: torch.zeros(4, 64, 1, 16, dtype=torch.uint8)}, str(folder / "experts.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=f"tensor {name}: MXFP4 expert weights"):
+        load_model(folder, dtype="float32")

@@ -181,7 +181,8 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-              "mixtral": "llama"}  # llama.cpp writes Mixtral as a Llama with experts
+              "mixtral": "llama",  # llama.cpp writes Mixtral as a Llama with experts
+              "gpt_oss": "gpt-oss"}
 
 
 def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
@@ -240,6 +241,12 @@ def _add_hparams(writer, config, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:
         writer.add_expert_count(experts)
@@ -248,6 +255,9 @@ def _add_hparams(writer, config, arch: str) -> None:
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        if arch == "gpt-oss":
+            writer.add_expert_feed_forward_length(config.intermediate_size)
+            writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -296,6 +306,20 @@ def _stacked_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tens
     return {f"blk.{layer}.ffn_down_exps.weight": tensor}
 
 
+def _gpt_oss_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up_proj [E, H, 2I]
+    (inputs first, gate and up columns interleaved) split into ffn_gate_exps and ffn_up_exps
+    [E, I, H], down_proj [E, I, H] as ffn_down_exps [E, H, I]; the biases alike."""
+    layer = hf_name.split(".")[2]
+    kind = "bias" if hf_name.endswith("_bias") else "weight"
+    if kind == "weight":
+        tensor = tensor.transpose(1, 2)
+    if "gate_up_proj" in hf_name:
+        return {f"blk.{layer}.ffn_gate_exps.{kind}": tensor[:, 0::2],
+                f"blk.{layer}.ffn_up_exps.{kind}": tensor[:, 1::2]}
+    return {f"blk.{layer}.ffn_down_exps.{kind}": tensor}
+
+
 def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     import gguf
 
@@ -307,9 +331,12 @@ def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
-            out.update(_stacked_experts(hf_name, tensor))
+            out.update(_gpt_oss_experts(hf_name, tensor) if arch == "gpt-oss"
+                       else _stacked_experts(hf_name, tensor))
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if hf_name.endswith("self_attn.sinks"):  # llama.cpp's converter gives them a suffix
+            name += ".weight"
         if arch == "llama" and ".attn_q." in name:
             tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
