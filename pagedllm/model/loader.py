@@ -159,6 +159,12 @@ class _WeightPolicy:
         if quantization in QUANTIZATION_BITS and not self.on_cpu:
             raise ValueError(f"quantization={quantization} runs on the CPU; {device} takes auto or none")
 
+    @property
+    def keeps_mxfp4(self) -> bool:
+        """Whether a Hugging Face folder's MXFP4 experts (gpt-oss) stay MXFP4: as a GGUF's
+        quantized tensors do (int8 / int4 leave them as they are: already 4-bit)."""
+        return self.quantization != "none" and self.keeps_quantized
+
     def gguf_getter(self, checkpoint: GGUFCheckpoint, path: Path):
         if self.quantization in QUANTIZATION_BITS:
             raise ValueError(
@@ -182,6 +188,9 @@ class _WeightPolicy:
 
         def get(name: str):
             tensor = weights.get(name)
+            if isinstance(tensor, QuantizedWeight):  # gpt-oss's MXFP4 experts, kept as they are
+                self._count(tensor, tensor.source)
+                return tensor if self.on_cpu else tensor.to(self.device)
             if bits is None or tensor.dim() != 2 or not name.endswith(self._MATMUL_SUFFIXES):
                 self._count(tensor, str(tensor.dtype).removeprefix("torch."))
                 return tensor
@@ -265,8 +274,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
-        if config.architecture == "GptOssForCausalLM":  # its experts stacked, read one at a time
-            tensors = UnstackedExperts(tensors.names, tensors.get, config.num_experts)
+        if config.architecture == "GptOssForCausalLM":  # its experts stacked (float or MXFP4)
+            tensors = UnstackedExperts(tensors.names, tensors.get, config.num_experts,
+                                       dequantize=not weights.keeps_mxfp4)
         model = _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from unittest import mock
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -364,15 +365,60 @@ def test_gpt_oss_experts_in_nvfp4_are_refused_by_name(tmp_path):
     assert "NVFP4" in str(info.value) and "blk.2.ffn_up_exps.weight" in str(info.value)
 
 
-def test_mxfp4_experts_in_a_hugging_face_folder_are_refused_by_name(tiny_checkpoint, tmp_path):
-    """The released gpt-oss checkpoints' *_blocks / *_scales: not read (their GGUF conversions are),
-    and not silently skipped."""
-    import shutil
+def save_mxfp4_folder(hf_model, folder):
+    """The model as the released gpt-oss checkpoints are saved: each stacked expert weight as
+    MXFP4 {name}_blocks [E, out, in / 32, 16] and {name}_scales [E, out, in / 32], checked against
+    transformers' own reading of them (its weights must already be MXFP4 values: mxfp4_round_trip)."""
+    import json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    folder = shutil.copytree(tiny_checkpoint("gpt_oss").folder, tmp_path / "mxfp4")
-    name = "model.layers.1.mlp.experts.down_proj_blocks"
-    save_file({name: torch.zeros(4, 64, 1, 16, dtype=torch.uint8)}, str(folder / "experts.safetensors"))
-    with pytest.raises(UnsupportedModelError, match=f"tensor {name}: MXFP4 expert weights"):
-        load_model(folder, dtype="float32")
+    from tests.model.tiny import save_checkpoint
+
+    save_checkpoint(hf_model, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for i in range(hf_model.config.num_hidden_layers):
+        for stacked in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{stacked}"
+            weights = tensors.pop(name)
+            rows = weights.transpose(1, 2).contiguous()  # [E, out, in]
+            experts, out, inputs = rows.shape
+            packed = gguf.quants.quantize(rows.reshape(-1, inputs).numpy(), Q.MXFP4)
+            packed = packed.reshape(experts, out, inputs // 32, 17)
+            codes = np.concatenate([packed[..., 1:] & 0x0F, packed[..., 1:] >> 4], axis=-1)  # in order
+            blocks = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))
+            scales = torch.from_numpy(np.ascontiguousarray(packed[..., 0]))
+            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), weights)
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_mxfp4_experts_of_a_hugging_face_folder_stay_mxfp4_and_give_transformers_logits(tmp_path):
+    """The released checkpoints' layout: experts kept MXFP4 (or dequantized with quantization
+    none) give transformers' float32 logits on the same weights, and its greedy tokens."""
+    from tests.model.paged import PagedSequences
+    from tests.model.test_llama_equivalence import assert_logits_close, hf_chunked_logits
+
+    hf_model = make_hf_model("gpt_oss")
+    mxfp4_round_trip(hf_model)
+    folder = save_mxfp4_folder(hf_model, tmp_path / "mxfp4")
+    ids = token_ids(22, seed=80)
+    expected = hf_chunked_logits(hf_model, ids, [12, 10])
+    for quantization, kind in (("auto", QuantLinear), ("none", torch.nn.Linear)):
+        loaded = load_model(folder, dtype="float32", quantization=quantization)
+        experts = [e for layer in loaded.model.layers for e in layer.mlp.experts]
+        assert all(type(p) is kind for e in experts for p in (e.gate_up_proj, e.down_proj))
+        paged = PagedSequences(loaded.model, num_blocks=12, block_size=4)
+        ours = torch.cat([paged.step({0: ids[:12]})[0], paged.step({0: ids[12:]})[0]])
+        assert_logits_close(ours, expected)
+    assert "MXFP4" in load_model(folder, dtype="float32").weights_note
+    prompt = token_ids(9, seed=81)
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, max_model_len=32, kv_cache_memory="1MiB")
+    output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=10,
+                                                                         ignore_eos=True), use_tqdm=False)
+    assert output[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 10)
