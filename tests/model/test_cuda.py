@@ -97,7 +97,8 @@ def test_tiny_model_greedy_tokens_equal_transformers(shape, enforce_eager, tiny_
     llm = LLM(model=str(checkpoint.folder), dtype="float32", device="cuda", block_size=4, max_model_len=64,
               kv_cache_memory="1MiB", max_num_batched_tokens=24, max_num_seqs=4,
               enforce_eager=enforce_eager)
-    assert (llm.engine.engine_core.executor.runner.decode_graphs is None) == enforce_eager
+    sinks = checkpoint.hf_model.config.model_type == "gpt_oss"  # the torch attention: never captured
+    assert (llm.engine.engine_core.executor.runner.decode_graphs is None) == (enforce_eager or sinks)
     prompts = [token_ids(length, seed=20 + length) for length in ENGINE_PROMPTS.get(shape, (13, 3, 20))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
