@@ -28,7 +28,7 @@ from pagedllm.kernels import elementwise
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.errors import MissingTensorError, check_state_shapes
 from pagedllm.model.mla import MLAttention
 from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
@@ -405,6 +405,7 @@ class LlamaForCausalLM(nn.Module):
         state = fused_state_dict(config, load, None if shard is None else shard.shard_parameter)
         model._install_quantized({name: state.pop(name) for name in list(state)
                                   if isinstance(state[name], list)}, dtype)
+        check_state_shapes(model, state)
         model.load_state_dict(state, strict=True, assign=True)
         if shard is not None:
             shard.parallelize(model)

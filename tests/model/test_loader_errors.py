@@ -17,6 +17,7 @@ from pagedllm.model.errors import (
     MissingTensorError,
     ModelFileNotFoundError,
     ModelLoadError,
+    ShapeMismatchError,
     UnsupportedModelError,
 )
 from pagedllm.model.loader import load_model, resolve_dtype
@@ -200,6 +201,20 @@ def test_a_damaged_config_field_is_one_line_naming_it(folder, field, value):
     config[field] = value
     (folder / "config.json").write_text(json.dumps(config))
     with expect(ModelLoadError, "config.json", field, repr(value)):
+        load_model(folder, dtype="float32")
+
+
+@pytest.mark.parametrize("field, delta, tensor", [
+    ("intermediate_size", 8, "mlp.gate_up_proj.weight"), ("head_dim", 16, "self_attn.qkv_proj.weight"),
+    ("vocab_size", 10, "embed_tokens.weight"), ("vocab_size", -10, "embed_tokens.weight"),
+    ("num_key_value_heads", 2, "self_attn.qkv_proj.weight"),
+])
+def test_a_config_that_disagrees_with_the_weights_is_one_line_naming_the_tensor(folder, field, delta, tensor):
+    """Issue 32, finding 7: torch's many-line load_state_dict error became a traceback at start."""
+    config = json.loads((folder / "config.json").read_text())
+    config[field] += delta
+    (folder / "config.json").write_text(json.dumps(config))
+    with expect(ShapeMismatchError, tensor, "in the weights, the config makes it"):
         load_model(folder, dtype="float32")
 
 
