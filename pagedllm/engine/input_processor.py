@@ -83,6 +83,14 @@ class InputProcessor:
         server's --chat-template); None: the model's. pooling: a pooling engine's setup (None: the
         engine generates tokens). scheduling_policy: the engine's (a request's priority must be
         one it runs)."""
+        # Checked at start: either would make every request fail later as if its prompt were bad.
+        if tokenizer.vocab_size == 0:
+            raise ValueError("the model's tokenizer has no tokens: its tokenizer.json (or GGUF "
+                             "tokenizer) is empty")
+        if tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"the model's tokenizer has {tokenizer.vocab_size} tokens but its "
+                             f"vocabulary (the embedding's rows) is {vocab_size}: ids from {vocab_size} "
+                             "on would have no embedding")
         self.tokenizer = tokenizer
         self.pooling = pooling
         self.scheduling_policy = scheduling_policy
