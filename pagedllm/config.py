@@ -324,9 +324,9 @@ class EngineConfig:
         choices=SCHEDULING_POLICIES)
     step_share_tokens: int | None = setting(
         None, "while other requests share a step, a request of several sequences (prompts x n) "
-        "takes at most their tokens plus this many, so it at most about doubles their time between "
-        "tokens (default: measured as the engine runs, the tokens a step computes in the time it "
-        "reads its weights; 0: no such cap)")
+        "takes at most their tokens plus this many, so their time between tokens grows by a bounded "
+        "share (default: measured as the engine runs, half the tokens a step computes in the time "
+        "it reads its weights: about 1.5x at most; 0: no such cap)")
     kv_layout: str = setting(
         "paged", "paged: blocks taken as tokens come; contiguous: the traditional reservation "
         "per request, for side-by-side measurement", choices=KV_LAYOUTS)

@@ -12,8 +12,8 @@ the queue; with one sequence per request this is first come first served, as des
 While G request groups have work, each runs at most ceil(max_num_seqs / G) sequences in a step
 (its others rest that step, taking turns; shares.row_share), so one request of hundreds of
 sequences cannot make every step, another client's included, as long as it alone would; and
-such a group takes at most the others' tokens plus the step's free tokens (shares.token_share,
-measured by pagedllm.core.step_cost), so it at most about doubles another client's step.
+such a group takes at most the others' tokens plus a share measured by pagedllm.core.step_cost
+(shares.token_share), so another client's step grows by about half at most.
 
 When a running request cannot get blocks, the most recently admitted running request is
 preempted (recompute: its blocks are freed and it goes back to the front of the waiting
@@ -190,7 +190,7 @@ class Scheduler:
         num_share_preempted = len(preempted)
         # Each request group's share of the step's sequence slots (pagedllm.core.shares' rule).
         row_share = shares.row_share(self.running, self.waiting, self.config.max_num_seqs)
-        self._token_share = shares.token_share(self.running, self.waiting, self.step_cost.free_tokens(),
+        self._token_share = shares.token_share(self.running, self.waiting, self.step_cost.share_tokens(),
                                                budget)
         budget = self._schedule_running(budget, scheduled, preempted, row_share)
         # A step short of blocks has none to give, but to a request that outranks a running one.

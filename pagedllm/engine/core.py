@@ -285,5 +285,5 @@ class EngineCore(StepIsolation):
             kv_cache_dtype=self.facts.kv_cache_dtype, step_num_requests=counts["step_requests"],
             step_num_used_blocks=counts["step_blocks"],
             spec_decode=None if self.speculator is None else self.speculator.stats.copy(),
-            step_share_tokens=self.scheduler.step_cost.free_tokens(),
+            step_share_tokens=self.scheduler.step_cost.share_tokens(),
             draft_kv_bytes_per_block=self.facts.draft_kv_bytes_per_block)

@@ -15,13 +15,14 @@ def test_free_tokens_are_the_fixed_part_over_the_part_per_token():
         tokens = rng.choice([1, 2, 17, 129, 256])
         cost.observe(tokens, (0.006 + 0.0005 * tokens) * rng.uniform(0.95, 1.05))
     assert 10 <= cost.free_tokens() <= 14
+    assert cost.share_tokens() == cost.free_tokens() // 2  # such a request adds half of it
 
 
 def test_nothing_is_estimated_from_steps_of_one_size():
     cost = StepCost(max_tokens=4096)
     for _ in range(50):
         cost.observe(1, 0.007)
-    assert cost.free_tokens() is None
+    assert cost.free_tokens() is None and cost.share_tokens() is None
     cost.observe(0, 0.001)  # an empty step says nothing either
     assert cost.free_tokens() is None
 
@@ -47,8 +48,8 @@ def test_a_fit_without_a_positive_fixed_part_keeps_the_last_estimate_and_stays_i
 
 
 def test_a_configured_value_wins():
-    cost = StepCost(max_tokens=4096, fixed_free_tokens=5)
+    cost = StepCost(max_tokens=4096, configured_share=5)
     for i in range(50):
         cost.observe(1 + 64 * (i % 2), 0.006 + 0.0005 * (1 + 64 * (i % 2)))
-    assert cost.free_tokens() == 5
-    assert StepCost(max_tokens=4096, fixed_free_tokens=0).free_tokens() == 0
+    assert cost.share_tokens() == 5 and cost.free_tokens() == 12
+    assert StepCost(max_tokens=4096, configured_share=0).share_tokens() == 0

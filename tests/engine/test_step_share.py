@@ -44,4 +44,4 @@ def test_the_core_times_every_step_it_runs(tiny_model_dir, monkeypatch):
     fitted = StepCost(llm.engine.config.max_num_batched_tokens)
     for num_tokens, seconds in seen:
         real(fitted, num_tokens, seconds)
-    assert llm.memory_stats()["step_share_tokens"] == fitted.free_tokens()
+    assert llm.memory_stats()["step_share_tokens"] == fitted.share_tokens()
