@@ -64,7 +64,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
-        """The config a dict or JSON text describes (None for None); ValueError in one line."""
+        """The config a dict or JSON text describes (None for None or "null"); ValueError in one
+        line."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -72,6 +73,8 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config must be a JSON object; {exc}") from None
+            if value is None:  # "null": off, as leaving it out (a bench twin's plain engine)
+                return None
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config must be a JSON object such as "
                              "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}; "

@@ -28,7 +28,7 @@ def test_vllm_shapes_parse():
                                       "suffix_decoding_min_token_prob": 0.2})
     assert suffix.num_speculative_tokens == 16  # vLLM's default: the tree's depth
     assert isinstance(make_proposer(suffix), SuffixProposer)
-    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("null") is None  # off
     assert SpeculativeConfig.parse(ngram) is ngram
     assert "prompt lookup 2-6" in ngram.describe()
 
