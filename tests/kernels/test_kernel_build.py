@@ -38,13 +38,8 @@ def _kill_tree(process: subprocess.Popen) -> None:
     process.wait()
 
 
-@needs_compiler
-@pytest.mark.timeout(600)  # its own bounds: 120 s for the build to start, 300 s for the start after
-def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
-    cache = tmp_path / "cache"
-    # Children this process had before (another test's server, under pytest-xdist a worker's
-    # session fixtures) are not this test's to judge.
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+def _start_build(cache: Path) -> subprocess.Popen:
+    """A process building the kernels into cache, returned once its compiler runs."""
     builder = subprocess.Popen(
         [sys.executable, "-c", "from pagedllm.kernels import tiers; tiers.available()"],
         env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -52,6 +47,17 @@ def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
     while not list(cache.glob("torch_extensions/*/build.ninja")):  # the compiler is running
         assert builder.poll() is None and time.monotonic() < deadline, "the build never started"
         time.sleep(0.2)
+    return builder
+
+
+@needs_compiler
+@pytest.mark.timeout(600)  # its own bounds: 120 s for the build to start, 300 s for the start after
+def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
+    cache = tmp_path / "cache"
+    # Children this process had before (another test's server, under pytest-xdist a worker's
+    # session fixtures) are not this test's to judge.
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    builder = _start_build(cache)
     _kill_tree(builder)
     assert list(cache.glob("torch_extensions/*/lock")), "torch's lock file is left behind"
     assert not list(cache.glob("torch_extensions/*/BUILT"))
@@ -77,13 +83,7 @@ def test_a_build_stops_when_the_process_that_started_it_is_killed(tmp_path):
     """Issue 32, finding 8: a SIGKILLed process left its kernel build compiling as an orphan (the
     build runs in a session of its own, which a kill of its starter alone does not reach)."""
     cache = tmp_path / "cache"
-    builder = subprocess.Popen(
-        [sys.executable, "-c", "from pagedllm.kernels import tiers; tiers.available()"],
-        env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list(cache.glob("torch_extensions/*/build.ninja")):  # the compiler is running
-        assert builder.poll() is None and time.monotonic() < deadline, "the build never started"
-        time.sleep(0.2)
+    builder = _start_build(cache)
     build = psutil.Process(builder.pid).children(recursive=True)
     assert build, "no build child"
     builder.send_signal(signal.SIGKILL)  # the starter only, as the OOM killer would
