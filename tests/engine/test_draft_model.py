@@ -11,8 +11,6 @@ GGUF file, right every time.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from tokenizers import AddedToken
@@ -21,15 +19,17 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.spec_decode import MAX_SPECULATIVE_TOKENS
 from tests.engine.test_speculation import (
+    GREEDY,
     PROMPTS,
     assert_all_blocks_free,
     assert_both_paths_ran,
+    check_a_json_schema_gives_the_plain_runs_text,
+    check_n_3_outputs_equal_the_plain_runs,
+    check_prefix_cache_hits_change_nothing,
     generate,
     spec_stats,
 )
 from tests.model.tiny import make_hf_model, save_checkpoint, tokenizer_backend, write_gguf
-
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -127,33 +127,16 @@ def test_greedy_tokens_survive_preemption_under_a_tight_budget(plain, tiny_model
 
 
 def test_prefix_cache_hits_change_nothing(plain, tiny_model_dir, drafts):
-    cached = make_llm(tiny_model_dir, drafts["near"], enable_prefix_caching=True)
-    first = generate(cached, GREEDY)
-    again = generate(cached, GREEDY)
-    assert cached.memory_stats()["prefix_cache_hits"] > 0
-    assert first == again == generate(plain, GREEDY)
-    assert_both_paths_ran(cached)
-    assert_all_blocks_free(cached)
+    check_prefix_cache_hits_change_nothing(plain, make_llm(tiny_model_dir, drafts["near"],
+                                                           enable_prefix_caching=True))
 
 
 def test_n_3_outputs_each_equal_the_plain_runs(plain, near):
-    params = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
-    got = generate(near, params)
-    assert got == generate(plain, params)
-    assert all(len(outputs) == 3 for outputs in got)
-    assert_all_blocks_free(near)
+    check_n_3_outputs_equal_the_plain_runs(plain, near)
 
 
 def test_a_json_schema_cuts_the_drafts_proposals(plain, near):
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
-    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
-    prompts = ["hello hello hello", "abc abc abc abc"]
-    want = [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].text for o in near.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    for text in got:
-        json.loads(text)
-    assert_all_blocks_free(near)
+    check_a_json_schema_gives_the_plain_runs_text(plain, near)
 
 
 def test_a_constrained_draft_proposes_under_the_grammar(drafts):

@@ -79,8 +79,8 @@ def test_greedy_tokens_survive_preemption_under_a_tight_budget(plain, tiny_model
     assert_all_blocks_free(tight)
 
 
-def test_prefix_cache_hits_change_nothing(plain, tiny_model_dir):
-    cached = make_llm(tiny_model_dir, METHODS["ngram"], enable_prefix_caching=True)
+# Checks every method passes (the draft model's tests take them too).
+def check_prefix_cache_hits_change_nothing(plain: LLM, cached: LLM) -> None:
     first = generate(cached)
     again = generate(cached)
     assert cached.memory_stats()["prefix_cache_hits"] > 0
@@ -89,7 +89,7 @@ def test_prefix_cache_hits_change_nothing(plain, tiny_model_dir):
     assert_all_blocks_free(cached)
 
 
-def test_n_3_outputs_each_equal_the_plain_runs(plain, speculating):
+def check_n_3_outputs_equal_the_plain_runs(plain: LLM, speculating: LLM) -> None:
     params = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
     got = generate(speculating, params)
     assert got == generate(plain, params)
@@ -97,7 +97,7 @@ def test_n_3_outputs_each_equal_the_plain_runs(plain, speculating):
     assert_all_blocks_free(speculating)
 
 
-def test_a_json_schema_constrains_the_proposals_too(plain, speculating):
+def check_a_json_schema_gives_the_plain_runs_text(plain: LLM, speculating: LLM) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
     prompts = ["hello hello hello", "abc abc abc abc"]
@@ -107,6 +107,19 @@ def test_a_json_schema_constrains_the_proposals_too(plain, speculating):
     for text in got:
         json.loads(text)
     assert_all_blocks_free(speculating)
+
+
+def test_prefix_cache_hits_change_nothing(plain, tiny_model_dir):
+    check_prefix_cache_hits_change_nothing(plain, make_llm(tiny_model_dir, METHODS["ngram"],
+                                                           enable_prefix_caching=True))
+
+
+def test_n_3_outputs_each_equal_the_plain_runs(plain, speculating):
+    check_n_3_outputs_equal_the_plain_runs(plain, speculating)
+
+
+def test_a_json_schema_constrains_the_proposals_too(plain, speculating):
+    check_a_json_schema_gives_the_plain_runs_text(plain, speculating)
 
 
 def test_a_stop_id_inside_an_accepted_run_ends_it_there(plain, speculating):
