@@ -50,7 +50,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(gguf_name="qwen3moe", qk_norm=True),
     "MixtralForCausalLM": Architecture(),
     # Multi-head latent attention (model/mla.py) and mixtures of experts with shared experts.
-    "DeepseekV2ForCausalLM": Architecture(sliding_window=False),
+    # llama.cpp writes both as deepseek2 (config.py tells V3 by its sigmoid router).
+    "DeepseekV2ForCausalLM": Architecture(gguf_name="deepseek2", sliding_window=False),
     "DeepseekV3ForCausalLM": Architecture(sliding_window=False),
     # Hybrid: Gated DeltaNet layers with a gated full-attention layer every few (model/hybrid.py);
     # its RMSNorms scale by 1 + weight.

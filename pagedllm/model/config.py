@@ -14,7 +14,12 @@ from pagedllm.model.architectures import (
     GGUF_ARCHITECTURES,
     Architecture,
 )
-from pagedllm.model.config_parts import gguf_moe_fields, hf_sparse_and_latent_fields
+from pagedllm.model.config_parts import (
+    SIGMOID_GATING,
+    gguf_latent_fields,
+    gguf_moe_fields,
+    hf_sparse_and_latent_fields,
+)
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -259,6 +264,8 @@ class ModelConfig:
         architecture = GGUF_ARCHITECTURES[gguf_arch]
         if gguf_arch == "llama" and metadata.get("llama.expert_count"):
             architecture = "MixtralForCausalLM"  # llama.cpp writes Mixtral as a Llama with experts
+        if gguf_arch == "deepseek2" and metadata.get("deepseek2.expert_gating_func") == SIGMOID_GATING:
+            architecture = "DeepseekV3ForCausalLM"
         arch = ARCHITECTURES[architecture]
 
         def key(name: str, default: Any = None) -> Any:
@@ -308,6 +315,7 @@ class ModelConfig:
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
             **gguf_moe_fields(key, tensor_names, layers),
+            **(gguf_latent_fields(key) if gguf_arch == "deepseek2" else {}),
         )
 
 
@@ -450,6 +458,8 @@ def _gguf_sliding_window(
 _LLAMA_CPP_DEFAULTS = {
     "gemma2": {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
+    # DeepSeek's converter writes expert_weights_norm only where it is true.
+    "deepseek2": {"expert_weights_norm": False},
 }
 
 # GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every

@@ -144,13 +144,48 @@ def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 partial_rotary_factor=rope / (kv_lora + rope))
 
 
+# llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType): DeepSeek-V3's router is sigmoid.
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2
+
+
 def gguf_moe_fields(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
     """From llama.cpp's keys; the sparse layers are those with a router tensor. llama.cpp
-    renormalizes the top-k scores unless the file says otherwise."""
+    renormalizes the top-k scores unless the file says otherwise. DeepSeek's: shared experts
+    (expert_shared_count of the experts' width), the routed weights' scale, and the routing its
+    gating function and expert groups say (as _hf_moe reads it from config.json)."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
-    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
-                moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
-                norm_topk_prob=bool(key("expert_weights_norm", True)),
-                moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names))
+    width = key("expert_feed_forward_length") or key("feed_forward_length")
+    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    fields = dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
+                  moe_intermediate_size=width, norm_topk_prob=bool(key("expert_weights_norm", True)),
+                  moe_layers=sparse)
+    shared = key("expert_shared_count", 0)
+    if not shared:
+        return fields
+    sigmoid = key("expert_gating_func", SOFTMAX_GATING) == SIGMOID_GATING
+    groups = key("expert_group_count", 1)
+    method = "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"
+    return {**fields, "shared_expert_intermediate_size": width * shared,
+            "routed_scaling_factor": float(key("expert_weights_scale", 1.0)), "topk_method": method,
+            "scoring_func": "sigmoid" if sigmoid else "softmax", "n_group": groups,
+            "topk_group": key("expert_group_used_count", 1)}
+
+
+def gguf_latent_fields(key) -> dict[str, Any]:
+    """DeepSeek's latent attention from llama.cpp's keys. Its files already give the cache's
+    geometry as ours (head_count_kv 1, key_length kv_lora_rank + rope dims); the uncompressed
+    heads' sizes are the _mla keys. llama.cpp rotates DeepSeek's rope dims as interleaved pairs."""
+    kv_lora, rope = key("attention.kv_lora_rank"), key("rope.dimension_count")
+    key_mla, value_mla = key("attention.key_length_mla"), key("attention.value_length_mla")
+    missing = [name for name, value in (("attention.kv_lora_rank", kv_lora), ("rope.dimension_count", rope),
+               ("attention.key_length_mla", key_mla), ("attention.value_length_mla", value_mla)) if not value]
+    if missing:
+        raise UnsupportedModelError(f"deepseek2 GGUF without {', '.join(missing)} (latent attention) "
+                                    "is not supported")
+    if key("rope.scaling.yarn_log_multiplier"):
+        raise UnsupportedModelError("deepseek2: YaRN rope scaling with mscale_all_dim is not supported yet")
+    return dict(kv_lora_rank=kv_lora, q_lora_rank=key("attention.q_lora_rank") or None,
+                qk_nope_head_dim=key_mla - rope, qk_rope_head_dim=rope, v_head_dim=value_mla,
+                rope_interleave=True)

@@ -1,6 +1,11 @@
 """Reading a llama.cpp GGUF file: metadata, and tensors under Hugging Face names (dequantized, or
 repacked quantized by gguf_repack), with what llama.cpp's converter changed in them undone (the
-q/k row order of Llama, Gemma's norm offset).
+q/k row order of Llama, Gemma's norm offset, DeepSeek's kv_b_proj split in two for absorption).
+
+Every tensor of a file must map to a Hugging Face name or be read on its own (rope factors): a
+file with one that does not is refused, naming it, rather than run without it. That is also what
+a family we run only from Hugging Face folders gets (Qwen3.5 / Qwen3-Next, Granite 4 hybrids:
+their recurrent layers' ssm_* tensors are not mapped yet).
 """
 
 from __future__ import annotations
@@ -54,7 +59,18 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_LAYER_NAMES,
     # Phi-3 keeps q/k/v and gate/up fused; llama.cpp calls the fused gate/up ffn_up.
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # DeepSeek's latent attention and shared experts. llama.cpp's converter writes kv_b_proj as
+    # attn_k_b and attn_v_b (older files: attn_kv_b); see _join_kv_b.
+    "deepseek2": {**_LAYER_NAMES, "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
+                  "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
+# Layer tensors whose Hugging Face name is not "<name>.weight/bias" (DeepSeek-V3's router bias).
+_EXACT_LAYER_NAMES = {"deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}}
+# Tensors read apart from the Hugging Face names (GGUFCheckpoint's rope factors).
+_READ_APART = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+_SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
 # projection; transformers names each expert's own. Where each GGUF architecture's live, and the
@@ -63,6 +79,7 @@ _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _MOE_NAMES = {
     "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
+    "deepseek2": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 
 
@@ -93,6 +110,34 @@ class GGUFCheckpoint:
             for expert, hf in enumerate(expert_hf_names(name, self.architecture, int(tensor.shape[-1]))):
                 self.hf_names[hf] = name
                 self.expert_index[hf] = expert
+        # DeepSeek's kv_b_proj, rebuilt from the two halves llama.cpp splits it into (where the
+        # file has no attn_kv_b beside them): Hugging Face name -> (k_b, v_b).
+        self.joined: dict[str, tuple[str, str]] = {}
+        for name in self.tensors:
+            match = _SPLIT_KV_B.fullmatch(name)
+            hf = match and f"model.layers.{match[1]}.self_attn.kv_b_proj.weight"
+            if match and match[2] == "k" and hf not in self.hf_names:
+                self.joined[hf] = (name, f"blk.{match[1]}.attn_v_b.weight")
+                self.hf_names[hf] = name
+
+    def unmapped_tensors(self) -> list[str]:
+        """The file's tensors, in its order, that nothing here reads."""
+        read = set(self.hf_names.values()) | {v_b for _, v_b in self.joined.values()} | _READ_APART
+        return [name for name in self.tensors if name not in read and not self._copies_kv_b(name)]
+
+    def _copies_kv_b(self, name: str) -> bool:
+        """Whether name is a half of a kv_b_proj the file also holds whole (attn_kv_b, read)."""
+        match = _SPLIT_KV_B.fullmatch(name)
+        return bool(match) and f"blk.{match[1]}.attn_kv_b.weight" in self.tensors
+
+    def check_all_mapped(self) -> None:
+        """Refuse a file with a tensor we would not read (its model would run without it)."""
+        unmapped = self.unmapped_tensors()
+        if unmapped:
+            hint = _UNMAPPED_HINT.get(self.architecture)
+            raise UnsupportedModelError(
+                f"{self.path}: GGUF architecture {self.architecture!r}: cannot map tensor {unmapped[0]} "
+                f"({len(unmapped)} tensors unmapped)" + (f"; {hint}" if hint else ""))
 
     @staticmethod
     def holds_quantized_tensors(path: Path) -> bool:
@@ -112,6 +157,8 @@ class GGUFCheckpoint:
                     f"but the file has {file_size} bytes")
 
     def model_config(self) -> ModelConfig:
+        if self.architecture in _UNMAPPED_HINT:
+            self.check_all_mapped()
         config = ModelConfig.from_gguf_metadata(self.metadata, set(self.tensors))
         longrope = self._longrope_scaling()
         return dataclasses.replace(config, rope_scaling=longrope) if longrope else config
@@ -144,6 +191,8 @@ class GGUFCheckpoint:
     def get_hf_tensor(self, hf: str, keep_quantized: bool = False) -> torch.Tensor | QuantizedWeight:
         """The tensor stored for Hugging Face name hf, in the row order transformers uses:
         dequantized to float32, or (keep_quantized) repacked quantized where gguf_repack can."""
+        if hf in self.joined:
+            return _join_kv_b(*(self.get_raw(name) for name in self.joined[hf]))
         name, expert = self.hf_names[hf], self.expert_index.get(hf)
         if keep_quantized and self.can_repack(name):
             weights = self.get_repacked(name, expert)
@@ -184,6 +233,9 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
     if architecture in _MOE_NAMES:  # the router of a mixture of experts
         layer_names = {**layer_names, "ffn_gate_inp": f"{_MOE_NAMES[architecture][0]}.gate"}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    exact = match and _EXACT_LAYER_NAMES.get(architecture, {}).get(f"{match[2]}.{match[3]}")
+    if exact:
+        return f"model.layers.{match[1]}.{exact}"
     if match is None or match[2] not in layer_names:
         return None
     return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
@@ -197,6 +249,12 @@ def expert_hf_names(gguf_name: str, architecture: str | None, num_experts: int) 
     prefix, projections = _MOE_NAMES[architecture]
     layer, projection = match[1], projections[match[2]]
     return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.weight" for e in range(num_experts)]
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [heads x (nope + v), kv_lora_rank] from llama.cpp's halves: k_b [heads, kv_lora_rank,
+    nope] (each head's key rows, transposed for absorption) and v_b [heads, v, kv_lora_rank]."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
 def _undo_rotary_permutation(
@@ -222,6 +280,15 @@ def _undo_norm_offset(weights: torch.Tensor, name: str, metadata: dict[str, Any]
     """Gemma's RMSNorm scales by (1 + weight); llama.cpp's converter stores 1 + weight."""
     return weights - 1 if name.endswith("norm.weight") else weights
 
+
+# GGUF architectures of families we run only from Hugging Face folders: refused, naming the first
+# tensor we cannot map, with this hint.
+_UNMAPPED_HINT = {
+    "qwen35": "Qwen3.5 hybrids load from their Hugging Face folder",
+    "qwen35moe": "Qwen3.5 hybrids load from their Hugging Face folder",
+    "qwen3next": "Qwen3-Next hybrids load from their Hugging Face folder",
+    "granitehybrid": "Granite 4 hybrids load from their Hugging Face folder",
+}
 
 # What llama.cpp's converter changed in the tensors of each architecture, undone.
 _CONVERTER_CHANGES = {

@@ -235,6 +235,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.model_config()
     checkpoint.check_types()
+    checkpoint.check_all_mapped()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     get = weights.gguf_getter(checkpoint, path)
     with _naming(path):

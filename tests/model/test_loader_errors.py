@@ -20,7 +20,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.loader import load_model, resolve_dtype
-from tests.model.tiny import write_gguf
+from tests.model.tiny import make_hf_model, write_gguf
 
 
 @pytest.fixture
@@ -132,6 +132,27 @@ def test_unsupported_quantization(tiny_checkpoint, tmp_path):
     path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "mxfp4.gguf",
                       raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.MXFP4})
     with expect(UnsupportedModelError, "MXFP4", "blk.1.ffn_up.weight", str(path)):
+        load_model(path, dtype="float32")
+
+
+@pytest.mark.parametrize("shape, arch, tensor", [
+    ("qwen3_5_hybrid", "qwen35", "blk.0.ssm_a"),
+    ("granite4_hybrid", "granitehybrid", "blk.0.ffn_down_shexp.weight")])
+def test_hybrid_gguf_is_refused_naming_a_tensor(shape, arch, tensor, tmp_path):
+    # The recurrent layers' ssm_* tensors (and Granite's shared experts) are not mapped from GGUF:
+    # refused in one line naming the architecture and the first tensor in the file we cannot read.
+    path = write_gguf(make_hf_model(shape), tmp_path / f"{arch}.gguf")
+    with expect(UnsupportedModelError, str(path), f"GGUF architecture {arch!r}",
+                f"cannot map tensor {tensor} ", "Hugging Face folder"):
+        load_model(path, dtype="float32")
+
+
+def test_a_gguf_tensor_nothing_reads_is_refused(tiny_checkpoint, tmp_path):
+    # A supported architecture with a tensor we have no name for: refused, not run without it.
+    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "extra.gguf",
+                      extra={"blk.1.attn_sinks.weight": torch.ones(4)})
+    with expect(UnsupportedModelError, "GGUF architecture 'llama'",
+                "cannot map tensor blk.1.attn_sinks.weight"):
         load_model(path, dtype="float32")
 
 

@@ -166,18 +166,26 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
-              "mixtral": "llama"}  # llama.cpp writes Mixtral as a Llama with experts
+              "mixtral": "llama",  # llama.cpp writes Mixtral as a Llama with experts
+              "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+              "qwen3_5_text": "qwen35", "granitemoehybrid": "granitehybrid"}
+# Families whose GGUF files we refuse (their recurrent layers' tensors are not mapped): written
+# under the names gguf's map gives, the tensors it has no name for left out, no converter
+# transforms; only good for seeing the refusal.
+REFUSED_GGUF_ARCHS = ("qwen35", "granitehybrid")
 
 
 def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
-               quantize: dict | None = None) -> Path:
+               quantize: dict | None = None, split_kv_b: bool = True, extra: dict | None = None) -> Path:
     """The model as llama.cpp's converter would write it (F32): its metadata keys, tensor names
     from gguf's own name map, q/k rows permuted for Llama, Gemma's norms stored as 1 + weight,
     Phi-3's LongRoPE factors as tensors.
 
     raw_types maps a GGUF tensor name to a quantization type whose bytes are written as zeros,
     to test how unsupported types are refused; quantize, to a quantization type it is stored in
-    (quant_blocks.quantized_blocks: quantized by gguf where it can, else random blocks)."""
+    (quant_blocks.quantized_blocks: quantized by gguf where it can, else random blocks). split_kv_b:
+    DeepSeek's kv_b_proj as attn_k_b and attn_v_b, as llama.cpp's converter writes it now (False:
+    attn_kv_b, as older files hold it). extra: more tensors by GGUF name, written as they are."""
     import gguf
 
     from tests.model.quant_blocks import quantized_blocks
@@ -187,7 +195,7 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
-    for name, tensor in _gguf_tensors(hf_model, arch).items():
+    for name, tensor in {**_gguf_tensors(hf_model, arch, split_kv_b), **(extra or {})}.items():
         array = tensor.detach().numpy().astype(np.float32)
         qtype = (raw_types or {}).get(name)
         if name in (quantize or {}):
@@ -216,9 +224,12 @@ def _add_hparams(writer, config, arch: str) -> None:
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "deepseek2":
+        _add_deepseek2_hparams(writer, config)
+        return
+    writer.add_head_count_kv(config.num_key_value_heads)
     if getattr(config, "head_dim", None):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -246,6 +257,47 @@ def _add_hparams(writer, config, arch: str) -> None:
             scale = config.max_position_embeddings / original
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)))
+
+
+def _add_deepseek2_hparams(writer, config) -> None:
+    """As llama.cpp's converter writes DeepSeek-V2/V3: the latent cache as one KV head of
+    kv_lora_rank + rope dims, the uncompressed heads' sizes under the _mla keys, the router's
+    gating function and groups, the scale and renormalization of the routed weights."""
+    import gguf
+
+    kv_lora, rope, nope = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim
+    writer.add_head_count_kv(1)
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_kv_lora_rank(kv_lora)
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_rope_dimension_count(rope)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if getattr(config, "norm_topk_prob", False):
+        writer.add_expert_weights_norm(True)
+    sigmoid = config.model_type == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+
+
+def _split_kv_b(tensor: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's converter splits kv_b_proj per head into k_b (transposed: [heads, kv_lora_rank,
+    nope], for absorbing it into the query) and v_b [heads, v, kv_lora_rank]."""
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    per_head = tensor.reshape(config.num_attention_heads, nope + v, tensor.shape[-1])
+    k_b, v_b = per_head.split([nope, v], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
 
 
 def _add_tokenizer(writer) -> None:
@@ -279,7 +331,7 @@ def _stacked_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tens
     return {f"blk.{layer}.ffn_down_exps.weight": tensor}
 
 
-def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
+def _gguf_tensors(hf_model, arch: str, split_kv_b: bool = True) -> dict[str, torch.Tensor]:
     import gguf
 
     config = hf_model.config
@@ -292,7 +344,16 @@ def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
         if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
             out.update(_stacked_experts(hf_name, tensor))
             continue
+        if hf_name.endswith("e_score_correction_bias"):  # llama.cpp's converter renames it first
+            hf_name = hf_name.replace("_bias", ".bias")
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None and arch in REFUSED_GGUF_ARCHS:
+            continue
+        if name.endswith(".attn_kv_b.weight") and split_kv_b:
+            k_b, v_b = _split_kv_b(tensor, config)
+            out[name.replace("attn_kv_b", "attn_k_b")] = k_b
+            out[name.replace("attn_kv_b", "attn_v_b")] = v_b
+            continue
         if arch == "llama" and ".attn_q." in name:
             tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
