@@ -207,6 +207,17 @@ _HYBRID_CLASSES = {"Qwen3_5ForCausalLM": HybridForCausalLM,
                    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that builds a model of config's family."""
+    return _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM)
+
+
+def recurrent_state_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """The tensors of one request's recurrent state ([] for a model without recurrent layers),
+    from its config alone: what its model class's state_shapes will be."""
+    return model_class(config).request_state_shapes(config) if config.is_hybrid else []
+
+
 def _model_path(path: str | Path | None) -> Path:
     """The path asked for, or the default model's."""
     if path is None:
@@ -261,7 +272,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
-        model = _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM).from_hf_tensors(
+        model = model_class(config).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)
 
