@@ -6,6 +6,8 @@ float32 greedy decoding on the same tiny random weights."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -180,3 +182,28 @@ def test_states_round_trip_through_their_pages_and_touch_nothing_else(dtype, hea
     untouched = [p for p in range(12) if p not in pages.flatten().tolist()]
     for now, then in zip((side for layer in caches for side in layer), before):
         assert torch.equal(now[untouched], then[untouched])
+
+
+def test_granite_bfloat16_strays_from_float32_no_further_than_transformers_bfloat16(tiny_checkpoint):
+    # bf16 greedy tokens leave float32's early on some prompts (at the second generated token of
+    # [200, 3, 17]): layer by layer, every hidden state is as far from float32 as transformers' own
+    # bf16 run (~0.05 at layer 2's router input for both), until one token's router at layer 2 meets
+    # a near-tie (experts 3 and 0 at 1.003 and 0.984 in float32) and the bf16 noise, no larger than
+    # transformers', falls the other way. Not a defect: rounding meeting a tie. Measured here on
+    # prompts whose routes hold: the final hidden states stray no further than transformers' bf16.
+    checkpoint = tiny_checkpoint("granite4_hybrid")
+    hf16 = copy.deepcopy(checkpoint.hf_model).to(torch.bfloat16)
+    llm = LLM(model=str(checkpoint.folder), dtype="bfloat16", block_size=4, num_kv_blocks=64)
+    model = llm.engine.engine_core.executor.runner.model
+    final = {}  # the final norm's output, each prefill's
+    model.norm.register_forward_hook(lambda m, a, out: final.update(x=out[0].float().clone()))
+    ours_error = theirs_error = 0.0
+    for prompt in PROMPTS[:3]:
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+        with torch.no_grad():
+            exact, theirs = (hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+                             for hf in (checkpoint.hf_model, hf16))
+        ours_error += (final["x"] - exact).abs().max().item()
+        theirs_error += (theirs.float() - exact).abs().max().item()
+    assert 0 < ours_error <= 1.5 * theirs_error
