@@ -58,7 +58,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5ForCausalLM": Architecture(qk_norm=True, norm_offset=1.0, sliding_window=False),
     # Hybrid: Mamba2 layers with a few attention layers, a shared MLP beside routed experts (or
     # alone), and Granite's scalings (model/granite_hybrid.py).
-    "GraniteMoeHybridForCausalLM": Architecture(sliding_window=False),
+    "GraniteMoeHybridForCausalLM": Architecture(gguf_name="granitehybrid", sliding_window=False),
     "Gemma2ForCausalLM": Architecture(gguf_name="gemma2", sliding_period=2, **_GEMMA),
     "Gemma3ForCausalLM": Architecture(gguf_name="gemma3", qk_norm=True, sliding_period=6,
                                       local_rope_theta=10000.0, **_GEMMA),

@@ -16,6 +16,7 @@ from pagedllm.model.architectures import (
 )
 from pagedllm.model.config_parts import (
     SIGMOID_GATING,
+    gguf_granite_hybrid_fields,
     gguf_latent_fields,
     gguf_moe_fields,
     hf_sparse_and_latent_fields,
@@ -268,6 +269,11 @@ class ModelConfig:
             architecture = "DeepseekV3ForCausalLM"
         arch = ARCHITECTURES[architecture]
 
+        # A hybrid's head_count_kv is per layer, 0 on its recurrent layers.
+        kv_per_layer = metadata.get(f"{gguf_arch}.attention.head_count_kv")
+        if isinstance(kv_per_layer, list):
+            metadata = {**metadata, f"{gguf_arch}.attention.head_count_kv": max(kv_per_layer, default=0)}
+
         def key(name: str, default: Any = None) -> Any:
             default = _LLAMA_CPP_DEFAULTS.get(gguf_arch, {}).get(name, default)
             return metadata.get(f"{gguf_arch}.{name}", default)
@@ -286,7 +292,7 @@ class ModelConfig:
                                          "tokenizer.ggml.eot_token_id",
                                          "tokenizer.ggml.eom_token_id") if k in metadata]
         window, sliding_layers = _gguf_sliding_window(key, arch, layers)
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
@@ -315,8 +321,12 @@ class ModelConfig:
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
             **gguf_moe_fields(key, tensor_names, layers),
-            **(gguf_latent_fields(key) if gguf_arch == "deepseek2" else {}),
         )
+        if gguf_arch == "deepseek2":
+            fields.update(gguf_latent_fields(key))
+        if gguf_arch == "granitehybrid":
+            fields.update(gguf_granite_hybrid_fields(key, tensor_names, kv_per_layer))
+        return cls(**fields)
 
 
 # The largest value a size may have: token ids and tensor dimensions are int32-sized, and a larger

@@ -189,3 +189,33 @@ def gguf_latent_fields(key) -> dict[str, Any]:
     return dict(kv_lora_rank=kv_lora, q_lora_rank=key("attention.q_lora_rank") or None,
                 qk_nope_head_dim=key_mla - rope, qk_rope_head_dim=rope, v_head_dim=value_mla,
                 rope_interleave=True)
+
+
+def gguf_granite_hybrid_fields(key, tensor_names: set[str], kv_per_layer: list[int] | None) -> dict[str, Any]:
+    """Granite 4's hybrids from llama.cpp's keys: the layer kinds from the per-layer KV head counts
+    (0 on a Mamba2 layer), the ssm.* sizes, Granite's scales, the shared MLP's width (beside the
+    experts, or as the dense MLP). llama.cpp turns rotary on only where rope.scaling.finetuned
+    says so (Granite 4's hybrids have none)."""
+    if not isinstance(kv_per_layer, list):
+        raise UnsupportedModelError("granitehybrid GGUF without a per-layer attention.head_count_kv")
+    kinds = ["full_attention" if heads else "linear_attention" for heads in kv_per_layer]
+    heads, inner = key("ssm.time_step_rank"), key("ssm.inner_size")
+    missing = [name for name in ("ssm.time_step_rank", "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel")
+               if not key(name)]
+    if missing or inner % heads:
+        raise UnsupportedModelError(f"granitehybrid GGUF: {', '.join(missing) or 'ssm.inner_size'} "
+                                    "missing or not whole heads")
+    first_ssm = kinds.index("linear_attention") if "linear_attention" in kinds else 0
+    shared = key("expert_shared_feed_forward_length")
+    width = dict(shared_expert_intermediate_size=shared) if key("expert_count") else \
+        dict(intermediate_size=shared or key("feed_forward_length"))
+    return dict(
+        layer_types=_check_hybrid(kinds, "GraniteMoeHybridForCausalLM"), mamba_n_heads=heads,
+        mamba_d_head=inner // heads, mamba_n_groups=key("ssm.group_count", 1),
+        mamba_d_state=key("ssm.state_size"), mamba_d_conv=key("ssm.conv_kernel"),
+        mamba_conv_bias=f"blk.{first_ssm}.ssm_conv1d.bias" in tensor_names,
+        mamba_proj_bias=f"blk.{first_ssm}.ssm_in.bias" in tensor_names,
+        embedding_multiplier=float(key("embedding_scale", 1.0)),
+        residual_multiplier=float(key("residual_scale", 1.0)),
+        attention_multiplier=key("attention.scale"), logits_scaling=float(key("logit_scale", 1.0)),
+        use_rope=bool(key("rope.scaling.finetuned", False)), **width)

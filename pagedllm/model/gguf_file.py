@@ -1,17 +1,20 @@
 """Reading a llama.cpp GGUF file: metadata, and tensors under Hugging Face names (dequantized, or
 repacked quantized by gguf_repack), with what llama.cpp's converter changed in them undone (the
-q/k row order of Llama, Gemma's norm offset, DeepSeek's kv_b_proj split in two for absorption).
+q/k row order of Llama and Granite, Gemma's norm offset, DeepSeek's kv_b_proj split in two for
+absorption, Granite's gate/up projections split and Mamba2's A stored as -exp(A_log)).
 
 Every tensor of a file must map to a Hugging Face name or be read on its own (rope factors): a
 file with one that does not is refused, naming it, rather than run without it. That is also what
-a family we run only from Hugging Face folders gets (Qwen3.5 / Qwen3-Next, Granite 4 hybrids:
-their recurrent layers' ssm_* tensors are not mapped yet).
+a family we run only from Hugging Face folders gets (Qwen3.5 / Qwen3-Next: their Gated DeltaNet
+layers' ssm_* tensors are not mapped yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +69,30 @@ _ARCH_LAYER_NAMES = {
                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                   **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
-# Layer tensors whose Hugging Face name is not "<name>.weight/bias" (DeepSeek-V3's router bias).
-_EXACT_LAYER_NAMES = {"deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}}
+_GRANITE_HYBRID_NAMES = {name: hf for name, hf in _LAYER_NAMES.items() if name not in ("ffn_gate", "ffn_up")}
+# Granite 4's hybrids: Mamba2 layers under ssm_*, the shared MLP as shared experts (or as the
+# dense MLP), the experts stacked; gate and up halves are joined back (_JOINS).
+_ARCH_LAYER_NAMES["granitehybrid"] = {
+    **_GRANITE_HYBRID_NAMES, "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj",
+    "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm", "ffn_down_shexp": "shared_mlp.output_linear",
+    "ffn_down": "shared_mlp.output_linear", "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_down_exps": "block_sparse_moe.output_linear"}
+# Layer tensors whose Hugging Face name is not "<name>.weight/bias" (keyed by the GGUF name's tail).
+_EXACT_LAYER_NAMES = {
+    "deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+    "granitehybrid": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"},
+}
+# Hugging Face tensors llama.cpp's converter splits in two, per architecture: (theirs, the GGUF
+# halves, the dimension they are joined along). DeepSeek's kv_b_proj is _SPLIT_KV_B's.
+_JOINS = {"granitehybrid": [
+    ("shared_mlp.input_linear.weight", ("ffn_gate_shexp", "ffn_up_shexp"), 0),
+    ("shared_mlp.input_linear.weight", ("ffn_gate", "ffn_up"), 0),  # a dense Granite
+    ("block_sparse_moe.input_linear.weight", ("ffn_gate_exps", "ffn_up_exps"), 1),  # [E, I, H] each
+]}
 # Tensors read apart from the Hugging Face names (GGUFCheckpoint's rope factors).
 _READ_APART = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
 # A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
 # projection; transformers names each expert's own. Where each GGUF architecture's live, and the
 # Hugging Face names of its router and of an expert's gate, up and down projections.
@@ -110,19 +131,27 @@ class GGUFCheckpoint:
             for expert, hf in enumerate(expert_hf_names(name, self.architecture, int(tensor.shape[-1]))):
                 self.hf_names[hf] = name
                 self.expert_index[hf] = expert
-        # DeepSeek's kv_b_proj, rebuilt from the two halves llama.cpp splits it into (where the
-        # file has no attn_kv_b beside them): Hugging Face name -> (k_b, v_b).
-        self.joined: dict[str, tuple[str, str]] = {}
+        # Tensors rebuilt from the halves llama.cpp's converter splits them into: Hugging Face
+        # name -> (the GGUF halves, how they join). DeepSeek's kv_b_proj where the file has no
+        # attn_kv_b beside its halves; Granite's gate and up projections.
+        self.joined: dict[str, tuple[tuple[str, ...], Callable]] = {}
         for name in self.tensors:
             match = _SPLIT_KV_B.fullmatch(name)
             hf = match and f"model.layers.{match[1]}.self_attn.kv_b_proj.weight"
             if match and match[2] == "k" and hf not in self.hf_names:
-                self.joined[hf] = (name, f"blk.{match[1]}.attn_v_b.weight")
-                self.hf_names[hf] = name
+                self.joined[hf] = ((name, f"blk.{match[1]}.attn_v_b.weight"), _join_kv_b)
+        for layer in range(int(self.metadata.get(f"{self.architecture}.block_count", 0))):
+            for theirs, halves, dim in _JOINS.get(self.architecture, []):
+                parts = tuple(f"blk.{layer}.{half}.weight" for half in halves)
+                if all(part in self.tensors for part in parts):
+                    self.joined[f"model.layers.{layer}.{theirs}"] = (parts, partial(_join_halves, dim=dim))
+        for hf, (parts, _) in self.joined.items():
+            self.hf_names[hf] = parts[0]
 
     def unmapped_tensors(self) -> list[str]:
         """The file's tensors, in its order, that nothing here reads."""
-        read = set(self.hf_names.values()) | {v_b for _, v_b in self.joined.values()} | _READ_APART
+        joined = {part for parts, _ in self.joined.values() for part in parts}
+        read = set(self.hf_names.values()) | joined | _READ_APART
         return [name for name in self.tensors if name not in read and not self._copies_kv_b(name)]
 
     def _copies_kv_b(self, name: str) -> bool:
@@ -192,7 +221,8 @@ class GGUFCheckpoint:
         """The tensor stored for Hugging Face name hf, in the row order transformers uses:
         dequantized to float32, or (keep_quantized) repacked quantized where gguf_repack can."""
         if hf in self.joined:
-            return _join_kv_b(*(self.get_raw(name) for name in self.joined[hf]))
+            parts, join = self.joined[hf]
+            return join(*(self.get_raw(name) for name in parts))
         name, expert = self.hf_names[hf], self.expert_index.get(hf)
         if keep_quantized and self.can_repack(name):
             weights = self.get_repacked(name, expert)
@@ -233,10 +263,11 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
     if architecture in _MOE_NAMES:  # the router of a mixture of experts
         layer_names = {**layer_names, "ffn_gate_inp": f"{_MOE_NAMES[architecture][0]}.gate"}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    exact = match and _EXACT_LAYER_NAMES.get(architecture, {}).get(f"{match[2]}.{match[3]}")
+    tail = match and ".".join(filter(None, (match[2], match[3])))
+    exact = match and _EXACT_LAYER_NAMES.get(architecture, {}).get(tail)
     if exact:
         return f"model.layers.{match[1]}.{exact}"
-    if match is None or match[2] not in layer_names:
+    if match is None or match[3] is None or match[2] not in layer_names:
         return None
     return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
 
@@ -257,16 +288,21 @@ def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
+def _join_halves(*halves: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cat(halves, dim=dim)
+
+
 def _undo_rotary_permutation(
     weights: torch.Tensor | QuantizedWeight, name: str, metadata: dict[str, Any]
 ) -> torch.Tensor | QuantizedWeight:
     """llama.cpp's converter reorders q/k rows per head from the two-halves rotary layout to
     interleaved pairs (row j of half h goes to 2j+h). Put them back in halves."""
+    arch = metadata["general.architecture"]
     if ".attn_q." in name:
-        heads = metadata["llama.attention.head_count"]
+        heads = metadata[f"{arch}.attention.head_count"]
     elif ".attn_k." in name:
-        heads = metadata.get("llama.attention.head_count_kv") or \
-            metadata["llama.attention.head_count"]
+        heads = metadata.get(f"{arch}.attention.head_count_kv") or metadata[f"{arch}.attention.head_count"]
+        heads = max(heads) if isinstance(heads, list) else heads  # per layer: 0 on recurrent ones
     else:
         return weights
     rows = weights.shape[0]
@@ -287,12 +323,27 @@ _UNMAPPED_HINT = {
     "qwen35": "Qwen3.5 hybrids load from their Hugging Face folder",
     "qwen35moe": "Qwen3.5 hybrids load from their Hugging Face folder",
     "qwen3next": "Qwen3-Next hybrids load from their Hugging Face folder",
-    "granitehybrid": "Granite 4 hybrids load from their Hugging Face folder",
 }
+
+def _undo_granite_hybrid(
+    weights: torch.Tensor | QuantizedWeight, name: str, metadata: dict[str, Any]
+) -> torch.Tensor | QuantizedWeight:
+    """llama.cpp's converter permutes Granite's q/k rows as Llama's, stores Mamba2's A as -exp(A_log)
+    and A, D as [heads, 1], the conv weight without its middle dimension, the gated norm per group."""
+    tail = name.split(".", 2)[2] if name.startswith("blk.") else name
+    if tail == "ssm_a":
+        return torch.log(-weights).reshape(-1)
+    if tail in ("ssm_d", "ssm_norm.weight"):
+        return weights.reshape(-1)
+    if tail == "ssm_conv1d.weight":
+        return weights.unsqueeze(1)
+    return _undo_rotary_permutation(weights, name, metadata)
+
 
 # What llama.cpp's converter changed in the tensors of each architecture, undone.
 _CONVERTER_CHANGES = {
     "llama": _undo_rotary_permutation,
+    "granitehybrid": _undo_granite_hybrid,
     "gemma2": _undo_norm_offset,
     "gemma3": _undo_norm_offset,
 }

@@ -250,8 +250,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     get = weights.gguf_getter(checkpoint, path)
     with _naming(path):
-        model = LlamaForCausalLM.from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device,
-                                                 shard)
+        model = model_class(config).from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device,
+                                                    shard)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors

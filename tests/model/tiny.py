@@ -172,7 +172,7 @@ GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "g
 # Families whose GGUF files we refuse (their recurrent layers' tensors are not mapped): written
 # under the names gguf's map gives, the tensors it has no name for left out, no converter
 # transforms; only good for seeing the refusal.
-REFUSED_GGUF_ARCHS = ("qwen35", "granitehybrid")
+REFUSED_GGUF_ARCHS = ("qwen35",)
 
 
 def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
@@ -228,6 +228,9 @@ def _add_hparams(writer, config, arch: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch == "deepseek2":
         _add_deepseek2_hparams(writer, config)
+        return
+    if arch == "granitehybrid":
+        _add_granite_hybrid_hparams(writer, config)
         return
     writer.add_head_count_kv(config.num_key_value_heads)
     if getattr(config, "head_dim", None):
@@ -291,6 +294,71 @@ def _add_deepseek2_hparams(writer, config) -> None:
     writer.add_expert_group_used_count(config.topk_group)
 
 
+def _add_granite_hybrid_hparams(writer, config) -> None:
+    """As llama.cpp's converter writes Granite 4's hybrids: KV heads per layer (0 on Mamba2 ones),
+    the ssm sizes, Granite's multipliers as scales, rotary only where rope.scaling.finetuned says
+    (never, for these: give the model position_embedding_type="nope")."""
+    kinds = config.layer_types
+    writer.add_head_count_kv([config.num_key_value_heads if k in ("attention", "full_attention") else 0
+                              for k in kinds])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+
+
+# transformers' Granite hybrid names (after the layer's prefix) -> llama.cpp's (after blk.N.).
+_GRANITE_HYBRID_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mamba.in_proj.weight": "ssm_in.weight", "mamba.out_proj.weight": "ssm_out.weight",
+    "mamba.conv1d.weight": "ssm_conv1d.weight", "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.dt_bias": "ssm_dt.bias", "mamba.A_log": "ssm_a", "mamba.D": "ssm_d",
+    "mamba.norm.weight": "ssm_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "block_sparse_moe.router.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.experts.down_proj": "ffn_down_exps.weight",
+    "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+}
+
+
+def _granite_hybrid_tensor(name: str, tensor: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """One layer tensor as llama.cpp's converter writes it: gate and up halves apart, q/k rows
+    permuted as Llama's, A as -exp(A_log), A and D as [heads, 1], the conv weight squeezed, the
+    gated norm's weight per group."""
+    layer, ours = name.split(".", 3)[2], name.split(".", 3)[3]
+    blk = f"blk.{layer}."
+    if ours == "block_sparse_moe.experts.gate_up_proj":  # [E, 2I, H]
+        gate, up = tensor.chunk(2, dim=1)
+        return {blk + "ffn_gate_exps.weight": gate, blk + "ffn_up_exps.weight": up}
+    if ours == "shared_mlp.input_linear.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return {blk + "ffn_gate_shexp.weight": gate, blk + "ffn_up_shexp.weight": up}
+    theirs = _GRANITE_HYBRID_TENSORS[ours]
+    if theirs == "attn_q.weight":
+        tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
+    elif theirs == "attn_k.weight":
+        tensor = _llama_cpp_permute(tensor, config.num_key_value_heads)
+    elif theirs == "ssm_a":
+        tensor = -torch.exp(tensor).reshape(-1, 1)
+    elif theirs == "ssm_d":
+        tensor = tensor.reshape(-1, 1)
+    elif theirs == "ssm_conv1d.weight":
+        tensor = tensor.squeeze(1)
+    elif theirs == "ssm_norm.weight":
+        tensor = tensor.reshape(config.mamba_n_groups, -1)
+    return {blk + theirs: tensor}
+
+
 def _split_kv_b(tensor: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's converter splits kv_b_proj per head into k_b (transposed: [heads, kv_lora_rank,
     nope], for absorbing it into the query) and v_b [heads, v, kv_lora_rank]."""
@@ -340,6 +408,9 @@ def _gguf_tensors(hf_model, arch: str, split_kv_b: bool = True) -> dict[str, tor
     out = {}
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if arch == "granitehybrid" and hf_name.startswith("model.layers."):
+            out.update(_granite_hybrid_tensor(hf_name, tensor, config))
             continue
         if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
             out.update(_stacked_experts(hf_name, tensor))
