@@ -222,11 +222,7 @@ def _speculative_config(name: str, value) -> None:
     """A dict or its JSON text that pagedllm.spec_decode.config accepts (it imports no torch)."""
     from pagedllm.spec_decode.config import SpeculativeConfig
 
-    config = SpeculativeConfig.parse(value)
-    if config is not None and config.method == "draft_model":
-        # Refused rather than accepted and ignored: the step runs the model-free proposers only.
-        raise ValueError("speculative_config: method 'draft_model' is not run by the engine yet; "
-                         "use 'ngram' or 'suffix'")
+    SpeculativeConfig.parse(value)
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -256,12 +252,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     scheduling_policy: str = "fcfs"
+    step_share_tokens: int | None = None  # None: measured (pagedllm.core.step_cost); 0: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        share = self.step_share_tokens
+        if share is not None and (not isinstance(share, int) or isinstance(share, bool) or share < 0):
+            raise ValueError(f"step_share_tokens must be a non-negative integer; got {share!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise _choice_error("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
 
@@ -322,6 +322,11 @@ class EngineConfig:
         "fcfs", "which waiting request runs first: fcfs (arrival order) or priority (a request's "
         "priority, lower first, ties by arrival; a better priority preempts a worse one for blocks)",
         choices=SCHEDULING_POLICIES)
+    step_share_tokens: int | None = setting(
+        None, "while other requests share a step, a request of several sequences (prompts x n) "
+        "takes at most their tokens plus this many, so it at most about doubles their time between "
+        "tokens (default: measured as the engine runs, the tokens a step computes in the time it "
+        "reads its weights; 0: no such cap)")
     kv_layout: str = setting(
         "paged", "paged: blocks taken as tokens come; contiguous: the traditional reservation "
         "per request, for side-by-side measurement", choices=KV_LAYOUTS)
@@ -415,7 +420,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         # The scheduler's own checks, so every entry point rejects the same values.
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1)
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1,
+                        step_share_tokens=self.step_share_tokens)
         group = self.quantization_group_size
         if group < 16 or group % 16 or (self.quantization == "int4" and group != 16 and group % 32):
             raise ValueError(f"quantization_group_size must be a multiple of 16 (int8) or 16 or a "
@@ -434,6 +440,9 @@ class EngineConfig:
                              "results across ranks in an order it does not fix; use "
                              "tensor_parallel_size 1")
         self._check_lora()
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft_model":
+            raise ValueError("speculative_config: method 'draft_model' runs on one process: the draft "
+                             "is not split over tensor-parallel ranks yet; use tensor_parallel_size 1")
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
@@ -449,6 +458,14 @@ class EngineConfig:
         if self.batch_invariant:
             raise ValueError("enable_lora and batch_invariant cannot be combined: each adapter's "
                              "rows are summed as a group whose size depends on the batch")
+
+    @property
+    def speculative_method(self) -> str | None:
+        """speculative_config's method (None: no speculative decoding)."""
+        from pagedllm.spec_decode.config import SpeculativeConfig  # torch-free
+
+        config = SpeculativeConfig.parse(self.speculative_config)
+        return None if config is None else config.method
 
     @property
     def pooling_reads_every_token(self) -> bool:

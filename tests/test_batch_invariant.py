@@ -111,6 +111,13 @@ def test_uncovered_combinations_are_refused(tiny_folder, monkeypatch):
         LLM(str(tiny_folder), dtype="bfloat16", kv_cache_memory="16MiB", batch_invariant=True)
 
 
+def test_a_model_with_attention_sinks_is_refused(tmp_path):
+    """gpt-oss's sinks run on the torch attention path, which the mode does not cover."""
+    folder = save_checkpoint(make_hf_model("gpt_oss"), tmp_path / "gpt_oss")
+    with pytest.raises(ValueError, match="attention sinks run on the torch attention path"):
+        LLM(str(folder), dtype="bfloat16", kv_cache_memory="16MiB", batch_invariant=True)
+
+
 def test_the_engine_flag_sets_it():
     from pagedllm.cli import build_parser
     from pagedllm.config import engine_config_from_args

@@ -61,6 +61,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="also run the batched workload on a second engine with this engine setting "
                              "changed (e.g. quantization=none), stepped in turn with the first, so load "
                              "on the machine falls on both alike; reports the ratio")
+    parser.add_argument("--lockstep-single-stream", action="store_true",
+                        help="with --lockstep-with, also serve the single-stream requests one by one on "
+                             "both engines in turn (e.g. speculative decoding against the plain engine)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default 0: greedy; 1 measures "
                              "random sampling, what OpenAI clients that send none get); the hf "
@@ -109,7 +112,8 @@ def main(args: argparse.Namespace) -> int:
                     **_median_run([r.rates() for r in results]), **peak_gpu_memory(engine.device))
         if args.lockstep_with:
             forget_cached_prefixes(engine)
-            payload["lockstep"] = _lockstep(engine, args, workload)
+            payload["lockstep"] = _lockstep(engine, args, workload,
+                                            streams if args.lockstep_single_stream else [])
         if session is not None:
             forget_cached_prefixes(engine)
             payload[baseline.SYSTEM] = _run_baseline(baseline, session, engine, workload, streams, ours, args,
@@ -179,9 +183,10 @@ def _run_baseline(baseline, session, engine: LLMEngine, workload: list[BenchRequ
     return theirs
 
 
-def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
+def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest], streams: list[BenchRequest]) -> dict:
     """The workload on engine and on a twin with one setting changed, one step of each in turn;
-    each engine's time is the sum of its own steps (wall, and the process's CPU time)."""
+    each engine's time is the sum of its own steps (wall, and the process's CPU time). Then the
+    single-stream requests (if any), each served alone by engine and by the twin in turn."""
     field, _, value = args.lockstep_with.partition("=")
     if not hasattr(engine.config, field) or not value:
         raise ValueError(f"--lockstep-with takes FIELD=VALUE naming an engine setting; "
@@ -203,9 +208,27 @@ def _lockstep(engine: LLMEngine, args, workload: list[BenchRequest]) -> dict:
                 cpu[name] += time.process_time() - started_cpu
     rates = {name: {**summarize_run(seconds, workload), "cpu_s": round(cpu[name], 3)}
              for name, seconds in elapsed.items()}
-    return {**rates, "ratio_output_tokens_per_s": round(
+    result = {**rates, "ratio_output_tokens_per_s": round(
         rates["this"]["output_tokens_per_s"] / rates[args.lockstep_with]["output_tokens_per_s"], 3),
         "ratio_output_tokens_per_cpu_s": round(cpu[args.lockstep_with] / cpu["this"], 3)}
+    if streams:
+        forget_cached_prefixes(engine)
+        mine, twins = _interleaved(engine, _EngineSession(twin), streams)
+        ratio = mine["decode_tokens_per_s_median"] / twins["decode_tokens_per_s_median"]
+        result["single_stream"] = {"this": mine, args.lockstep_with: twins,
+                                   "ratio_decode_tokens_per_s_median": round(ratio, 3)}
+    return result
+
+
+class _EngineSession:
+    """A second engine served request by request, as _interleaved serves a baseline."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine, self.served = engine, 0
+
+    def stream(self, request: BenchRequest):
+        self.served += 1
+        return stream_one(self.engine, request, f"twin-stream-{self.served}")
 
 
 def _setting(field: str, default, value: str):
@@ -291,9 +314,18 @@ def _report(payload: dict, rival: str | None) -> None:
         print_table("The same workload on a twin engine, steps in turn",
                     ["engine", "out tok/s", "total tok/s", "time s", "CPU s"],
                     [[name, r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"], r["cpu_s"]]
-                     for name, r in lockstep.items() if isinstance(r, dict)])
+                     for name, r in lockstep.items() if isinstance(r, dict) and name != "single_stream"])
         print(f"\nthis engine / the twin, generated tokens/s: {lockstep['ratio_output_tokens_per_s']}x "
               f"(per CPU second: {lockstep['ratio_output_tokens_per_cpu_s']}x)")
+        if "single_stream" in lockstep:
+            single = lockstep["single_stream"]
+            print_table("Single stream on both engines, one request at a time (each run: this, the twin)",
+                        ["engine", "decode tok/s best", "median", "each run", "TTFT ms median"],
+                        [[name, s["decode_tokens_per_s_best"], s["decode_tokens_per_s_median"],
+                          s["decode_tokens_per_s_each"], s["ttft_ms_median"]]
+                         for name, s in single.items() if isinstance(s, dict)])
+            print(f"\nthis engine / the twin, single-stream decode tok/s (medians): "
+                  f"{single['ratio_decode_tokens_per_s_median']}x")
     if "single_stream" in theirs:
         print_table(f"Single stream: {payload['single_stream_len']} tokens (prompt:generated), one "
                     "request at a time (each run: pagedllm, then the baseline)",

@@ -11,7 +11,9 @@ Waiting requests are admitted least-served first and preemption takes from the l
 the queue; with one sequence per request this is first come first served, as described here.
 While G request groups have work, each runs at most ceil(max_num_seqs / G) sequences in a step
 (its others rest that step, taking turns; shares.row_share), so one request of hundreds of
-sequences cannot make every step, another client's included, as long as it alone would.
+sequences cannot make every step, another client's included, as long as it alone would; and
+such a group takes at most the others' tokens plus the step's free tokens (shares.token_share,
+measured by pagedllm.core.step_cost), so it at most about doubles another client's step.
 
 When a running request cannot get blocks, the most recently admitted running request is
 preempted (recompute: its blocks are freed and it goes back to the front of the waiting
@@ -39,6 +41,7 @@ from pagedllm.core import priority, shares
 from pagedllm.core.kv.manager import NO_HIT, PrefixHit
 from pagedllm.core.kv.stats import KVStats
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.step_cost import StepCost
 from pagedllm.sampling_bounds import check_runnable
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ class Scheduler:
         # A group left waiting with none running last step for want of blocks or a seat
         # (pagedllm.core.shares): the next step preempts one sequence of the largest group for it.
         self._starved: str | None = None
+        # The engine feeds it each step's tokens and time (EngineCore); it sizes the token share.
+        self.step_cost = StepCost(config.max_num_batched_tokens, config.step_share_tokens)
+        self._token_share: dict[str, int] = {}  # this step's tokens left per capped group
 
     # -- queues ------------------------------------------------------------------------------
 
@@ -184,6 +190,8 @@ class Scheduler:
         num_share_preempted = len(preempted)
         # Each request group's share of the step's sequence slots (pagedllm.core.shares' rule).
         row_share = shares.row_share(self.running, self.waiting, self.config.max_num_seqs)
+        self._token_share = shares.token_share(self.running, self.waiting, self.step_cost.free_tokens(),
+                                               budget)
         budget = self._schedule_running(budget, scheduled, preempted, row_share)
         # A step short of blocks has none to give, but to a request that outranks a running one.
         budget = self._schedule_waiting(budget, scheduled, preempted, row_share,
@@ -201,7 +209,8 @@ class Scheduler:
         resting = shares.resting(self.running, counts, row_share)  # past their group's share
         while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
             request = self.running[i]
-            num_new = 0 if id(request) in resting else self._fit_proposal(request, self._step_limit(budget))
+            limit = self._share_limit(request, self._step_limit(budget))
+            num_new = 0 if id(request) in resting else self._fit_proposal(request, limit)
             if num_new <= 0:  # not its turn (a proposal is made again when it is), or nothing to compute
                 request.spec_token_ids.clear()
                 i += 1
@@ -283,13 +292,17 @@ class Scheduler:
         admit only such requests (the step preempted)."""
         counts = shares.running_counts(self.running)
         admitted: set[int] = set()
-        while len(admitted) < len(self.waiting):
-            request = shares.least_served(self.waiting, counts, admitted)
+        spent: set[int] = set()  # waiting sequences of groups whose token share this step is spent
+        while len(admitted) + len(spent) < len(self.waiting):
+            request = shares.least_served(self.waiting, counts, admitted | spent)
             key = shares.share_key(request.request_id)
             if outranking_only and not priority.outranked_by(request, self.running):
                 break
             if row_share is not None and counts[key] >= row_share:
                 break  # the least served group has its share: so has every other
+            if self._token_share.get(key, 1) <= 0:  # its group's tokens are spent: others may go
+                spent.update(id(r) for r in self.waiting if shares.share_key(r.request_id) == key)
+                continue
             num_preempted = len(preempted)
             budget = self._take_seat(request, budget, scheduled, preempted, counts)
             if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
@@ -338,7 +351,8 @@ class Scheduler:
             # still written, and hashed, for others to hit).
             hit = (NO_HIT if request.sampling_params.prompt_logprobs is not None
                    else self.kv_manager.find_cached_prefix(request))
-            num_new = min(request.num_tokens - hit.num_tokens, self._step_limit(budget))
+            num_new = min(request.num_tokens - hit.num_tokens,
+                          self._share_limit(request, self._step_limit(budget)))
             if self.kv_manager.allocate_slots(request, num_new, hit):
                 return hit, num_new, budget
             freed = self._preempt_outranked(request, scheduled, preempted, counts)
@@ -360,6 +374,7 @@ class Scheduler:
         item = next((s for s in scheduled if s.request is victim), None)
         if item is not None:
             scheduled.remove(item)
+            self._take_share(victim, -item.num_new_tokens)
         self._preempt(victim)
         preempted.append(victim)
         return 0 if item is None else item.num_new_tokens
@@ -375,8 +390,20 @@ class Scheduler:
         cap = getattr(self.kv_manager, "max_step_tokens", None)
         return budget if cap is None else min(budget, cap)
 
+    def _share_limit(self, request: Request, limit: int) -> int:
+        """limit, within what request's group has left of this step's token share."""
+        left = self._token_share.get(shares.share_key(request.request_id))
+        return limit if left is None else min(limit, left)
+
+    def _take_share(self, request: Request, num_tokens: int) -> None:
+        """num_tokens of request's group's token share taken (given back when negative)."""
+        key = shares.share_key(request.request_id)
+        if key in self._token_share:
+            self._token_share[key] -= num_tokens
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         request.last_scheduled_step = self._step
+        self._take_share(request, num_new)
         return ScheduledRequest(request, num_new, request.num_computed_tokens,
                                 self.kv_manager.block_ids(request), self.kv_manager.block_size,
                                 self.kv_manager.state_pages(request))

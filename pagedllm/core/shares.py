@@ -23,6 +23,17 @@ admits no more from the queue. The share is not lent out: the step is shorter ra
 the big group, which is the point. A group alone takes the whole step. Tokens are not capped
 beyond the rows: a prefill chunk is already bounded by the step's budget, and splitting the budget
 among groups would delay every long prompt's first token behind decodes that need one token each.
+
+A share of each step's tokens: rows are not the step's cost, tokens are, and a step of 128
+decode rows still took ~11x a lone stream's on a 2-core CPU. So a group of two or more sequences
+may take at most the tokens the other groups have to compute this step (at most the step's
+budget) plus free tokens: those whose compute costs what the step's fixed part (its weight reads)
+costs, measured as the engine runs (pagedllm.core.step_cost), so such a group at most about
+doubles the others' step time. Its other sequences rest that step as above. A group of one
+sequence is not token-capped (its prompt chunk is bounded by the budget, as everyone's), nor is
+any group alone, nor is anyone while the cost is unmeasured or the share configured off
+(EngineConfig.step_share_tokens = 0). Among many groups of one sequence each (the usual server
+load) nothing changes: each is one token beside many.
 """
 
 from __future__ import annotations
@@ -52,6 +63,25 @@ def row_share(running: Iterable[Request], waiting: Iterable[Request], max_num_se
     sequences running or waiting; None (no cap) with fewer than two."""
     groups = {share_key(r.request_id) for r in running} | {share_key(r.request_id) for r in waiting}
     return ceil(max_num_seqs / len(groups)) if len(groups) >= 2 else None
+
+
+def token_share(running: Iterable[Request], waiting: Iterable[Request], free_tokens: int | None,
+                budget: int) -> dict[str, int]:
+    """The tokens each group of two or more sequences may take this step: what the other groups
+    have to compute (capped at the budget) plus free_tokens. {} (no cap) with fewer than two
+    groups, or free_tokens None (unmeasured) or 0 (off)."""
+    if not free_tokens:
+        return {}
+    demand: Counter = Counter()
+    sizes: Counter = Counter()
+    for request in (*running, *waiting):
+        key = share_key(request.request_id)
+        demand[key] += request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids)
+        sizes[key] += 1
+    if len(demand) < 2:
+        return {}
+    total = sum(demand.values())
+    return {key: min(total - own, budget) + free_tokens for key, own in demand.items() if sizes[key] >= 2}
 
 
 def resting(running: Sequence[Request], counts: Counter, share: int | None) -> set[int]:

@@ -15,7 +15,9 @@ Each rank holds a share of every layer:
 Norms (and per-head q/k norms) are whole on every rank.
 - a mixture-of-experts layer (model/moe.py) like its MLP: every expert's intermediate columns cut
   the same way (gate/up rows, down columns), the router whole on every rank so each rank routes
-  each token alike; the layer's partial output summed by one all-reduce.
+  each token alike; a shared expert's columns cut as well (its gate, Qwen2-MoE's, whole: each
+  rank scales its partial output by the same factor); the layer's partial output summed by one
+  all-reduce.
 
 Shares that do not divide evenly are as even as they can be, the larger first (rank 0 holds the
 largest, so its KV cache is the largest any rank needs). The MLP's columns split at multiples of
@@ -62,6 +64,7 @@ class RankShare:
     intermediate: Span
     vocab: Span
     moe_intermediate: Span = (0, 0)  # each expert's columns, on a mixture-of-experts model
+    shared_intermediate: Span = (0, 0)  # the shared expert's columns, where it has one
 
 
 class ShardPlan:
@@ -99,11 +102,14 @@ class ShardPlan:
         unit = next(u for u in MLP_SPLIT_UNITS if intermediate % u == 0 and intermediate // u >= size)
         if vocab < size:
             raise ValueError(f"{what}: the model's vocabulary of {vocab} is too small to split")
-        moe_spans = [(0, 0)] * size
+        moe_spans = shared_spans = [(0, 0)] * size
         if config.num_experts:
             moe_spans = _mlp_split(config.moe_intermediate_size, size, f"{what}: the experts'")
-        self.shares = [RankShare(q, kv, i, v, m) for q, kv, i, v, m in zip(
-            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size), moe_spans)]
+        if config.shared_expert_intermediate_size:
+            shared_spans = _mlp_split(config.shared_expert_intermediate_size, size,
+                                      f"{what}: the shared expert's")
+        self.shares = [RankShare(*spans) for spans in zip(
+            q_spans, kv_spans, split(intermediate, size, unit), split(vocab, size), moe_spans, shared_spans)]
 
     def describe(self) -> str:
         """The split in one line, for the start-up log."""
@@ -123,7 +129,8 @@ class ShardPlan:
             self.config, num_attention_heads=_length(share.q_heads),
             num_key_value_heads=_length(share.kv_heads),
             intermediate_size=_length(share.intermediate), vocab_size=_length(share.vocab),
-            moe_intermediate_size=_length(share.moe_intermediate))
+            moe_intermediate_size=_length(share.moe_intermediate),
+            shared_expert_intermediate_size=_length(share.shared_intermediate))
 
     def shard_parameter(self, rank: int, name: str, value):
         """Rank's part of one of the model's parameters (our names, fused as LlamaForCausalLM
@@ -138,11 +145,21 @@ class ShardPlan:
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")):
             columns = share.intermediate
             return _take_rows(value, [columns, _shifted(columns, config.intermediate_size)])
+        if name.endswith("self_attn.sinks"):  # gpt-oss: one logit per query head
+            return value[share.q_heads[0]:share.q_heads[1]].clone()
         if ".mlp.experts." in name:  # one expert of a mixture: its own columns, as an MLP's
             columns, width = share.moe_intermediate, config.moe_intermediate_size
+            if name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                return _take_rows(value, [columns, _shifted(columns, width)])
+            if name.endswith("down_proj.bias"):
+                # The ranks' outputs are summed (layers.ReducedOutput): the bias counts on one.
+                return value if rank == 0 else torch.zeros_like(value)
+            return self._take_columns(name, value, [s.moe_intermediate for s in self.shares], rank)
+        if ".mlp.shared_experts." in name:  # the shared expert: its own columns, as an MLP's
+            columns, width = share.shared_intermediate, config.shared_expert_intermediate_size
             if name.endswith("gate_up_proj.weight"):
                 return _take_rows(value, [columns, _shifted(columns, width)])
-            return self._take_columns(name, value, [s.moe_intermediate for s in self.shares], rank)
+            return self._take_columns(name, value, [s.shared_intermediate for s in self.shares], rank)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return _take_rows(value, [share.vocab])
         if name.endswith("self_attn.o_proj.weight"):
@@ -150,7 +167,7 @@ class ShardPlan:
                                       rank)
         if name.endswith("mlp.down_proj.weight"):
             return self._take_columns(name, value, [s.intermediate for s in self.shares], rank)
-        return value  # whole on every rank: norms, and the row-parallel layers' biases
+        return value  # whole on every rank: norms, routers and gates, the row-parallel layers' biases
 
     def _take_columns(self, name: str, value, spans: list[Span], rank: int):
         """Rank's input columns of a row-parallel weight. A quantized one is checked at every

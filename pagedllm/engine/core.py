@@ -21,6 +21,7 @@ A pooling engine's step samples nothing: its requests get vectors (pagedllm.engi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -132,11 +133,16 @@ class EngineCore(StepIsolation):
         if self.speculator is not None and choose is None:
             self.speculator.propose(self.scheduler.running, self.requests.seqs)
         out = self.scheduler.schedule()
+        if self.speculator is not None:  # a draft model proposes into the slots just given
+            self.speculator.fill(out, self.requests.seqs)
         counts = self._counts
         counts.update(step_requests=len(out.scheduled), step_blocks=self.kv_manager.stats().num_used_blocks,
                       computed=counts["computed"] + out.num_batched_tokens)
+        started = time.perf_counter()
         try:
             outputs, failed, failure = self._run(out, choose), [], ""
+            # What the step cost sizes the next steps' token share (pagedllm.core.step_cost).
+            self.scheduler.step_cost.observe(out.num_batched_tokens, time.perf_counter() - started)
         except Exception as exc:
             outputs, failed, failure = self._run_without_culprits(out, choose, exc)
         if not out.scheduled:
@@ -278,4 +284,6 @@ class EngineCore(StepIsolation):
             num_generation_tokens=counts["generation"], num_computed_tokens=counts["computed"],
             kv_cache_dtype=self.facts.kv_cache_dtype, step_num_requests=counts["step_requests"],
             step_num_used_blocks=counts["step_blocks"],
-            spec_decode=None if self.speculator is None else self.speculator.stats.copy())
+            spec_decode=None if self.speculator is None else self.speculator.stats.copy(),
+            step_share_tokens=self.scheduler.step_cost.free_tokens(),
+            draft_kv_bytes_per_block=self.facts.draft_kv_bytes_per_block)

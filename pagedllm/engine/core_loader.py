@@ -8,7 +8,10 @@ KV cache's plan (how many blocks the byte budget buys at this process's heads pe
 included, so a compressed cache gets proportionally more) and its manager; the scheduler over it;
 the runner with its KV cache and the executor that drives it (local, or tensor-parallel: the
 workers then build their runners from the same arguments); the sampler and the structured-output
-manager. Last, malloc is tuned for the steps: what loading and prepacking freed goes back to the
+manager. With a draft model (speculative decoding's draft_model), the draft is loaded beside the
+target through the same loader, checked against its vocabulary and tokenizer, and its K/V share
+the target's blocks (pagedllm.spec_decode.draft): each block's bytes in the plan are both models'.
+Last, malloc is tuned for the steps: what loading and prepacking freed goes back to the
 OS, and from then on what a step frees is kept for the next one.
 """
 
@@ -34,10 +37,11 @@ from pagedllm.lora.request import LoRARequest, parse_lora_modules
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
-from pagedllm.model.loader import LoadedModel
+from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.recurrent_state import pages_per_request
 from pagedllm.pooling_params import PoolingSetup
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pagedllm.spec_decode.draft import DraftModelProposer
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.utils import keep_freed_memory_for_reuse, release_freed_memory
@@ -62,13 +66,15 @@ class CoreFacts:
     weight_bytes: int  # after the runner's prepacking
     vocab_size: int = 0  # the whole vocabulary's (token ids a request names must be below it)
     pooling: PoolingSetup | None = None  # a pooling engine's (EngineConfig.runner); None: it generates
+    draft_kv_bytes_per_block: int = 0  # a draft model's share of each KV block's bytes
 
     def describe(self, weights_note: str) -> str:
         """The start-up line: every choice that changes which code runs. The KV cache's blocks,
         bytes and what fits; the weights' bytes and weights_note (LoadedModel.weights_note: what
         stayed quantized, what is float); the device and dtype; prefix caching, tensor
         parallelism, batch invariance."""
-        return (f"{describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout)}; "
+        plan = describe_plan(self.kv_plan, self.kv_cache_dtype, self.kv_layout, self.draft_kv_bytes_per_block)
+        return (f"{plan}; "
                 f"weights {self.weight_bytes / 2**20:.1f} MiB ({weights_note}); "
                 f"{self.device}, {str(self.dtype).removeprefix('torch.')}, {self.choices}")
 
@@ -91,9 +97,10 @@ def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
     device = resolve_device(config.device)
     loaded, driver = load_engine_model(config, device)
     try:
+        draft = load_draft_model(config, loaded, device)
         # The dtype the loader resolved and holds the weights in (not resolved a second time).
         parts = build_core_parts(config, loaded.model, loaded.config, loaded.config.dtype,
-                                 GrammarCompiler(loaded.tokenizer), driver)
+                                 GrammarCompiler(loaded.tokenizer), driver, draft)
     except BaseException:
         if driver is not None:
             driver.close()
@@ -101,11 +108,31 @@ def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
     return parts, loaded
 
 
+def load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.device) -> LoadedModel | None:
+    """The draft model speculative_config names (None for the other methods), loaded as the
+    target was (its dtype, quantization); ValueError (one line) for one that cannot propose to it."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = load_model(spec.model, target.config.dtype, device, config.quantization,
+                       config.quantization_group_size)
+    check_draft_vocabulary(target.config.vocab_size, draft.config.vocab_size, target.tokenizer,
+                           draft.tokenizer)
+    for name, model_config in (("target", target.config), ("draft", draft.config)):
+        if model_config.is_hybrid or model_config.kv_window is not None:
+            kind = "recurrent layers" if model_config.is_hybrid else "a sliding window"
+            raise ValueError(f"speculative_config: the {name} model has {kind}, which a draft model's "
+                             "K/V in the target's blocks does not follow yet; use method 'ngram' or 'suffix'")
+    return draft
+
+
 def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
                      dtype: torch.dtype, grammar_compiler: GrammarCompiler | None = None,
-                     driver: TensorParallelDriver | None = None) -> CoreParts:
+                     driver: TensorParallelDriver | None = None,
+                     draft: LoadedModel | None = None) -> CoreParts:
     """The parts over a loaded model. grammar_compiler: for requests with structured_outputs
-    (None: such requests are refused). driver: rank 0's, under tensor parallelism."""
+    (None: such requests are refused). driver: rank 0's, under tensor parallelism. draft: the draft
+    model speculative_config names (load_draft_model)."""
     device = next(model.parameters()).device  # where the loader put the weights
     if device.type == "cpu":
         tiers.available()  # build (or find) the kernels now, not in the first request
@@ -123,43 +150,70 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         config = _hybrid_config(config)
     # The heads are this process's (model.config): under tensor parallelism its share, the
     # largest of any rank's, so the budget is what each rank's cache may take.
+    draft_bytes = 0 if draft is None else _kv_bytes_per_block(
+        config, draft.config, dtype, draft.model.config.num_key_value_heads)
     state_shapes = model.state_shapes if model_config.is_hybrid else []
     kv_plan = plan_model_kv_cache(config, model_config, dtype, model.config.num_key_value_heads,
-                                  state_shapes, _free_device_bytes(device))
+                                  state_shapes, _free_device_bytes(device), draft_bytes)
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, kv_plan.max_model_len,
-                        config.scheduling_policy),
+                        config.scheduling_policy, config.step_share_tokens),
         make_kv_manager(config, kv_plan))
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
                       config.kv_layout, config.describe_choices(), model.weight_bytes(),
                       model_config.vocab_size,
-                      PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels))
+                      PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels),
+                      draft_bytes)
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     lora = _lora_slots(config, executor, model_config) if config.enable_lora else None
     sampler = Sampler(config.seed, device)
     spec_config = SpeculativeConfig.parse(config.speculative_config)
-    speculator = None if spec_config is None else Speculator(spec_config, sampler, kv_plan.max_model_len)
+    speculator = None
+    if spec_config is not None:
+        proposer = None if draft is None else _draft_proposer(config, draft, kv_plan, dtype, device, sampler)
+        if spec_config.method == "draft_model" and proposer is None:
+            raise ValueError("speculative_config: method 'draft_model' needs its model loaded "
+                             "(load_draft_model)")
+        speculator = Speculator(spec_config, sampler, kv_plan.max_model_len, proposer)
     return CoreParts(scheduler, executor, sampler, StructuredOutputManager(grammar_compiler),
                      grammar_compiler, facts, lora, speculator)
 
 
 def plan_model_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                         kv_heads: int, state_shapes: list[tuple[int, ...]],
-                        free_device_bytes: int | None = None) -> KVPlan:
+                        free_device_bytes: int | None = None, draft_bytes_per_block: int = 0) -> KVPlan:
     """The KV plan for a model of this shape (config.block_size set): its attention layers' bytes
-    per block (a latent-attention model's one latent per token, keys and values at once), the
-    pages of one request's recurrent state (state_shapes; [] where it has none), what the budget
-    buys. kv_heads: this process's share of the KV heads."""
+    per block (a latent-attention model's one latent per token, keys and values at once) and a
+    draft model's share of each block, the pages of one request's recurrent state (state_shapes;
+    [] where it has none), what the budget buys. kv_heads: this process's share of the KV heads."""
     latent = model_config.kv_lora_rank > 0
-    bytes_per_block = kv_cache_bytes_per_block(
-        len(model_config.attention_layers), config.block_size, kv_heads, model_config.head_dim, dtype,
-        config.kv_cache_dtype, values_share_keys=latent)
+    bytes_per_block = _kv_bytes_per_block(config, model_config, dtype, kv_heads) + draft_bytes_per_block
     return plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
                          sliding_window=model_config.kv_window, free_device_bytes=free_device_bytes,
                          state_pages_per_request=pages_per_request(state_shapes, bytes_per_block),
                          kv_kind=kv_page_kind(model_config.kv_window, latent))
+def _kv_bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                        kv_heads: int) -> int:
+    """What one block of a model's K/V takes (every attention layer's keys and values, scales
+    included), at this process's heads per rank (kv_heads)."""
+    return kv_cache_bytes_per_block(
+        len(model_config.attention_layers), config.block_size, kv_heads, model_config.head_dim, dtype,
+        config.kv_cache_dtype, values_share_keys=model_config.kv_lora_rank > 0)
+
+
+def _draft_proposer(config: EngineConfig, draft: LoadedModel, kv_plan: KVPlan, dtype: torch.dtype,
+                    device: torch.device, sampler: Sampler) -> DraftModelProposer:
+    """The draft's runner, its KV tensors indexed by the target's block ids (as many blocks),
+    and the proposer over it. Eager: its passes are few and small, and a graph's scratch block
+    would sit past the shared ids."""
+    runner = ModelRunner(draft.model, num_blocks=kv_plan.num_blocks, block_size=config.block_size,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_model_len=kv_plan.max_model_len, kv_dtype=dtype, device=device,
+                         kv_cache_dtype=config.kv_cache_dtype, enforce_eager=True,
+                         max_num_seqs=config.max_num_seqs)
+    return DraftModelProposer(runner, sampler, config.max_num_batched_tokens)
 
 
 def _hybrid_config(config: EngineConfig) -> EngineConfig:

@@ -83,6 +83,14 @@ class InputProcessor:
         server's --chat-template); None: the model's. pooling: a pooling engine's setup (None: the
         engine generates tokens). scheduling_policy: the engine's (a request's priority must be
         one it runs)."""
+        # Checked at start: either would make every request fail later as if its prompt were bad.
+        if tokenizer.vocab_size == 0:
+            raise ValueError("the model's tokenizer has no tokens: its tokenizer.json (or GGUF "
+                             "tokenizer) is empty")
+        if tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"the model's tokenizer has {tokenizer.vocab_size} tokens but its "
+                             f"vocabulary (the embedding's rows) is {vocab_size}: ids from {vocab_size} "
+                             "on would have no embedding")
         self.tokenizer = tokenizer
         self.pooling = pooling
         self.scheduling_policy = scheduling_policy
@@ -324,12 +332,14 @@ class InputProcessor:
             messages = call_arguments_as_objects(messages)
             if tools:
                 kwargs["tools"] = [tool.to_openai() for tool in tools]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        def render(conversation: list) -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                 continue_final_message=continue_final_message,
-                max_chars=min(self.max_prompt_chars, MAX_RENDER_CHARS),
-                **kwargs)
+                max_chars=min(self.max_prompt_chars, MAX_RENDER_CHARS), **kwargs)
+
+        try:
+            text = render(messages)
         except TemplateTimeout:  # the template's fault, not the request's
             raise
         except TemplateTooLong:
@@ -342,7 +352,7 @@ class InputProcessor:
         except Exception as exc:  # the template itself failed (e.g. roles out of order)
             raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                "messages") from exc
-        plain = content_spans(text, messages) if split_special_tokens else ()
+        plain = content_spans(text, messages, render) if split_special_tokens else ()
         return {"prompt": text, "prompt_token_ids": self.encode(
             text, "messages", add_special_tokens=add_special_tokens, plain_spans=plain)}
 

@@ -82,6 +82,10 @@ class EngineCoreStats:
     step_num_requests: int = 0  # requests the last step ran
     step_num_used_blocks: int = 0  # blocks in use while it ran (before finished ones went back)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, where it is on
+    # The token share's free tokens now (pagedllm.core.step_cost): measured or set; None unmeasured.
+    step_share_tokens: int | None = None
+    # A draft model's share of kv.bytes_per_block: its K/V of a block's tokens lives in the block.
+    draft_kv_bytes_per_block: int = 0
 
     def to_dict(self) -> dict:
         """Flat figures, as LLM.memory_stats() gives them to users."""

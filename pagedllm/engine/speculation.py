@@ -11,6 +11,12 @@ after the model ran (the plan in pagedllm.spec_decode's docstring; the pieces ar
   proposal's prefix that matches the argmax (from the argmax ids alone when the step gave only
   those), the others go through the rejection sampler, whose output distribution is the target's.
   Either way a run of accepted tokens and one more, with their logprobs where asked for.
+- fill(): with a draft model, propose() only reserves: each proposal is k placeholders, the
+  scheduler gives them slots, and fill() has the draft (pagedllm.spec_decode.draft) write its
+  K/V into those slots and its tokens over the placeholders before the target runs them. A
+  constrained sequence's draft proposes under its grammar's masks, and is cut where the grammar
+  completes; the slots past the cut run anyway (the scheduler fixed the step) and verify() reads
+  only the rows up to it.
 - observe(): the counters (SpecDecodeStats, vLLM's names) and each sequence's AcceptanceRate.
 
 Sequences that take a chooser's tokens (beam search) or still fan out (a prompt's first sample
@@ -24,9 +30,11 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.request_group import CoreSequence
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.spec_decode import AcceptanceRate, SpecDecodeStats, SpeculativeConfig, choose_k, make_proposer
+from pagedllm.spec_decode.draft import PLACEHOLDER_TOKEN, DraftModelProposer, DraftSequence
 from pagedllm.spec_decode.grammar import constrain_proposal
 from pagedllm.spec_decode.rejection import Draft, RejectionSampler, accept_greedy
 from pagedllm.structured.bitmask import apply_token_bitmask_
@@ -38,27 +46,39 @@ Run = tuple[list[int], list[TokenLogprobs | None]]
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int,
+                 draft: DraftModelProposer | None = None) -> None:
+        """draft: the draft model's proposer (method draft_model), else None."""
         self.config = config
-        self.proposer = make_proposer(config)
+        self.draft = draft
+        self.proposer = make_proposer(config) if draft is None else None
         self.verifier = RejectionSampler(sampler)
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
         self._rates: dict[str, AcceptanceRate] = {}
         # The grammar masks of this step's constrained proposals ([k + 1, words]), by request id.
         self._masks: dict[str, torch.Tensor] = {}
+        # A draft model's, by request id: the proposal's tokens its grammar keeps (absent: all),
+        # and the distributions a sampled request's were drawn from ([k, vocab]).
+        self._kept: dict[str, int] = {}
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     # -- before the schedule ---------------------------------------------------------------------
     def propose(self, running: Sequence[Request], seqs: dict[str, CoreSequence]) -> None:
         """Proposals for the running sequences whose next step is a decode."""
         self._masks.clear()
+        self._kept.clear()
+        self._draft_probs.clear()
         candidates = [seqs[r.request_id] for r in running if self._decodes_next(r, seqs)]
         if not candidates:
             return
         ks = [self._k(seq.request, len(running)) for seq in candidates]
-        proposals = self.proposer.propose([seq.request for seq in candidates], ks)
+        if self.draft is not None:  # slots first: the draft writes its K/V into them (fill)
+            proposals = [[PLACEHOLDER_TOKEN] * k for k in ks]
+        else:
+            proposals = self.proposer.propose([seq.request for seq in candidates], ks)
         for seq, proposal in zip(candidates, proposals):
-            if proposal and seq.matcher is not None:
+            if proposal and seq.matcher is not None and self.draft is None:
                 proposal, mask = constrain_proposal(seq.matcher, proposal)
                 self._masks[seq.request.request_id] = mask
             seq.request.spec_token_ids = list(proposal)
@@ -87,11 +107,34 @@ class Speculator:
             rate = self._rates[request_id] = AcceptanceRate()
         return rate
 
+    # -- after the schedule ----------------------------------------------------------------------
+    def fill(self, out: SchedulerOutput, seqs: dict[str, CoreSequence]) -> None:
+        """A draft model's proposals over the placeholders the scheduler kept (k of them each),
+        its K/V written into the slots it gave them. Nothing to do for the other methods."""
+        if self.draft is None:
+            return
+        self.draft.step_begins(out.block_copies, out.preempted)
+        items = [s for s in out.scheduled if s.num_spec_tokens]
+        if not items:
+            return
+        batch = [DraftSequence(s.request, s.num_spec_tokens, s.block_ids, seq.row, seq.matcher)
+                 for s in items for seq in (seqs[s.request.request_id],)]
+        proposals = self.draft.propose(batch)
+        for s, tokens, probs in zip(items, proposals.token_ids, proposals.probs):
+            request_id, seq = s.request.request_id, seqs[s.request.request_id]
+            s.request.spec_token_ids[:] = tokens
+            if probs is not None:
+                self._draft_probs[request_id] = probs
+            if seq.matcher is not None:
+                kept, self._masks[request_id] = constrain_proposal(seq.matcher, tokens)
+                self._kept[request_id] = len(kept)
+
     # -- after the model ran ---------------------------------------------------------------------
     def verify(self, seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor,
                argmax_only: bool) -> list[Run]:
         """Each speculating sequence's run, from its counts[i] = k + 1 rows of logits (laid end
         to end in `logits`; with argmax_only, the rows' argmax ids)."""
+        logits, counts = self._kept_rows(seqs, counts, logits)
         if argmax_only:
             ids = logits.tolist()
             runs, start = [], 0
@@ -101,10 +144,26 @@ class Speculator:
                 start += n
             return runs
         logits = self._masked(seqs, counts, logits)
-        drafts = [Draft(seq.row, seq.request.spec_token_ids[:n - 1]) for seq, n in zip(seqs, counts)]
+        drafts = [Draft(seq.row, seq.request.spec_token_ids[:n - 1],
+                        self._draft_probs.get(seq.request.request_id)) for seq, n in zip(seqs, counts)]
+        for draft in drafts:
+            if draft.draft_probs is not None:
+                draft.draft_probs = draft.draft_probs[:len(draft.proposal)]
         out = self.verifier(logits, drafts)
         return [(tokens, lps if lps is not None else [None] * len(tokens))
                 for tokens, lps in zip(out.token_ids, out.logprobs)]
+
+    def _kept_rows(self, seqs: list[CoreSequence], counts: list[int],
+                   logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The rows up to where each draft proposal's grammar cut it (fill), and their counts."""
+        kept = [min(n, self._kept.get(seq.request.request_id, n) + 1) for seq, n in zip(seqs, counts)]
+        if kept == counts:
+            return logits, counts
+        rows, start = [], 0
+        for n, k in zip(counts, kept):
+            rows.extend(range(start, start + k))
+            start += n
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], kept
 
     def _masked(self, seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor) -> torch.Tensor:
         """The logits with each constrained sequence's rows masked by its grammar's states along
@@ -124,10 +183,11 @@ class Speculator:
         return logits
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        num_proposed = min(num_proposed, self._kept.get(request_id, num_proposed))
         self.stats.observe(num_proposed, num_accepted)
         self._rate(request_id).observe(num_proposed, num_accepted)
 
     def forget(self, request_id: str) -> None:
         """The sequence ended: drop what was kept for it."""
         self._rates.pop(request_id, None)
-        self.proposer.forget(request_id)
+        (self.draft or self.proposer).forget(request_id)

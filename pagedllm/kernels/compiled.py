@@ -167,8 +167,10 @@ def build_timeout_s() -> float:
 
 
 def _build_in_child(build_dir: Path, name: str, tier: str) -> str | None:
-    """Build the library in a child process (its own process group, so a stop takes the compiler
-    with it), waiting at most build_timeout_s(). None once built; else why not."""
+    """Build the library in a child process (its own session, so a stop takes every compiler with
+    it), waiting at most build_timeout_s(). None once built; else why not. The child holds the
+    read end of a pipe whose write end only this process holds: when this process dies, however
+    (SIGKILL included), the child's watchdog kills its session, so no compiler runs on orphaned."""
     timeout = build_timeout_s()
     spec = {"name": name, "build_dir": str(build_dir), "cflags": _cflags(tier),
             "files": {n: str(_CSRC / n) for n in _sources(tier) + _HEADERS},
@@ -178,10 +180,16 @@ def _build_in_child(build_dir: Path, name: str, tier: str) -> str | None:
                 timeout)
     started = time.monotonic()
     env = envs.child_environ()
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import json, sys; from pagedllm.kernels import compiled; "
-                               "compiled.build(json.loads(sys.argv[1]))", json.dumps(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    parent_alive, alive_writer = os.pipe()
+    try:
+        code = ("import json, sys; from pagedllm.kernels import compiled; "
+                "compiled.die_with_parent(int(sys.argv[2])); compiled.build(json.loads(sys.argv[1]))")
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(spec), str(parent_alive)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            pass_fds=(parent_alive,))
+    finally:
+        os.close(parent_alive)
     try:
         output, _ = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -190,6 +198,8 @@ def _build_in_child(build_dir: Path, name: str, tier: str) -> str | None:
     except BaseException:
         _stop(child)
         raise
+    finally:
+        os.close(alive_writer)
     if child.returncode != 0:
         text = output.decode(errors="replace").strip()
         return f"the build failed (exit status {child.returncode}: {text[-500:]})"
@@ -199,11 +209,39 @@ def _build_in_child(build_dir: Path, name: str, tier: str) -> str | None:
 
 def _stop(child: subprocess.Popen) -> None:
     """Kill a build child and the compilers under it."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _kill_session(child.pid)  # the child leads its session (start_new_session)
     child.wait()
+
+
+def _kill_session(session: int) -> None:
+    """SIGKILL every process of a session. Not its process group alone: ninja runs each compile
+    command in a group of its own, so killing the child's group left the compilers running."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc: the session leader's group, the most there is to reach
+        pids = []
+    for pid in pids:
+        try:
+            if pid != os.getpid() and os.getsid(pid) == session:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def die_with_parent(parent_alive: int) -> None:
+    """In a build child: kill this process's session (the compilers with it, then itself) when end
+    of file comes on parent_alive, a pipe whose write end only the parent holds: when it dies."""
+    def watch() -> None:
+        while os.read(parent_alive, 4096):  # the parent never writes: only end of file comes
+            pass
+        _kill_session(os.getsid(0))
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-build-watchdog", daemon=True).start()
 
 
 def build(spec: dict) -> None:

@@ -35,6 +35,15 @@ class Architecture:
     sliding_period: int | None = None
     # The rope base of the sliding-window layers where the checkpoint does not say (Gemma 3).
     local_rope_theta: float | None = None
+    # The shared expert's output is scaled by sigmoid(shared_expert_gate(x)), a learned gate of one
+    # output (Qwen2-MoE), before it joins the routed experts'.
+    shared_expert_gate: bool = False
+    # A learned logit per attention head that joins each softmax's denominator and adds no value
+    # (gpt-oss's "sinks"): a query may give part of its attention to nothing.
+    attention_sinks: bool = False
+    # YaRN's ramp between kept and interpolated frequencies starts and ends on whole dimensions,
+    # where the GGUF file does not say (gpt-oss was trained without that rounding).
+    yarn_truncate: bool = True
 
 
 _GEMMA = dict(sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
@@ -49,6 +58,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Mixtures of experts (model/moe.py); Mixtral's GGUF files say "llama" with expert tensors.
     "Qwen3MoeForCausalLM": Architecture(gguf_name="qwen3moe", qk_norm=True),
     "MixtralForCausalLM": Architecture(),
+    # Qwen2's attention (q/k/v bias, unless config.json's qkv_bias says none) and a gated shared
+    # expert beside the routed ones.
+    "Qwen2MoeForCausalLM": Architecture(gguf_name="qwen2moe", qkv_bias=True, shared_expert_gate=True),
     # Multi-head latent attention (model/mla.py) and mixtures of experts with shared experts.
     # llama.cpp writes both as deepseek2 (config.py tells V3 by its sigmoid router).
     "DeepseekV2ForCausalLM": Architecture(gguf_name="deepseek2", sliding_window=False),
@@ -63,6 +75,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture(gguf_name="gemma3", qk_norm=True, sliding_period=6,
                                       local_rope_theta=10000.0, **_GEMMA),
     "Phi3ForCausalLM": Architecture(gguf_name="phi3", fused_checkpoint=True),
+    # Attention sinks, windowed and full layers alternating (layers 0, 2, 4... slide), biases on
+    # q/k/v/o; a mixture of experts with biases everywhere (config_parts.py's _GPT_OSS_MOE says how
+    # it routes and gates).
+    "GptOssForCausalLM": Architecture(gguf_name="gpt-oss", attention_sinks=True, sliding_period=2,
+                                      yarn_truncate=False),
 }
 
 # GGUF general.architecture -> the Hugging Face class it stands for.

@@ -28,7 +28,8 @@ What this mode fixes, per row:
 What it does not cover, refused at start-up with a ValueError: GPUs (the Triton kernel and
 cuBLAS choose their own orders), CPU tiers without pagedllm's compiled attention, quantized
 matmuls and norms (tiers.LAYER_FAMILIES: the portable tier; its torch attention batches its
-matmuls), float16, and head sizes the kernel is not compiled for. (The avx2 tier's attention is
+matmuls), float16, head sizes the kernel is not compiled for, and attention sinks (gpt-oss: the
+torch attention path only). (The avx2 tier's attention is
 row-invariant whatever the call: csrc/attention_avx2.cpp.)
 
 The cost is prefill speed (docs/reliability.md, `pagedllm bench throughput --batch-invariant`):
@@ -88,6 +89,9 @@ def check_batch_invariant(model: nn.Module) -> None:
                          "use --device cpu or leave batch_invariant off")
     if weight.dtype not in _DTYPES:
         raise ValueError(f"batch_invariant supports bfloat16 and float32, not {weight.dtype}")
+    if config.arch.attention_sinks:
+        raise ValueError(f"batch_invariant: {config.architecture}'s attention sinks run on the torch "
+                         "attention path, which is not row-invariant; leave batch_invariant off")
     probe = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=weight.dtype)
     if not tiers.current().runs_layers:
         raise ValueError("batch_invariant needs pagedllm's compiled CPU kernels for attention, quantized "

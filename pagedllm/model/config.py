@@ -77,14 +77,21 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] | None = None
-    # DeepSeek's experts: shared experts (one MLP this wide, every token), the routed weights'
-    # factor, and how experts are picked (model/moe.py's route says each way).
+    # DeepSeek's and Qwen2-MoE's shared experts (one MLP this wide, every token; Qwen2-MoE's scaled
+    # by its gate, architectures.py), and DeepSeek's: the routed weights' factor, and how experts
+    # are picked (model/moe.py's route says each way).
     shared_expert_intermediate_size: int = 0
     routed_scaling_factor: float = 1.0
-    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc | topk_softmax
     scoring_func: str = "softmax"  # softmax | sigmoid
     n_group: int = 1
     topk_group: int = 1
+    # gpt-oss's experts: a bias on the router's logits, and the clamped SwiGLU (the gate capped
+    # above at swiglu_limit, up clamped to +-swiglu_limit, out = (up + 1) * gate * sigmoid(alpha *
+    # gate)) instead of SiLU(gate) * up; None: the plain gated activation.
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): a token's keys and values are one
     # latent of kv_lora_rank values and one rotary key of qk_rope_head_dim shared by every head, so
     # the cache holds one "KV head" of head_dim = kv_lora_rank + qk_rope_head_dim (and
@@ -303,7 +310,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=key("rope.freq_base", 10000.0),
-            rope_scaling=_gguf_rope_scaling(key),
+            rope_scaling=_gguf_rope_scaling(key, arch),
             max_position_embeddings=key("context_length", 2048),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -320,7 +327,7 @@ class ModelConfig:
             final_logit_softcapping=key("final_logit_softcapping"),
             local_rope_theta=key("rope.freq_base_swa", arch.local_rope_theta),
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
-            **gguf_moe_fields(key, tensor_names, layers),
+            **gguf_moe_fields(key, tensor_names, layers, architecture),
         )
         if gguf_arch == "deepseek2":
             fields.update(gguf_latent_fields(key))
@@ -470,6 +477,7 @@ _LLAMA_CPP_DEFAULTS = {
                "final_logit_softcapping": 30.0},
     # DeepSeek's converter writes expert_weights_norm only where it is true.
     "deepseek2": {"expert_weights_norm": False},
+    "qwen2moe": {"expert_weights_norm": False},  # its graph never renormalizes the top-k scores
 }
 
 # GGUF files do not store Gemma's query_pre_attn_scalar. llama.cpp knows it is head_dim for every
@@ -485,13 +493,16 @@ def _gguf_query_pre_attn_scalar(
     return hidden // heads if layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim
 
 
-def _gguf_rope_scaling(key) -> dict[str, Any] | None:
+def _gguf_rope_scaling(key, arch: Architecture) -> dict[str, Any] | None:
     rope_type = key("rope.scaling.type", "none")
     if rope_type == "none":
         return None
     scaling = {"rope_type": rope_type, "factor": key("rope.scaling.factor", 1.0)}
     if key("rope.scaling.original_context_length"):
         scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+    if rope_type == "yarn":
+        scaling.update(beta_fast=key("rope.scaling.yarn_beta_fast"),
+                       beta_slow=key("rope.scaling.yarn_beta_slow"), truncate=arch.yarn_truncate)
     return scaling
 
 

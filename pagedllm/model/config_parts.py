@@ -1,5 +1,5 @@
 """The config fields of the families that go beyond a Llama's shape, read from config.json and GGUF
-metadata: mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek) and multi-head latent attention
+metadata: mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek) and multi-head latent attention
 (DeepSeek-V2/V3). model/config.py's ModelConfig declares the fields; this says where they come from.
 """
 
@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.model.errors import UnsupportedModelError
+from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def hf_sparse_and_latent_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    if architecture == "Qwen2MoeForCausalLM":
+        config = {**_QWEN2_MOE_DEFAULTS, **config}
     fields = _hf_moe(config, architecture)
+    if architecture == "Qwen2MoeForCausalLM":
+        fields.update(_hf_qwen2_moe(config, bool(fields)))
     if architecture in _DEEPSEEK:
         fields.update(_hf_mla(config, architecture))
     if architecture == "Qwen3_5ForCausalLM":
@@ -91,16 +95,47 @@ def _hf_granite_hybrid(config: dict[str, Any], architecture: str) -> dict[str, A
         logits_scaling=float(config.get("logits_scaling", 1.0)), use_rope=position == "rope", **moe)
 
 
+# What transformers' Qwen2MoeConfig takes for the keys a config.json leaves out.
+_QWEN2_MOE_DEFAULTS = dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                           shared_expert_intermediate_size=5632, norm_topk_prob=False,
+                           decoder_sparse_step=1, qkv_bias=True, sliding_window=4096, max_window_layers=28)
+
+
+def _hf_qwen2_moe(config: dict[str, Any], sparse: bool) -> dict[str, Any]:
+    """Qwen2-MoE: q/k/v bias as qkv_bias says (none on o_proj); on its sparse layers one shared
+    expert of shared_expert_intermediate_size (0: none; transformers' MLP of width 0 adds zeros)
+    whose output a sigmoid gate scales (architectures.py); and, where config.json lists no
+    layer_types, its own sliding layers: every other one (0, 2, ...) below max_window_layers."""
+    fields: dict[str, Any] = dict(attention_bias=bool(config["qkv_bias"]), output_bias=False)
+    if sparse:
+        fields["shared_expert_intermediate_size"] = config["shared_expert_intermediate_size"] or 0
+    if config.get("use_sliding_window") and config["sliding_window"] and not config.get("layer_types"):
+        below = min(config["max_window_layers"], config["num_hidden_layers"])
+        fields.update(sliding_window=config["sliding_window"], sliding_layers=tuple(range(0, below, 2)))
+    return fields
+
+
+# gpt-oss's experts, on every layer, intermediate_size wide: the router's logits carry a bias, the
+# top k of them are softmaxed among themselves, and every expert projection has a bias.
+_GPT_OSS_MOE = dict(topk_method="topk_softmax", router_bias=True, mlp_bias=True)
+
+
 def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """Mixtral's experts are intermediate_size wide, on every layer, their top-k scores always
-    renormalized; Qwen3-MoE's are moe_intermediate_size wide, on every decoder_sparse_step-th layer
-    (counting from 1) not in mlp_only_layers; DeepSeek's on every layer from first_k_dense_replace
-    on, beside shared experts."""
+    """Mixtral's and gpt-oss's experts are intermediate_size wide, on every layer, their top-k
+    scores always renormalized (gpt-oss: softmaxed among themselves); Qwen2-MoE's and Qwen3-MoE's
+    are moe_intermediate_size wide, on every decoder_sparse_step-th layer (counting from 1) not in
+    mlp_only_layers; DeepSeek's on every layer from first_k_dense_replace on, beside shared
+    experts."""
     experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                     if config.get(k)), 0)
     if not experts:
         return {}
     top_k = config.get("num_experts_per_tok")
+    if architecture == "GptOssForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=config["intermediate_size"],
+                    swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(config.get("swiglu_alpha", 1.702)), **_GPT_OSS_MOE)
     if architecture == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True)
@@ -119,8 +154,9 @@ def _hf_moe(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 "scoring_func": "sigmoid" if v3 else "softmax",
                 "n_group": config.get("n_group") or 1, "topk_group": config.get("topk_group") or 1}
     step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-    return {**fields, "moe_layers": tuple(i for i in layers
-                                          if i not in dense and step > 0 and (i + 1) % step == 0)}
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"config.json: decoder_sparse_step must be a positive integer; got {step!r}")
+    return {**fields, "moe_layers": tuple(i for i in layers if i not in dense and (i + 1) % step == 0)}
 
 
 def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -146,31 +182,6 @@ def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 # llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType): DeepSeek-V3's router is sigmoid.
 SOFTMAX_GATING, SIGMOID_GATING = 1, 2
-
-
-def gguf_moe_fields(key, tensor_names: set[str], layers: int) -> dict[str, Any]:
-    """From llama.cpp's keys; the sparse layers are those with a router tensor. llama.cpp
-    renormalizes the top-k scores unless the file says otherwise. DeepSeek's: shared experts
-    (expert_shared_count of the experts' width), the routed weights' scale, and the routing its
-    gating function and expert groups say (as _hf_moe reads it from config.json)."""
-    experts = key("expert_count", 0)
-    if not experts:
-        return {}
-    width = key("expert_feed_forward_length") or key("feed_forward_length")
-    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
-    fields = dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
-                  moe_intermediate_size=width, norm_topk_prob=bool(key("expert_weights_norm", True)),
-                  moe_layers=sparse)
-    shared = key("expert_shared_count", 0)
-    if not shared:
-        return fields
-    sigmoid = key("expert_gating_func", SOFTMAX_GATING) == SIGMOID_GATING
-    groups = key("expert_group_count", 1)
-    method = "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"
-    return {**fields, "shared_expert_intermediate_size": width * shared,
-            "routed_scaling_factor": float(key("expert_weights_scale", 1.0)), "topk_method": method,
-            "scoring_func": "sigmoid" if sigmoid else "softmax", "n_group": groups,
-            "topk_group": key("expert_group_used_count", 1)}
 
 
 def gguf_latent_fields(key) -> dict[str, Any]:
@@ -219,3 +230,34 @@ def gguf_granite_hybrid_fields(key, tensor_names: set[str], kv_per_layer: list[i
         residual_multiplier=float(key("residual_scale", 1.0)),
         attention_multiplier=key("attention.scale"), logits_scaling=float(key("logit_scale", 1.0)),
         use_rope=bool(key("rope.scaling.finetuned", False)), **width)
+def gguf_moe_fields(key, tensor_names: set[str], layers: int, architecture: str) -> dict[str, Any]:
+    """From llama.cpp's keys; the sparse layers are those with a router tensor, and they have a
+    shared expert where their ffn_*_shexp tensors are there (Qwen2-MoE: as wide as
+    expert_shared_feed_forward_length says, else feed_forward_length, as llama.cpp reads it).
+    llama.cpp renormalizes the top-k scores unless the file says otherwise (or, for qwen2moe,
+    config.py's _LLAMA_CPP_DEFAULTS). gpt-oss's files hold no key for its SwiGLU's clamp: llama.cpp
+    runs it with transformers' defaults, 7.0 and 1.702. DeepSeek's: expert_shared_count shared
+    experts of the routed ones' width, the routed weights' scale, and the routing its gating
+    function and expert groups say (as _hf_moe reads it from config.json)."""
+    experts = key("expert_count", 0)
+    if not experts:
+        return {}
+    moe_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    shared = any(f"blk.{i}.ffn_down_shexp.weight" in tensor_names for i in moe_layers)
+    fields = dict(num_experts=experts, num_experts_per_tok=key("expert_used_count", 0),
+                  moe_intermediate_size=key("expert_feed_forward_length") or key("feed_forward_length"),
+                  norm_topk_prob=bool(key("expert_weights_norm", True)), moe_layers=moe_layers,
+                  shared_expert_intermediate_size=(key("expert_shared_feed_forward_length")
+                                                   or key("feed_forward_length")) if shared else 0)
+    if architecture == "GptOssForCausalLM":
+        fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, **_GPT_OSS_MOE)
+    shared_count = key("expert_shared_count", 0)
+    if shared_count:  # DeepSeek: shared experts as wide as the routed ones, routed by its rules
+        sigmoid = key("expert_gating_func", SOFTMAX_GATING) == SIGMOID_GATING
+        groups = key("expert_group_count", 1)
+        method = "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"
+        fields.update(shared_expert_intermediate_size=fields["moe_intermediate_size"] * shared_count,
+                      routed_scaling_factor=float(key("expert_weights_scale", 1.0)), topk_method=method,
+                      scoring_func="sigmoid" if sigmoid else "softmax", n_group=groups,
+                      topk_group=key("expert_group_used_count", 1))
+    return fields

@@ -10,14 +10,16 @@ the same order as LlamaForCausalLM's layers: the results are bit for bit theirs 
 Python between kernels gone.
 
 Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
-layer a plain DecoderLayer (no latent attention, no sandwich norms), rotary in place over whole
-heads (after Qwen3's q/k norms, which the layer and the call both apply in place by the compiled
-RMSNorm), SiLU, no local rope; the MLP gated, or a mixture of such experts routed greedily by
-softmax with no shared expert (Qwen3-MoE, Mixtral: the compiled router, then model/moe.py's
-operations in the same order, each expert by the compiled kernels); every projection QuantLinear
-as loaded (or wrapped for LoRA on the CPU, whose updates csrc/lora.cpp adds in the same call; not
-wrapped for tensor parallelism, not batch-invariant); the KV caches of the model's dtype or
-compressed.
+layer a plain DecoderLayer (no latent attention, no sandwich norms, no attention sinks: the
+compiled attention has none), rotary in place over whole heads (after Qwen3's q/k norms, which the
+layer and the call both apply in place by the compiled RMSNorm), SiLU, no local rope; the MLP
+gated, or a mixture of such experts routed greedily by softmax, with no shared expert (Qwen3-MoE,
+Mixtral) or a gated one (Qwen2-MoE): the compiled router, then model/moe.py's operations in the
+same order, each expert and the shared one by the compiled kernels, the shared expert's gate by the
+same torch operations (DeepSeek's ungated shared experts come with latent attention, which keeps
+the layers' path anyway); every projection QuantLinear as loaded (or wrapped for LoRA on the CPU,
+whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor parallelism, not
+batch-invariant); the KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
 matmul is the one the layers would run), and not batch-invariant ones.
 """
@@ -73,6 +75,7 @@ class DecodeLayers:
             qk_norms = _qk_norms(attn, model, dtype)
             mlp = _mlp_parts(layer.mlp)
             if (layer.attn_output_norm is not None or layer.uses_local_rope
+                    or attn.sinks is not None  # the compiled attention has no sinks
                     or not attn.rotary_in_place or (attn.q_norm is not None and not qk_norms)
                     or (attn.scale, attn.softcap) != (first.scale, first.softcap)
                     or any(type(n) is not RMSNorm or n.weight.dtype != dtype or n.eps != model.norm.eps
@@ -143,18 +146,23 @@ def _qk_norms(attn, model, dtype: torch.dtype) -> list[torch.Tensor]:
 def _mlp_parts(mlp) -> tuple[list[int], list[torch.Tensor], list] | None:
     """(meta, tensors before its projections, its projections) of a layer's MLP as the kernel takes
     it: a gated SiLU MLP, or a mixture of such experts with greedy softmax routing and no shared
-    expert (Qwen3-MoE, Mixtral); None for any other."""
-    from pagedllm.model.moe import SparseMoE
+    expert (Qwen3-MoE, Mixtral) or a gated one (Qwen2-MoE); None for any other."""
+    from pagedllm.model.moe import Router, SparseMoE
 
     if isinstance(mlp, SparseMoE):
+        gated = mlp.shared_expert_gate is not None
+        experts = list(mlp.experts) + ([mlp.shared_experts] if gated else [])
         # The call routes with the compiled router: only where the layer does too (route_kernel).
-        if (mlp.route_kernel is None or mlp.shared_experts is not None
-                or not all(getattr(e, "silu_kernel", False) for e in mlp.experts)):
+        if (mlp.route_kernel is None or (mlp.shared_experts is not None and not gated)
+                or (gated and type(mlp.shared_expert_gate) is not Router)
+                or not all(getattr(e, "silu_kernel", False) for e in experts)):
             return None
         routing = mlp.routing
         scale = torch.tensor([float(routing["scale"])], dtype=torch.float64)
-        return ([mlp.num_experts, mlp.top_k, int(bool(routing["normalize"]))], [mlp.gate.weight, scale],
-                [p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)])
+        shared_gate = [mlp.shared_expert_gate.weight] if gated else []
+        return ([mlp.num_experts, mlp.top_k, int(bool(routing["normalize"])), int(gated)],
+                [mlp.gate.weight, scale, *shared_gate],
+                [p for e in experts for p in (e.gate_up_proj, e.down_proj)])
     if not getattr(mlp, "silu_kernel", False):
         return None
     return [0], [], [mlp.gate_up_proj, mlp.down_proj]

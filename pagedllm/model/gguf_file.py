@@ -3,10 +3,16 @@ repacked quantized by gguf_repack), with what llama.cpp's converter changed in t
 q/k row order of Llama and Granite, Gemma's norm offset, DeepSeek's kv_b_proj split in two for
 absorption, Granite's gate/up projections split and Mamba2's A stored as -exp(A_log)).
 
-Every tensor of a file must map to a Hugging Face name or be read on its own (rope factors): a
-file with one that does not is refused, naming it, rather than run without it. That is also what
-a family we run only from Hugging Face folders gets (Qwen3.5 / Qwen3-Next: their Gated DeltaNet
-layers' ssm_* tensors are not mapped yet).
+gpt-oss's files (general.architecture "gpt-oss"): its sinks are attn_sinks.weight, its router
+ffn_gate_inp (weight and bias), its experts ffn_{gate,up,down}_exps stacked (weights, typically
+MXFP4, and biases), the gate and up columns llama.cpp's converter split out of transformers'
+interleaved gate_up_proj; they come out under the per-expert names gpt_oss.py gives a Hugging Face
+folder's.
+
+Every tensor of a file must be read by the model built from it (or read on its own: the rope
+factors): a file with one that is not is refused, naming it, rather than run without it. A family
+we run only from Hugging Face folders is refused up front, naming the first tensor we cannot map
+(Qwen3.5 / Qwen3-Next: their Gated DeltaNet layers' ssm_* tensors are not mapped yet).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pagedllm.model.quant_weight import QuantizedWeight
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-    Q.Q6_K, Q.IQ4_NL})
+    Q.Q6_K, Q.IQ4_NL, Q.MXFP4})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,6 +68,11 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_LAYER_NAMES,
     # Phi-3 keeps q/k/v and gate/up fused; llama.cpp calls the fused gate/up ffn_up.
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Qwen2-MoE's shared expert and its gate (one output, stored [1, hidden]).
+    "qwen2moe": {**_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
+    "gpt-oss": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"},
     # DeepSeek's latent attention and shared experts. llama.cpp's converter writes kv_b_proj as
     # attn_k_b and attn_v_b (older files: attn_kv_b); see _join_kv_b.
     "deepseek2": {**_LAYER_NAMES, "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
@@ -69,6 +80,8 @@ _ARCH_LAYER_NAMES = {
                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                   **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
+# Tensors transformers names without a .weight suffix: GGUF name part -> the name's end.
+_BARE_NAMES = {"attn_sinks": "self_attn.sinks"}
 _GRANITE_HYBRID_NAMES = {name: hf for name, hf in _LAYER_NAMES.items() if name not in ("ffn_gate", "ffn_up")}
 # Granite 4's hybrids: Mamba2 layers under ssm_*, the shared MLP as shared experts (or as the
 # dense MLP), the experts stacked; gate and up halves are joined back (_JOINS).
@@ -93,14 +106,19 @@ _JOINS = {"granitehybrid": [
 _READ_APART = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
+
 # A mixture of experts: llama.cpp stacks each layer's experts in one [E, rows, columns] tensor per
 # projection; transformers names each expert's own. Where each GGUF architecture's live, and the
 # Hugging Face names of its router and of an expert's gate, up and down projections.
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
+_QWEN_EXPERTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# (the layer's module, its router's name, the experts' projections)
 _MOE_NAMES = {
-    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
-    "deepseek2": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "qwen3moe": ("mlp", "gate", _QWEN_EXPERTS),
+    "qwen2moe": ("mlp", "gate", _QWEN_EXPERTS),
+    "llama": ("block_sparse_moe", "gate", {"gate": "w1", "up": "w3", "down": "w2"}),  # Mixtral
+    "gpt-oss": ("mlp", "router", _QWEN_EXPERTS),
+    "deepseek2": ("mlp", "gate", _QWEN_EXPERTS),
 }
 
 
@@ -147,6 +165,7 @@ class GGUFCheckpoint:
                     self.joined[f"model.layers.{layer}.{theirs}"] = (parts, partial(_join_halves, dim=dim))
         for hf, (parts, _) in self.joined.items():
             self.hf_names[hf] = parts[0]
+        self.read: set[str] = set()  # the tensors get_hf_tensor and get_raw have read
 
     def unmapped_tensors(self) -> list[str]:
         """The file's tensors, in its order, that nothing here reads."""
@@ -158,6 +177,16 @@ class GGUFCheckpoint:
         """Whether name is a half of a kv_b_proj the file also holds whole (attn_kv_b, read)."""
         match = _SPLIT_KV_B.fullmatch(name)
         return bool(match) and f"blk.{match[1]}.attn_kv_b.weight" in self.tensors
+
+    def check_all_read(self) -> None:
+        """Once the model is built: refuse a file with a tensor it did not read (a name we map, such
+        as attention sinks, on a model that has no place for it), rather than run without it."""
+        unread = [name for name in self.tensors
+                  if name not in self.read and name not in _READ_APART and not self._copies_kv_b(name)]
+        if unread:
+            raise UnsupportedModelError(
+                f"{self.path}: GGUF architecture {self.architecture!r}: no place in the model for tensor "
+                f"{unread[0]} ({len(unread)} tensors unread)")
 
     def check_all_mapped(self) -> None:
         """Refuse a file with a tensor we would not read (its model would run without it)."""
@@ -223,6 +252,7 @@ class GGUFCheckpoint:
         if hf in self.joined:
             parts, join = self.joined[hf]
             return join(*(self.get_raw(name) for name in parts))
+        self.read.add(self.hf_names[hf])
         name, expert = self.hf_names[hf], self.expert_index.get(hf)
         if keep_quantized and self.can_repack(name):
             weights = self.get_repacked(name, expert)
@@ -248,6 +278,7 @@ class GGUFCheckpoint:
 
     def get_raw(self, name: str, expert: int | None = None) -> torch.Tensor:
         """Dequantized to float32; of a stacked experts tensor, expert's own rows only."""
+        self.read.add(name)
         tensor = self.tensors[name]
         data = tensor.data if expert is None else tensor.data[expert]
         data = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), np.float32)
@@ -261,8 +292,11 @@ def hf_name(gguf_name: str, architecture: str | None = "llama") -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     if architecture in _MOE_NAMES:  # the router of a mixture of experts
-        layer_names = {**layer_names, "ffn_gate_inp": f"{_MOE_NAMES[architecture][0]}.gate"}
+        module, router, _ = _MOE_NAMES[architecture]
+        layer_names = {**layer_names, "ffn_gate_inp": f"{module}.{router}"}
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and match[2] in _BARE_NAMES and match[3] == "weight":
+        return f"model.layers.{match[1]}.{_BARE_NAMES[match[2]]}"
     tail = match and ".".join(filter(None, (match[2], match[3])))
     exact = match and _EXACT_LAYER_NAMES.get(architecture, {}).get(tail)
     if exact:
@@ -277,9 +311,9 @@ def expert_hf_names(gguf_name: str, architecture: str | None, num_experts: int) 
     match = _EXPERT_TENSOR.fullmatch(gguf_name)
     if match is None or architecture not in _MOE_NAMES:
         return []
-    prefix, projections = _MOE_NAMES[architecture]
-    layer, projection = match[1], projections[match[2]]
-    return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.weight" for e in range(num_experts)]
+    prefix, _, projections = _MOE_NAMES[architecture]
+    layer, projection, kind = match[1], projections[match[2]], match[3]
+    return [f"model.layers.{layer}.{prefix}.experts.{e}.{projection}.{kind}" for e in range(num_experts)]
 
 
 def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
@@ -340,10 +374,20 @@ def _undo_granite_hybrid(
     return _undo_rotary_permutation(weights, name, metadata)
 
 
+def _shared_gate_as_a_row(
+    weights: torch.Tensor | QuantizedWeight, name: str, metadata: dict[str, Any]
+) -> torch.Tensor | QuantizedWeight:
+    """llama.cpp reads the shared expert's gate as a vector of hidden_size ({n_embd}); a file may
+    store it so. The model holds it as a one-row matrix, as transformers does."""
+    vector = isinstance(weights, torch.Tensor) and weights.dim() == 1
+    return weights.reshape(1, -1) if vector and name.endswith("ffn_gate_inp_shexp.weight") else weights
+
+
 # What llama.cpp's converter changed in the tensors of each architecture, undone.
 _CONVERTER_CHANGES = {
     "llama": _undo_rotary_permutation,
     "granitehybrid": _undo_granite_hybrid,
     "gemma2": _undo_norm_offset,
     "gemma3": _undo_norm_offset,
+    "qwen2moe": _shared_gate_as_a_row,
 }

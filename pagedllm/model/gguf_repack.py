@@ -4,8 +4,9 @@ stay quantized in memory and the CPU kernels compute on them.
 Each block type is decoded into (code values, a scale per group, a min per group or none),
 following gguf's own numpy dequantizer step for step, and computed in the same order, so that
 scale * value + min is, in float32, exactly what gguf.quants.dequantize returns. Codes of up to 4
-bits become the 4-bit layout (Q2_K and Q3_K too: their 2- and 3-bit codes fit a nibble), wider
-ones the 8-bit layout (Q5_*, Q6_K: one byte per weight where the file has 5.5-6.5 bits; Q8_0).
+bits become the 4-bit layout (Q2_K and Q3_K too: their 2- and 3-bit codes fit a nibble; MXFP4's
+E2M1 codes over their codebook), wider ones the 8-bit layout (Q5_*, Q6_K: one byte per weight
+where the file has 5.5-6.5 bits; Q8_0).
 Types not listed in REPACKERS are dequantized at load by the caller.
 """
 
@@ -40,8 +41,10 @@ class Layout:
     group_size: int
     codebook: tuple[float, ...] | None = None
     # float16 where the block stores its scales (and mins) as fp16 themselves: exact, and no more
-    # bytes than the file; float32 for the K-quants, whose scales are products.
-    scale_dtype: torch.dtype = torch.float16
+    # bytes than the file; float32 for the K-quants, whose scales are products. None: float16
+    # where every scale of the tensor is one exactly, else float32 (MXFP4's powers of two: real
+    # weights' fit float16, half the bytes; E8M0 reaches 2^127).
+    scale_dtype: torch.dtype | None = torch.float16
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -152,13 +155,21 @@ def _q3_k(blocks: np.ndarray) -> Decoded:
     return Decoded(codes, scales, None)
 
 
+def _mxfp4(blocks: np.ndarray) -> Decoded:
+    """MXFP4 (gpt-oss's experts): a shared E8M0 exponent byte, then 32 E2M1 codes in Q4_0's nibble
+    order. gguf doubles the E2M1 values (the codebook) and halves the power of two (the scale)."""
+    return Decoded(_nibbles(blocks[:, 1:17]), gguf.quants.MXFP4.e8m0_to_fp32_half(blocks[:, :1]), None)
+
+
 _IQ4_NL_VALUES = tuple(float(v) for v in gguf.quants.IQ4_NL.kvalues)
+_MXFP4_VALUES = tuple(float(v) for v in gguf.quants.MXFP4.kvalues)
 
 # GGUF type -> (its decoder, the layout it is stored in).
 REPACKERS: dict[Q, tuple[Callable[[np.ndarray], Decoded], Layout]] = {
     Q.Q4_0: (_q4_0, Layout(4, 32, tuple(v - 8 for v in LINEAR_CODEBOOK))),
     Q.Q4_1: (_q4_1, Layout(4, 32, LINEAR_CODEBOOK)),
     Q.IQ4_NL: (_iq4_nl, Layout(4, 32, _IQ4_NL_VALUES)),
+    Q.MXFP4: (_mxfp4, Layout(4, 32, _MXFP4_VALUES, None)),
     Q.Q8_0: (_q8_0, Layout(8, 32)),
     Q.Q5_0: (_q5_0, Layout(8, 32)),
     Q.Q5_1: (_q5_1, Layout(8, 32)),
@@ -168,6 +179,14 @@ REPACKERS: dict[Q, tuple[Callable[[np.ndarray], Decoded], Layout]] = {
     Q.Q5_K: (_q5_k, Layout(8, 32, None, torch.float32)),
     Q.Q6_K: (_q6_k, Layout(8, 16, None, torch.float32)),
 }
+
+
+def _narrowest_exact(scales: np.ndarray) -> torch.dtype:
+    """float16 where it holds every scale exactly, else float32."""
+    scales = np.asarray(scales, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        exact = np.array_equal(scales.astype(np.float16).astype(np.float32), scales)
+    return torch.float16 if exact else torch.float32
 
 
 def repack(tensor_type: Q, data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -184,9 +203,11 @@ def repack(tensor_type: Q, data: np.ndarray, shape: tuple[int, int]) -> Quantize
     else:
         codes, codebook = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int8)), None
 
+    scale_dtype = layout.scale_dtype or _narrowest_exact(decoded.scales)
+
     def per_group(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(
-            np.ascontiguousarray(a, dtype=np.float32).reshape(n, groups)).to(layout.scale_dtype)
+            np.ascontiguousarray(a, dtype=np.float32).reshape(n, groups)).to(scale_dtype)
 
     return QuantizedWeight(codes, per_group(decoded.scales), per_group(decoded.mins), layout.bits,
                            layout.group_size, codebook, tensor_type.name)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.errors import MissingTensorError, UnsupportedModelError
+from pagedllm.model.errors import MissingTensorError, UnsupportedModelError, check_state_shapes
 from pagedllm.model.gated_deltanet import GatedDeltaNet, state_shapes
 from pagedllm.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from pagedllm.model.quant_weight import QuantizedWeight
@@ -182,6 +182,7 @@ class HybridForCausalLM(LlamaForCausalLM):
                  for target, sources in expected.items()}
         for name in [n for n in state if n.endswith("conv_weight")]:
             state[name] = state[name].squeeze(1)  # [channels, 1, kernel] -> [channels, kernel]
+        check_state_shapes(model, state)
         model.load_state_dict(state, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 

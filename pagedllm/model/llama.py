@@ -1,6 +1,7 @@
 """A Llama-family decoder whose attention reads the paged KV cache: Llama, Mistral, Qwen2/Qwen3,
-Gemma 2/3 and Phi-3, each family's departures from Llama read from config.arch (architectures.py)
-and the config's numbers, in a few visible lines where they apply.
+Gemma 2/3, Phi-3 and the mixtures of experts (Qwen3-MoE, Mixtral, DeepSeek, gpt-oss), each
+family's departures from Llama read from config.arch (architectures.py) and the config's numbers,
+in a few visible lines where they apply.
 
 One flat batch of T tokens from many requests goes through each layer together; only attention
 looks at request boundaries, through AttentionMetadata. Weights are fused at load time (one
@@ -27,7 +28,7 @@ from pagedllm.kernels import elementwise
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from pagedllm.model.architectures import ACTIVATIONS
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.errors import MissingTensorError
+from pagedllm.model.errors import MissingTensorError, check_state_shapes
 from pagedllm.model.mla import MLAttention
 from pagedllm.model.moe import SparseMoE
 from pagedllm.model.packed_linear import PackedLinear, can_pack
@@ -82,6 +83,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        # gpt-oss: each head's learned logit in its softmax's denominator (kernels/attention).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.arch.attention_sinks else None
         self.q_norm = self.k_norm = None
         if config.arch.qk_norm:  # over each head, before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -117,8 +120,11 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        # Sinks passed only where the model has them: the kernels' own entry points, which take the
+        # dispatcher's place in some tests, have none.
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         out = paged_attention(q, key_cache, value_cache, attn_metadata, self.scale,
-                              sliding_window=self.sliding_window, softcap=self.softcap)
+                              sliding_window=self.sliding_window, softcap=self.softcap, **sinks)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _norm_heads_(self, qkv: torch.Tensor) -> bool:
@@ -147,7 +153,10 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size  # an expert's own
         self.act = ACTIVATIONS[config.hidden_act]
-        self.fused_silu = config.hidden_act == "silu"  # the compiled kernels do SiLU-and-mul
+        # gpt-oss's clamped SwiGLU (ModelConfig.swiglu_limit) in place of act(gate) * up.
+        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
+        # The compiled kernels do SiLU-and-mul.
+        self.fused_silu = config.hidden_act == "silu" and self.swiglu_limit is None
         self.silu_kernel = self.fused_silu and elementwise.fused_ops_chosen()  # chosen at load
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
@@ -161,7 +170,15 @@ class MLP(nn.Module):
         if self.silu_kernel and elementwise.takes(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(elementwise.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.swiglu_limit is not None:
+            return self.down_proj(self._clamped_swiglu(gate, up))
         return self.down_proj(self.act(gate) * up)
+
+    def _clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's activation, in transformers' order of operations."""
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
 
 class DecoderLayer(nn.Module):
@@ -388,6 +405,7 @@ class LlamaForCausalLM(nn.Module):
         state = fused_state_dict(config, load, None if shard is None else shard.shard_parameter)
         model._install_quantized({name: state.pop(name) for name in list(state)
                                   if isinstance(state[name], list)}, dtype)
+        check_state_shapes(model, state)
         model.load_state_dict(state, strict=True, assign=True)
         if shard is not None:
             shard.parallelize(model)

@@ -35,6 +35,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.gguf_file import GGUFCheckpoint
+from pagedllm.model.gpt_oss import UnstackedExperts
 from pagedllm.model.granite_hybrid import GraniteHybridForCausalLM
 from pagedllm.model.hybrid import HybridForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
@@ -142,6 +143,8 @@ class _WeightPolicy:
     _MATMUL_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", ".w1.weight", ".w2.weight",
                         ".w3.weight")
 
+    _ROUTERS = (".gate.weight", ".shared_expert_gate.weight")
+
     def __init__(self, quantization: str, group_size: int, dtype: torch.dtype, device: torch.device):
         self.quantization = quantization
         self.group_size = group_size
@@ -156,6 +159,12 @@ class _WeightPolicy:
         if quantization in QUANTIZATION_BITS and not self.on_cpu:
             raise ValueError(f"quantization={quantization} runs on the CPU; {device} takes auto or none")
 
+    @property
+    def keeps_mxfp4(self) -> bool:
+        """Whether a Hugging Face folder's MXFP4 experts (gpt-oss) stay MXFP4: as a GGUF's
+        quantized tensors do (int8 / int4 leave them as they are: already 4-bit)."""
+        return self.quantization != "none" and self.keeps_quantized
+
     def gguf_getter(self, checkpoint: GGUFCheckpoint, path: Path):
         if self.quantization in QUANTIZATION_BITS:
             raise ValueError(
@@ -164,7 +173,9 @@ class _WeightPolicy:
         keep = self.quantization == "auto" and self.keeps_quantized
 
         def get(hf: str):
-            weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep)
+            # A router's weight (and Qwen2-MoE's shared-expert gate) stays float whatever the file
+            # holds: model/moe.py's Router multiplies in float32, as transformers does.
+            weight = checkpoint.get_hf_tensor(hf, keep_quantized=keep and not hf.endswith(self._ROUTERS))
             if isinstance(weight, QuantizedWeight) and not self.on_cpu:
                 weight = weight.to(self.device)
             type_name = checkpoint.tensors[checkpoint.hf_names[hf]].tensor_type.name
@@ -177,6 +188,9 @@ class _WeightPolicy:
 
         def get(name: str):
             tensor = weights.get(name)
+            if isinstance(tensor, QuantizedWeight):  # gpt-oss's MXFP4 experts, kept as they are
+                self._count(tensor, tensor.source)
+                return tensor if self.on_cpu else tensor.to(self.device)
             if bits is None or tensor.dim() != 2 or not name.endswith(self._MATMUL_SUFFIXES):
                 self._count(tensor, str(tensor.dtype).removeprefix("torch."))
                 return tensor
@@ -246,7 +260,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.model_config()
     checkpoint.check_types()
-    checkpoint.check_all_mapped()
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     get = weights.gguf_getter(checkpoint, path)
     with _naming(path):
@@ -255,6 +268,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
+    checkpoint.check_all_read()
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, path)
 
 
@@ -272,6 +286,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         raise ModelFileNotFoundError(f"{folder / 'tokenizer.json'}: no tokenizer in the folder")
     tokenizer = Tokenizer.from_hf_folder(folder)
     with SafetensorsWeights(folder) as tensors, _naming(folder):
+        if config.architecture == "GptOssForCausalLM":  # its experts stacked (float or MXFP4)
+            tensors = UnstackedExperts(tensors.names, tensors.get, config.num_experts,
+                                       dequantize=not weights.keeps_mxfp4)
         model = model_class(config).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)

@@ -7,7 +7,8 @@ int8 / int4` on Hugging Face folders).
 Layouts, for a matrix [out_features N, in_features K] and group size G:
 - bits=4: `codes` uint8 [N, K/2]. Each run of 32 inputs k0..k0+31 is 16 bytes: byte j holds code
   k0+j in its low nibble and k0+16+j in its high one (GGUF's Q4_0 / Q4_1 order). A code indexes
-  `codebook` (16 float32 values: 0..15, -8..7, IQ4_NL's table). G is 16 or a multiple of 32.
+  `codebook` (16 float32 values: 0..15, -8..7, IQ4_NL's table, MXFP4's E2M1 values doubled). G is
+  16 or a multiple of 32.
 - bits=8: `codes` int8 [N, K]; the code is the value. G is a multiple of 16.
 - `scales`, `mins`: [N, K/G], float16 where that holds them exactly (the GGUF types whose blocks
   store fp16 scales: a decode step then reads no more bytes than the file holds; and int8 / int4
@@ -21,7 +22,8 @@ Layouts, for a matrix [out_features N, in_features K] and group size G:
   plain layout (row slices and embedding lookups take only the rows they need).
 
 For every GGUF type repacked here, scale * value is exact in float32 (an fp16 scale times a small
-integer), so dequantizing gives bit for bit the float32 values gguf's own dequantizer gives.
+integer; MXFP4: a power of two times one), so dequantizing gives bit for bit the float32 values
+gguf's own dequantizer gives.
 """
 
 from __future__ import annotations

@@ -47,32 +47,46 @@ def _layer_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
         names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
     if config.output_bias:
         names[f"{ours}.self_attn.o_proj.bias"] = [f"{attn}.o_proj.bias"]
-    if config.mlp_bias:
+    if config.mlp_bias and not config.is_moe_layer(i):  # experts' biases: _expert_names
         names[f"{ours}.mlp.gate_up_proj.bias"] = [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"]
         names[f"{ours}.mlp.down_proj.bias"] = [f"{mlp}.down_proj.bias"]
+    if arch.attention_sinks:
+        names[f"{ours}.self_attn.sinks"] = [f"{attn}.sinks"]
     return names
 
 
 def _expert_names(config: ModelConfig, i: int) -> dict[str, list[str]]:
-    """A mixture-of-experts layer's router and stacked experts (model/moe.py), from Qwen3-MoE's
-    per-expert names or Mixtral's (w1 gate, w3 up, w2 down)."""
+    """A mixture-of-experts layer's router, experts and shared expert (model/moe.py), from the
+    per-expert names of Qwen2/Qwen3-MoE and DeepSeek, Mixtral's (w1 gate, w3 up, w2 down), or
+    gpt-oss's router and its per-expert names as gpt_oss.py cuts them from the stacked tensors
+    (biases too)."""
     ours = f"layers.{i}.mlp"
     if config.architecture == "MixtralForCausalLM":
         moe, gate, up, down = f"model.layers.{i}.block_sparse_moe", "w1", "w3", "w2"
     else:
         moe, gate, up, down = f"model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
-    names = {f"{ours}.gate.weight": [f"{moe}.gate.weight"]}
+    router = "router" if config.router_bias else "gate"  # gpt-oss calls it the router
+    names = {f"{ours}.gate.weight": [f"{moe}.{router}.weight"]}
+    if config.router_bias:
+        names[f"{ours}.gate.bias"] = [f"{moe}.{router}.bias"]
     if config.topk_method == "noaux_tc":
         names[f"{ours}.score_bias"] = [f"{moe}.gate.e_score_correction_bias"]
     if config.shared_expert_intermediate_size:
-        shared = f"{moe}.shared_experts"
+        # Qwen2-MoE names its one shared expert in the singular, beside the gate that scales it.
+        gated = config.arch.shared_expert_gate
+        shared = f"{moe}.shared_expert" if gated else f"{moe}.shared_experts"
         names[f"{ours}.shared_experts.gate_up_proj.weight"] = [f"{shared}.gate_proj.weight",
                                                                f"{shared}.up_proj.weight"]
         names[f"{ours}.shared_experts.down_proj.weight"] = [f"{shared}.down_proj.weight"]
+        if gated:
+            names[f"{ours}.shared_expert_gate.weight"] = [f"{moe}.shared_expert_gate.weight"]
     for e in range(config.num_experts):
         theirs = f"{moe}.experts.{e}"
         names[f"{ours}.experts.{e}.gate_up_proj.weight"] = [f"{theirs}.{p}.weight" for p in (gate, up)]
         names[f"{ours}.experts.{e}.down_proj.weight"] = [f"{theirs}.{down}.weight"]
+        if config.mlp_bias:
+            names[f"{ours}.experts.{e}.gate_up_proj.bias"] = [f"{theirs}.{p}.bias" for p in (gate, up)]
+            names[f"{ours}.experts.{e}.down_proj.bias"] = [f"{theirs}.{down}.bias"]
     return names
 
 

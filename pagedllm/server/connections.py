@@ -8,8 +8,11 @@ files" traceback for every accept it retried: 316k of them, 140 MB of log in 45 
 - request headers must arrive within header_timeout_s of the connection (or of the previous
   response, on a kept-alive one), however they trickle in: past it the connection is closed;
 - at most max_connections are open: past it the oldest connection still waiting for its headers
-  is closed to make room (an idle or slow client, never a request in flight); when every
-  connection is busy with a request, a new one gets a fast 503 (uvicorn's limit_concurrency);
+  is closed to make room (an idle or slow client), and when none is, the oldest still waiting for
+  its request body (complete headers and no body held 775 connections, reopened after each 408,
+  until 69 of 70 other clients got 503s); never a request whose body arrived, which the engine
+  may be running; when every connection is busy with such a request, a new one gets a fast 503
+  (uvicorn's limit_concurrency);
 - the open-files limit is raised to its hard limit at start-up, and the cap kept under it with a
   margin for the model's files, the engine and the log;
 - repeated log lines are collapsed (RepeatLimiter), so an attack cannot fill the disk.
@@ -96,6 +99,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a header deadline and the connection cap; one class per
     server (it keeps that server's connections waiting for headers, oldest first)."""
     waiting: OrderedDict[H11Protocol, None] = OrderedDict()
+    bodies: OrderedDict[H11Protocol, None] = OrderedDict()  # headers in, body not yet: oldest first
     closing: set[H11Protocol] = set()  # closed by us, until their connection_lost
 
     class GuardedH11Protocol(H11Protocol):
@@ -104,8 +108,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             excess = len(self.connections) - len(closing) - limits.max_connections
-            while excess > 0 and waiting:
-                oldest, _ = waiting.popitem(last=False)
+            while excess > 0 and (waiting or bodies):
+                oldest, _ = (waiting or bodies).popitem(last=False)
                 oldest._close("the connection cap was reached")
                 excess -= 1
             self._wait_for_headers()
@@ -113,6 +117,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._check_headers_arrived()
+            if self in bodies and self.conn.their_state is not h11.SEND_BODY:
+                bodies.pop(self)  # its body is in: a request the app may be running
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -122,6 +128,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
+            bodies.pop(self, None)
             closing.discard(self)
             super().connection_lost(exc)
 
@@ -134,6 +141,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def _check_headers_arrived(self) -> None:
             if self in waiting and self.conn.their_state is not h11.IDLE:
                 self._stop_waiting()
+                if self.conn.their_state is h11.SEND_BODY:
+                    bodies[self] = None
 
         def _stop_waiting(self) -> None:
             waiting.pop(self, None)
@@ -143,6 +152,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _close(self, why: str) -> None:
             self._stop_waiting()
+            bodies.pop(self, None)
             if not self.transport.is_closing():
                 closing.add(self)
                 logger.debug("closing a connection from %s: %s", self.client, why)

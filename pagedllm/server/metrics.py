@@ -64,6 +64,10 @@ class _EngineCollector:
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=value)
         if s.spec_decode is not None:
             yield from _spec_decode_counters(s.spec_decode)
+        if s.step_share_tokens is not None:
+            yield GaugeMetricFamily("pagedllm:step_share_tokens", "Tokens a request of several sequences "
+                                    "may add beyond the others' in a shared step (measured or set; 0: off)",
+                                    value=s.step_share_tokens)
 
 
 def _spec_decode_counters(stats: SpecDecodeStats):

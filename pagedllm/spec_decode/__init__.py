@@ -11,7 +11,8 @@ The pieces, each usable and tested alone:
 - config.SpeculativeConfig: vLLM's `speculative_config` (ngram, suffix, draft_model), validated
   in one place; check_draft_vocabulary refuses a draft with another vocabulary at start.
 - ngram.NgramProposer, suffix.SuffixProposer: proposers over plain ints (proposer.Proposer);
-  draft.DraftProposer: the draft model's interface.
+  draft.DraftModelProposer: a draft model, its K/V in the target's blocks, which runs after the
+  schedule (below).
 - rejection.RejectionSampler, accept_greedy: which proposed tokens stand, and the token after.
 - grammar.constrain_proposal: a constrained sequence's proposal cut at the first token its
   grammar refuses, with the mask of each position to verify.
@@ -26,8 +27,10 @@ How they fit the step (pagedllm.engine.speculation runs this in the engine core)
    sequence cannot pass max_tokens or max_model_len (k <= max_tokens - num_output_tokens - 1 and
    num_tokens + k < max_model_len: the step emits at most k + 1 tokens); the proposer fills
    request.spec_token_ids (n-gram and suffix in the core process, on token ids it already has;
-   a draft model in the runner). A structured-output sequence's proposal is cut at the first
-   token its grammar refuses (grammar.constrain_proposal, which also gives each position's mask).
+   a draft model with k placeholders, replaced by its tokens once the scheduler has given them
+   slots, in which it writes its K/V first: pagedllm.spec_decode.draft). A structured-output
+   sequence's proposal is cut at the first token its grammar refuses (grammar.constrain_proposal,
+   which also gives each position's mask).
 2. Scheduling: a speculating request asks for num_tokens + len(spec_token_ids) -
    num_computed_tokens new tokens (1 + k for a decode) out of the token budget, and
    allocate_slots(request, 1 + k) takes slots for them like any tokens (copy-on-write first for
@@ -72,7 +75,7 @@ from pagedllm.spec_decode.suffix import SuffixProposer
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of a model-free method (n-gram, suffix). A draft model needs the engine's
-    model loader and block pool: the integration builds its DraftProposer."""
+    model loaded and the target's blocks: the engine's loader builds its DraftModelProposer."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":

@@ -4,7 +4,8 @@ A chat template is Jinja code that comes with a model (or --chat-template). Jinj
 what it can reach, not how much work it does: a nested `range(100000)` loop runs for hours, and
 `'a' * 400000000` allocates 400 MB. So every render here has a budget: a deadline, checked at
 each loop iteration and each call the template makes (RENDER_TIMEOUT_S), and a bound on the
-characters it may produce, checked where text grows (string repetition and formatting, filters
+characters it may produce, checked where text grows (string repetition, concatenation with `~`
+before its parts are joined, the widths and precisions of `%`, `format` and str.format, filters
 that pad or repeat, the output itself). Past it, rendering stops with TemplateTimeout (the
 template's fault: the server answers 500) or TemplateTooLong (a ValueError: the conversation
 renders longer than the model's context could hold).
@@ -22,7 +23,7 @@ import functools
 import json
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,11 @@ MAX_RENDER_CHARS = 1 << 24
 # A one-message conversation every chat template must render (the start-up check).
 _PROBE = [{"role": "user", "content": "Hello"}]
 _LOOP_GUARD = "__pagedllm_loop_budget"
+_CONCAT_GUARD = "__pagedllm_concat_budget"
+# The numbers of a printf-style conversion (%10s, %.5f, %-08.3d): its width and precision.
+_PERCENT_SPEC = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d+))?")
+# A str.format field's spec, after the colon ({:>10}, {0:.5f}).
+_FORMAT_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
 
 
 class TemplateTimeout(RuntimeError):
@@ -71,6 +77,12 @@ class _Budget:
             raise TemplateTooLong(f"the chat template asks for {value} characters, more than its "
                                   f"{self.max_chars}-character budget")
 
+    def check_format(self, text: str, spec: re.Pattern) -> None:
+        """The widths and precisions in a format string (spec: _PERCENT_SPEC or _FORMAT_SPEC)."""
+        for match in spec.finditer(text):
+            for number in re.findall(r"\d+", "".join(g or "" for g in match.groups())):
+                self.check_count(int(number))
+
 
 _budget: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")
 
@@ -99,16 +111,17 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif operator == "**" and isinstance(right, int) and abs(right) > 1024:
             raise TemplateTooLong(f"the chat template raises a number to the power {right}")
         elif operator == "%" and isinstance(left, str):
-            for width in re.findall(r"%[-+ #0]*(\d+)", left):
-                budget.check_count(int(width))
+            budget.check_format(left, _PERCENT_SPEC)
         return budget.check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's names)
         budget = _current()
         budget.tick()
-        if isinstance(getattr(__obj, "__self__", None), str):  # 'a'.ljust(n), 'a'.center(n), ...
+        if isinstance(text := getattr(__obj, "__self__", None), str):  # 'a'.ljust(n), 'a'.center(n), ...
             for value in (*args, *kwargs.values()):
                 budget.check_count(value)
+            if getattr(__obj, "__name__", "") in ("format", "format_map"):  # '{:>999999999}'.format(x)
+                budget.check_format(text, _FORMAT_SPEC)
         return budget.check_size(super().call(__context, __obj, *args, **kwargs))
 
 
@@ -121,9 +134,21 @@ def _bounded_filter(function):
         budget.tick()
         for value in (*args[1:], *kwargs.values()):
             budget.check_count(value)
+        if function.__name__ == "do_format" and args and isinstance(args[0], str):  # '%9999s' | format
+            budget.check_format(args[0], _PERCENT_SPEC)
         return budget.check_size(function(*args, **kwargs))
 
     return bounded
+
+
+def _concat_budget(parts: list) -> str:
+    """`a ~ b ~ ...`: the parts' lengths checked before they are joined (a chain of `~` built a
+    1 GiB string in one join, each part within the budget)."""
+    budget = _current()
+    budget.tick()
+    texts = [str(part) for part in parts]
+    budget.check_count(sum(map(len, texts)))
+    return "".join(texts)
 
 
 def _loop_budget(iterable: Iterable) -> Iterator:
@@ -152,19 +177,25 @@ def _environment() -> _BoundedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals[_LOOP_GUARD] = _loop_budget
+    env.globals[_CONCAT_GUARD] = _concat_budget
     return env
 
 
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template compiled in the bounded sandbox, every loop's iterable passed through the
-    loop budget (compiled once per distinct text); a syntax error raises
+    loop budget and every `~` through the concatenation budget (compiled once per distinct text);
+    a syntax error raises
     jinja2.TemplateSyntaxError."""
     env = _environment()
     tree = env.parse(source)
     for loop in tree.find_all(nodes.For):
         loop.iter = nodes.Call(nodes.Name(_LOOP_GUARD, "load", lineno=loop.lineno), [loop.iter], [],
                                None, None, lineno=loop.lineno)
+    for concat in tree.find_all(nodes.Concat):  # its parts go through the concatenation budget
+        concat.nodes = [nodes.Call(nodes.Name(_CONCAT_GUARD, "load", lineno=concat.lineno),
+                                   [nodes.List(concat.nodes, lineno=concat.lineno)], [], None, None,
+                                   lineno=concat.lineno)]
     return env.from_string(tree)
 
 
@@ -218,16 +249,24 @@ def load_chat_template(value: str) -> str:
     return template
 
 
-def content_spans(text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+def content_spans(text: str, messages: list[dict[str, Any]],
+                  render: Callable[[list], str] | None = None) -> list[tuple[int, int]]:
     """Where each message's text sits in the rendered conversation, in order: (start, end)
     character spans, for the texts found as written (or stripped, as templates often trim them).
-    A text part list counts part by part."""
+    A text part list counts part by part.
+
+    render(messages) renders as `text` was rendered: the spans are then read from a render whose
+    texts are placeholders (_placed_spans), so a text that also occurs earlier in the prompt (a
+    message that is the template's own end-of-turn marker, say) is found where the message put
+    it, not at the earlier occurrence, whose special tokens would then act. A template whose
+    output depends on the texts themselves falls back to searching, in order."""
+    if render is not None:
+        placed = _placed_spans(text, messages, render)
+        if placed is not None:
+            return placed
     spans, at = [], 0
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        parts = [content] if isinstance(content, str) else [
-            p.get("text") for p in content or () if isinstance(p, dict)] if isinstance(content, list) else []
-        for part in parts:
+        for part in _text_parts(message):
             if not isinstance(part, str) or not part.strip():
                 continue
             for candidate in (part, part.strip()):
@@ -237,3 +276,57 @@ def content_spans(text: str, messages: list[dict[str, Any]]) -> list[tuple[int, 
                     at = found + len(candidate)
                     break
     return spans
+
+
+def _text_parts(message) -> list:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return [content]
+    return [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+
+
+_PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: no template writes them
+_PLACEHOLDERS = re.compile("\ue000(\\d+)\ue001")
+
+
+def _placed_spans(text: str, messages: list, render: Callable[[list], str]) -> list[tuple[int, int]] | None:
+    """The spans of the texts in `text`, read off a render whose texts are numbered placeholders:
+    each placeholder once, in order, and `text` that render with each placeholder replaced by its
+    text (as written or trimmed); None where that does not hold."""
+    texts: list[str] = []
+
+    def placeholder(value):
+        if isinstance(value, str):
+            texts.append(value)
+            return _PLACEHOLDER.format(len(texts) - 1)
+        return value
+
+    skeleton_messages = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{**p, "text": placeholder(p.get("text"))} if isinstance(p, dict) else p
+                       for p in content]
+        skeleton_messages.append({**message, "content": placeholder(content)})
+    try:
+        skeleton = render(skeleton_messages)
+    except Exception:  # noqa: BLE001 (a template that refuses placeholders: search instead)
+        return None
+    pieces = _PLACEHOLDERS.split(skeleton)  # literal, index, literal, index, ..., literal
+    indices = [int(i) for i in pieces[1::2]]
+    if indices != list(range(len(texts))) or not text.startswith(pieces[0]):
+        return None
+    spans, at = [], len(pieces[0])
+    for index, literal in zip(indices, pieces[2::2]):
+        value = texts[index]
+        for candidate in dict.fromkeys((value, value.strip(), value.lstrip(), value.rstrip())):
+            if text.startswith(candidate, at) and text.startswith(literal, at + len(candidate)):
+                break
+        else:
+            return None
+        if candidate.strip():
+            spans.append((at, at + len(candidate)))
+        at += len(candidate) + len(literal)
+    return spans if at == len(text) else None

@@ -19,10 +19,10 @@ it, valid until the next replay (the runner reads them within the step).
 What may be captured: only what reads no value on the host during the forward pass. The Triton
 attention kernel takes everything from device tensors; the portable torch path loops over the
 host's seq_lens, so graphs are used only where CUDA attention is the Triton kernel
-(attention_captures). Rope types whose frequencies change past a length (dynamic NTK, LongRoPE)
-choose on the host: steps past that length run eagerly. So do prefill chunks, batches above the
-largest size, tensor parallelism (its collectives are not captured) and `--enforce-eager`
-(EngineConfig.enforce_eager, vLLM's flag).
+(attention_captures; never for attention sinks, which take the torch path). Rope types whose
+frequencies change past a length (dynamic NTK, LongRoPE) choose on the host: steps past that
+length run eagerly. So do prefill chunks, batches above the largest size, tensor parallelism (its
+collectives are not captured) and `--enforce-eager` (EngineConfig.enforce_eager, vLLM's flag).
 
 Capture writes nothing a request reads: the warm-up runs (Triton compiling, cuBLAS choosing its
 kernels, quantized layers reading their codebooks) and the captures see padding rows only.
@@ -86,10 +86,11 @@ class CudaGraphCapture:
         return graph.replay, out
 
 
-def attention_captures(kv_cache, dtype: torch.dtype, device: torch.device) -> bool:
+def attention_captures(kv_cache, dtype: torch.dtype, device: torch.device, sinks: bool = False) -> bool:
     """Whether the attention the dispatcher takes for this cache on this device reads everything
-    from device tensors: the Triton kernel, for CUDA tensors it supports."""
-    if device.type != "cuda":
+    from device tensors: the Triton kernel, for CUDA tensors it supports, and not for a model with
+    attention sinks (gpt-oss: the torch path on every device)."""
+    if device.type != "cuda" or sinks:
         return False
     from pagedllm.kernels import attention
 

@@ -133,7 +133,8 @@ class ModelRunner:
             model.decode_layers = DecodeLayers.build(model, self.kv_caches)
         self.decode_graphs = None
         if use_graphs and (graph_capture is not None
-                           or cuda_graphs.attention_captures(self.kv_caches[0], kv_dtype, self.device)):
+                           or cuda_graphs.attention_captures(self.kv_caches[0], kv_dtype, self.device,
+                                                             sinks=model.config.arch.attention_sinks)):
             self.decode_graphs = cuda_graphs.DecodeGraphs(
                 model, self.kv_caches, max_num_seqs=max_num_seqs,
                 max_blocks_per_seq=self.block_table.max_blocks_per_seq,

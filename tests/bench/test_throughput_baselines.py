@@ -17,12 +17,57 @@ from pagedllm.sampling_params import SamplingParams
 from tests.model.tiny import make_hf_model, save_checkpoint, write_gguf
 
 FAKE_LLAMA_CPP = textwrap.dedent('''
+    import ctypes
+    from types import SimpleNamespace
+
     __version__ = "fake"
+    N_VOCAB = 256
+
+    # The C API the batched scenario uses: each row asking for logits gets one-hot logits on
+    # (its token + 1) % 256, the rule the Python API's generate() follows below.
+    def llama_context_default_params():
+        return SimpleNamespace()
+
+    def llama_init_from_model(model, params):
+        assert model == "fake model" and params.n_seq_max >= 1 and params.kv_unified
+        return {"rows": {}, "positions": {}}
+
+    def llama_batch_init(n_tokens, embd, n_seq_max):
+        return SimpleNamespace(n_tokens=0, token=[0] * n_tokens, pos=[0] * n_tokens,
+                               seq_id=[[0] for _ in range(n_tokens)], n_seq_id=[0] * n_tokens,
+                               logits=[False] * n_tokens)
+
+    def llama_decode(ctx, batch):
+        ctx["rows"].clear()
+        for row in range(batch.n_tokens):
+            seq, pos = batch.seq_id[row][0], batch.pos[row]
+            assert pos == ctx["positions"].get(seq, 0), "positions of a sequence come in order"
+            ctx["positions"][seq] = pos + 1
+            if batch.logits[row]:
+                logits = (ctypes.c_float * N_VOCAB)()
+                logits[(batch.token[row] + 1) % N_VOCAB] = 1.0
+                ctx["rows"][row] = logits
+        return 0
+
+    def llama_get_logits_ith(ctx, row):
+        return ctypes.cast(ctx["rows"][row], ctypes.POINTER(ctypes.c_float))
+
+    def llama_batch_free(batch):
+        pass
+
+    def llama_free(ctx):
+        pass
 
     class Llama:
-        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose, draft_model):
             assert model_path.endswith(".gguf") and n_ctx > 0 and n_threads >= 1
+            # --llama-cpp-prompt-lookup K reaches llama-cpp-python as its prompt-lookup draft
+            assert draft_model is None or draft_model.num_pred_tokens == 4, draft_model
             self.prefills = 0
+            self._model = SimpleNamespace(model="fake model")
+
+        def n_vocab(self):
+            return N_VOCAB
 
         def reset(self):
             pass
@@ -32,7 +77,7 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
             self.prefills += 1
             token = tokens[-1]
             while True:  # never stops by itself: the worker stops at max_tokens
-                token = (token + 1) % 256
+                token = (token + 1) % N_VOCAB
                 yield token
 ''')
 
@@ -42,6 +87,11 @@ def fake_llama_cpp(tmp_path, monkeypatch):
     package = tmp_path / "fake_site"
     (package / "llama_cpp").mkdir(parents=True)
     (package / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (package / "llama_cpp" / "llama_speculative.py").write_text(textwrap.dedent('''
+        class LlamaPromptLookupDecoding:
+            def __init__(self, num_pred_tokens):
+                self.num_pred_tokens = num_pred_tokens
+    '''))
     monkeypatch.setenv("PYTHONPATH", str(package))
     return sys.executable
 
@@ -78,8 +128,41 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
         assert system["single_stream"]["decode_cpu_ms_per_token_median"] >= 0
         assert system["sequential"]["output_tokens_per_s"] > 0
     assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
+    assert theirs["output_tokens_per_s"] > 0 and theirs["output_tokens_per_cpu_s"] > 0  # batched
+    assert result["same_output"]["requests_identical"] == 0  # the stand-in's tokens are its own
     printed = capsys.readouterr().out
     assert "Single stream" in printed and "one request at a time" in printed
+
+
+def test_llama_cpp_batched_serves_every_request_at_once_in_continuous_batches(tmp_path, tiny_gguf,
+                                                                              fake_llama_cpp):
+    """More prompt tokens than one llama_decode call takes: prompts are fed in chunks beside the
+    running sequences' next tokens, each sequence's positions in order (the stand-in checks),
+    and each request gets exactly its max_tokens, the first from its prompt's last logits."""
+    from pagedllm.bench.llama_cpp_baseline import Session
+    from pagedllm.bench.llama_cpp_worker import N_BATCH
+    from pagedllm.bench.workload import BenchRequest
+
+    requests = [BenchRequest(list(range(1, 300)), 5), BenchRequest([7] * 400, 3), BenchRequest([250], 9)]
+    assert sum(len(r.prompt_token_ids) for r in requests) > N_BATCH
+    session = Session(fake_llama_cpp, tiny_gguf, threads=1, n_ctx=1024)
+    try:
+        assert session.batched(requests) > 0 and session.cpu_s >= 0
+    finally:
+        session.close()
+    expected = [[(r.prompt_token_ids[-1] + 1 + j) % 256 for j in range(r.max_tokens)] for r in requests]
+    assert session.token_ids == expected
+
+
+def test_llama_cpp_speculates_by_prompt_lookup_when_asked(tmp_path, tiny_gguf, fake_llama_cpp, capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--baseline", "llama.cpp", "--no-sequential",
+                       "--llama-cpp-python", fake_llama_cpp, "--single-stream-runs", "1",
+                       "--single-stream-len", "6:4", "--llama-cpp-prompt-lookup", "4")
+    assert result["llama.cpp"]["prompt_lookup"] == 4
+    assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
+                 "--output-len", "2", "--kv-cache-memory", "4MiB", "--baseline", "llama.cpp",
+                 "--llama-cpp-python", fake_llama_cpp, "--llama-cpp-prompt-lookup", "0"]) == 2
+    assert "--llama-cpp-prompt-lookup" in capsys.readouterr().err
 
 
 def test_llama_cpp_baseline_needs_its_interpreter_and_a_gguf(tmp_path, tiny_model, tiny_gguf, capsys):
@@ -107,6 +190,12 @@ def test_lockstep_twin_engine(tmp_path, tiny_gguf, capsys):
     assert lockstep["this"]["output_tokens_per_s"] > 0 and lockstep["ratio_output_tokens_per_s"] > 0
     assert lockstep["this"]["cpu_s"] > 0 and lockstep["ratio_output_tokens_per_cpu_s"] > 0
     assert "twin engine" in capsys.readouterr().out
+    result = run_bench(tmp_path, "--model", str(tiny_gguf), "--lockstep-with", "block_size=8",
+                       "--lockstep-single-stream", "--single-stream-runs", "2", "--single-stream-len", "6:4")
+    single = result["lockstep"]["single_stream"]
+    assert single["this"]["runs"] == single["block_size=8"]["runs"] == 2
+    assert single["ratio_decode_tokens_per_s_median"] > 0
+    assert "Single stream on both engines" in capsys.readouterr().out
     assert main(["bench", "throughput", "--model", str(tiny_gguf), "--num-prompts", "1", "--input-len", "4",
                  "--output-len", "2", "--kv-cache-memory", "4MiB", "--lockstep-with", "colour=red"]) == 2
     assert "FIELD=VALUE" in capsys.readouterr().err

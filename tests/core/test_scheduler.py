@@ -15,8 +15,9 @@ EOS = 0
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
          max_num_batched_tokens: int = 64, max_model_len: int = 64,
-         prefix_caching: bool = False) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+         prefix_caching: bool = False, step_share_tokens: int | None = None) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                             step_share_tokens=step_share_tokens)
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 

@@ -1,6 +1,7 @@
 """Fair shares (issue 32, finding 4): one request of many sequences cannot hold the queue. A
 newcomer is admitted within a few steps while a large request runs, preemption takes from the
-largest group, and with any mix of groups every request still finishes (property test)."""
+largest group, a group of several sequences takes at most the others' tokens plus the step's free
+tokens, and with any mix of groups every request still finishes (property test)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import RequestStatus
-from pagedllm.core.shares import row_share, share_key
+from pagedllm.core.shares import row_share, share_key, token_share
 from tests.core.kv.sim import SimRunner
-from tests.core.test_scheduler import make, req, step
+from tests.core.test_scheduler import make, plan, req, step
 
 
 def test_share_keys_follow_the_engines_id_rules():
@@ -76,13 +77,14 @@ def test_preemption_takes_from_the_largest_group_not_the_newest_request():
 @given(groups=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 9), st.integers(1, 12)),
                        min_size=1, max_size=5),
        arrivals=st.lists(st.integers(0, 8), min_size=5, max_size=5),
-       num_blocks=st.integers(12, 40), max_num_seqs=st.integers(1, 8))
-def test_every_group_finishes_whatever_the_mix(groups, arrivals, num_blocks, max_num_seqs):
+       num_blocks=st.integers(12, 40), max_num_seqs=st.integers(1, 8),
+       free_tokens=st.one_of(st.none(), st.integers(0, 6)))
+def test_every_group_finishes_whatever_the_mix(groups, arrivals, num_blocks, max_num_seqs, free_tokens):
     """Groups of (sequences, prompt length, max_tokens) arriving at various steps: every request
     finishes with all its tokens, the scheduler's invariants hold at every step (checked by
-    step()), and nothing runs forever."""
+    step()), no group runs past its row share or its token share, and nothing runs forever."""
     scheduler = make(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=32, max_model_len=32)
+                     max_num_batched_tokens=32, max_model_len=32, step_share_tokens=free_tokens)
     runner = SimRunner(num_blocks, 4)
     pending = sorted((arrivals[g], g, spec) for g, spec in enumerate(groups))
     added = []
@@ -96,9 +98,14 @@ def test_every_group_finishes_whatever_the_mix(groups, arrivals, num_blocks, max
         if not pending and not scheduler.has_unfinished_requests():
             break
         share = row_share(scheduler.running, scheduler.waiting, max_num_seqs)
+        tokens_allowed = token_share(scheduler.running, scheduler.waiting, free_tokens, 32)
         out = step(scheduler, runner=runner)
         rows = Counter(share_key(s.request.request_id) for s in out.scheduled)
         assert share is None or max(rows.values(), default=0) <= share, (rows, share)
+        tokens = Counter()
+        for s in out.scheduled:
+            tokens[share_key(s.request.request_id)] += s.num_new_tokens
+        assert all(tokens[key] <= cap for key, cap in tokens_allowed.items()), (tokens, tokens_allowed)
     assert not scheduler.has_unfinished_requests() and not pending
     for r, max_tokens in added:
         assert r.is_finished and r.num_output_tokens == min(max_tokens, 32 - r.num_prompt_tokens)
@@ -150,3 +157,49 @@ def test_a_group_alone_fills_the_step_and_a_group_at_its_share_admits_no_more():
     out = step(scheduler)
     assert sorted(share_key(s.request.request_id) for s in out.scheduled) == ["hog"] * 4 + ["other"]
     assert all(r.status is RequestStatus.RUNNING for r in alone)
+
+
+def test_a_group_of_many_takes_the_others_tokens_plus_the_free_ones():
+    """Issue 32: a group of 8 decoding sequences beside one stream takes at most the stream's
+    token plus the step's free tokens (2 here), its sequences taking turns; alone, every seat."""
+    scheduler = make(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=64, step_share_tokens=2)
+    runner = SimRunner(64, 4)
+    group = forked_group(scheduler, runner, "big", 8)
+    assert len(step(scheduler, runner=runner).scheduled) == 8  # alone: no share of either kind
+    scheduler.add_request(stream := req("stream", 4, max_tokens=12, ignore_eos=True, first=50))
+    ran_in_group: set[str] = set()
+    while not stream.is_finished:
+        out = step(scheduler, runner=runner)
+        tokens = Counter()
+        for s in out.scheduled:
+            tokens[share_key(s.request.request_id)] += s.num_new_tokens
+        ran = {s.request.request_id for s in out.scheduled}
+        if "stream" in ran:
+            assert tokens["big"] <= tokens["stream"] + 2, tokens
+            ran_in_group |= ran - {"stream"}
+    assert stream.num_output_tokens == 12
+    assert len(ran_in_group) >= 6  # turns: not always the same sequences
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner=runner)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 30 for r in group)
+
+
+def test_a_long_prompt_of_one_sequence_is_not_token_capped():
+    """A group of one sequence keeps its whole prompt chunk beside others (the budget bounds it);
+    only groups of several sequences are held to the token share."""
+    scheduler = make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=64, step_share_tokens=2)
+    scheduler.add_request(req("stream", 3, max_tokens=8, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request(req("long", 40, max_tokens=2, first=100))
+    out = step(scheduler)
+    assert plan(out) == [("stream", 1), ("long", 40)]
+
+
+def test_the_token_share_needs_two_groups_and_a_measured_or_set_cost():
+    running = [req("a-0", 4), req("a-1", 4), req("b", 2)]
+    assert token_share(running, [], None, 64) == {}  # unmeasured: no cap on a guess
+    assert token_share(running, [], 0, 64) == {}  # off
+    assert token_share(running[:2], [], 3, 64) == {}  # one group alone
+    assert token_share(running, [], 3, 64) == {"a": 2 + 3}  # b's 2 tokens to compute, plus 3
+    assert token_share(running, [req("c", 100)], 3, 64) == {"a": 64 + 3}  # the others', capped at the budget

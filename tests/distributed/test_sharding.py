@@ -103,6 +103,26 @@ def test_shards_compute_the_whole_models_logits(tiny_checkpoint, shape, size):
     torch.testing.assert_close(run_ranks(models, PROMPTS), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_mxfp4_experts_split_over_ranks(tmp_path):
+    """gpt-oss's MXFP4 experts, kept quantized, cut at group boundaries (each rank 32 of an
+    expert's 64 columns): the whole model's logits."""
+    from tests.model.test_moe import mxfp4_round_trip, save_mxfp4_folder
+    from tests.model.tiny import make_hf_model
+
+    hf_model = make_hf_model("gpt_oss", intermediate_size=64)
+    mxfp4_round_trip(hf_model)
+    folder = save_mxfp4_folder(hf_model, tmp_path / "mxfp4")
+    whole = load_model(folder, dtype="float32").model
+    plan, group = ShardPlan(whole.config, 2), ThreadGroup(2)
+    models = [load_model(folder, dtype="float32", shard=RankShard(plan, r, group.rank(r))).model
+              for r in range(2)]
+    assert models[1].layers[0].mlp.inner.experts[0].down_proj.parts[0].source == "MXFP4"
+    paged = PagedSequences(whole, num_blocks=32, block_size=4)
+    expected = torch.cat([*paged.step(dict(enumerate(PROMPTS))).values(),
+                          *paged.step({i: [7] for i in range(len(PROMPTS))}).values()])
+    torch.testing.assert_close(run_ranks(models, PROMPTS), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_a_hybrid_models_shard_is_refused(tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_5_hybrid").folder
     config = load_model(folder, dtype="float32").config

@@ -213,3 +213,17 @@ def test_a_raw_body_past_a_cheap_bound_is_refused_before_parsing(processor, body
 ])
 def test_bodies_within_the_bounds_are_left_to_the_schema(processor, body):
     processor.check_request_size(body, max_prompts=64)
+
+
+def test_a_tokenizer_the_model_cannot_embed_is_refused_at_start():
+    """Issue 32, finding 8: an empty tokenizer, or one with more tokens than the model's
+    vocabulary, started and then failed every request as if its prompt were at fault."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    with pytest.raises(ValueError, match="has no tokens"):
+        InputProcessor(Tokenizer(Backend(WordLevel({}, unk_token=None)), {}), VOCAB, MAX_MODEL_LEN)
+    size = tokenizer().vocab_size
+    with pytest.raises(ValueError, match=f"has {size} tokens but its vocabulary .* is {size - 1}"):
+        InputProcessor(tokenizer(), size - 1, MAX_MODEL_LEN)
+    assert InputProcessor(tokenizer(), size, MAX_MODEL_LEN).vocab_size == size

@@ -71,6 +71,27 @@ def test_a_start_after_a_build_killed_midway_still_serves(tmp_path):
                 and p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "a build was left running"
 
 
+@needs_compiler
+@pytest.mark.timeout(300)
+def test_a_build_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    """Issue 32, finding 8: a SIGKILLed process left its kernel build compiling as an orphan (the
+    build runs in a session of its own, which a kill of its starter alone does not reach)."""
+    cache = tmp_path / "cache"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "from pagedllm.kernels import tiers; tiers.available()"],
+        env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("torch_extensions/*/build.ninja")):  # the compiler is running
+        assert builder.poll() is None and time.monotonic() < deadline, "the build never started"
+        time.sleep(0.2)
+    build = psutil.Process(builder.pid).children(recursive=True)
+    assert build, "no build child"
+    builder.send_signal(signal.SIGKILL)  # the starter only, as the OOM killer would
+    builder.wait()
+    gone, alive = psutil.wait_procs(build, timeout=20)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"left running: {alive}"
+
+
 @pytest.mark.parametrize("tier", ["avx2", "avx512", "amx"])
 def test_two_checkouts_share_one_build(tier, tmp_path, monkeypatch):
     """The build folder is named by the tier and the sources' bytes, not where they are."""

@@ -21,8 +21,10 @@ from tests.conftest import build_attn_metadata
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 
 
-def dense_reference(query, key, value, num_computed, scale, sliding_window=None, softcap=None):
-    """Naive float64 softmax attention of one request's new tokens over its full K/V."""
+def dense_reference(query, key, value, num_computed, scale, sliding_window=None, softcap=None,
+                    sinks=None):
+    """Naive float64 softmax attention of one request's new tokens over its full K/V; sinks: each
+    head's exp(sink) added to its softmax's denominator."""
     q = query.double().transpose(0, 1)  # [Hq, q_len, D]
     group = NUM_HEADS // NUM_KV_HEADS
     k = key.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -36,10 +38,15 @@ def dense_reference(query, key, value, num_computed, scale, sliding_window=None,
             too_far = sliding_window is not None and j <= pos - sliding_window
             if j > pos or too_far:
                 scores[:, i, j] = float("-inf")
-    return (scores.softmax(-1) @ v).transpose(0, 1).float()
+    weights = scores.exp()
+    denominator = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + sinks.double().exp().view(-1, 1, 1)
+    return (weights / denominator @ v).transpose(0, 1).float()
 
 
-def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None, softcap=None):
+def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None, softcap=None,
+                    sinks=None):
     """Fill a paged cache with each request's full K/V, run paged attention on the new tokens,
     and compare with the dense reference. requests: [(num_computed, num_new)]."""
     gen = torch.Generator().manual_seed(seed)
@@ -67,11 +74,11 @@ def run_paged_batch(requests, block_size, num_blocks, seed, sliding_window=None,
              key_cache, value_cache, metadata.slot_mapping)
     scale = HEAD_DIM**-0.5
     out = paged_attention(torch.cat(queries), key_cache, value_cache, metadata, scale,
-                          sliding_window=sliding_window, softcap=softcap)
+                          sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     starts = metadata.query_start_loc_cpu
     for b, (num_computed, _, _) in enumerate(batch):
         expected = dense_reference(queries[b], keys[b], values[b], num_computed, scale,
-                                   sliding_window, softcap)
+                                   sliding_window, softcap, sinks)
         torch.testing.assert_close(out[starts[b]:starts[b + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -107,6 +114,17 @@ def test_soft_capped_scores(window):
     requests = [(6, 5), (9, 1), (0, 8), (3, 1)]
     run_paged_batch(requests, block_size=2, num_blocks=40, seed=4, sliding_window=window,
                     softcap=0.7)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("softcap", [None, 0.7])
+def test_attention_sinks(window, softcap):
+    """gpt-oss's sinks (one logit per query head, about as large as the scores), with and without
+    a window and a cap: chunks after context, fresh prefills and decodes."""
+    sinks = torch.tensor([-1.0, 0.0, 0.8, 2.0])
+    requests = [(6, 5), (9, 1), (0, 8), (3, 1), (0, 1)]
+    run_paged_batch(requests, block_size=2, num_blocks=40, seed=5, sliding_window=window,
+                    softcap=softcap, sinks=sinks)
 
 
 @settings(max_examples=25, deadline=None)

@@ -191,3 +191,22 @@ def test_every_supported_rope_type_is_implemented():
     from pagedllm.model.rope import ROPE_TYPES
 
     assert set(ROPE_TYPES) == set(SUPPORTED_ROPE_TYPES)
+
+
+def test_gpt_oss_released_config():
+    """gpt-oss-20b's config.json keys (rope_scaling and rope_theta apart, as released): its windows,
+    YaRN without truncation, and how its experts route and gate."""
+    config = ModelConfig.from_hf_config({
+        **BASE, "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 4, "head_dim": 64,
+        "num_key_value_heads": 2, "attention_bias": True, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "swiglu_limit": 7.0, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "quantization_config": {"quant_method": "mxfp4"}})
+    assert config.arch.attention_sinks and (config.attention_bias, config.output_bias) == (True, True)
+    assert (config.sliding_window, config.sliding_layers, config.kv_window) == (128, (0, 2), None)
+    assert config.rope_theta == 150000 and config.rope_scaling["truncate"] is False
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (32, 4, 128)
+    assert (config.topk_method, config.router_bias, config.mlp_bias) == ("topk_softmax", True, True)
+    assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)

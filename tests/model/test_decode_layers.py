@@ -68,7 +68,8 @@ def _steps(model, kv_cache_dtype: str, fused: bool, calls: list,
 
 
 @pytest.mark.parametrize("source", ["gguf", "qwen2_qkv_bias:int4", "mistral_linear_rope_window:int8",
-                                    "qwen3_qk_norm:int4", "qwen3_moe:int8", "mixtral_moe:int4"])
+                                    "qwen3_qk_norm:int4", "qwen3_moe:int8", "mixtral_moe:int4",
+                                    "qwen2_moe:int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_one_call_equals_the_layers(tier, source, dtype, kv_cache_dtype, tmp_path, tiny_checkpoint):
@@ -140,13 +141,27 @@ def tier_runs_it() -> bool:
 
 @pytest.mark.parametrize("shape,quantization", [("phi4_partial_rotary", "int8"),
                                                 ("gemma2_softcap_window", "int8"),
-                                                ("llama_gqa_untied", "none"), ("deepseek_v2_mla", "int8")])
+                                                ("llama_gqa_untied", "none"), ("deepseek_v2_mla", "int8"),
+                                                ("gpt_oss", "int8")])
 def test_models_that_do_not_qualify_keep_the_layers(shape, quantization, tiny_checkpoint):
-    """Partial rotary, sandwich norms, float weights, latent attention with shared experts: no
-    packed layers."""
+    """Partial rotary, sandwich norms, float weights, latent attention with shared experts,
+    attention sinks: no packed layers."""
     with kernel_tier(COMPILED_TIERS[-1] if COMPILED_TIERS else "portable"):
         model = load_model(tiny_checkpoint(shape).folder, dtype="float32", quantization=quantization).model
         assert DecodeLayers.build(model, PagedSequences(model, num_blocks=8, block_size=4).kv_caches) is None
+
+
+def test_attention_sinks_alone_keep_a_model_out(tier, tmp_path, tiny_checkpoint):
+    """The compiled attention has no sinks: a model that qualifies stops qualifying once its
+    attention has them (gpt-oss's other departures, its router bias and clamped SwiGLU, aside)."""
+    model = _load("gguf", tmp_path, tiny_checkpoint, "float32")
+    caches = PagedSequences(model, num_blocks=8, block_size=4).kv_caches
+    if not tier_runs_it():
+        return
+    assert DecodeLayers.build(model, caches) is not None
+    for layer in model.layers:
+        layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(layer.self_attn.num_heads))
+    assert DecodeLayers.build(model, caches) is None
 
 
 def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):

@@ -104,7 +104,8 @@ def test_sharded_checkpoint(tmp_path):
 @pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "qwen3_qk_norm",
                                    "gemma2_softcap_window", "gemma3_local_rope",
                                    "phi3_longrope_window", "phi4_partial_rotary", "qwen3_moe",
-                                   "mixtral_moe", "deepseek_v2_mla", "deepseek_v3_mla"])
+                                   "qwen2_moe", "mixtral_moe", "gpt_oss", "deepseek_v2_mla",
+                                   "deepseek_v3_mla"])
 def test_gguf_written_like_llama_cpp(shape, tmp_path):
     # What llama.cpp's converter changes (Llama's q/k row order, Gemma's norms stored as 1 + w,
     # Phi-3's fused names and rope factor tensors, keys it leaves out) the loader must undo.
@@ -115,6 +116,10 @@ def test_gguf_written_like_llama_cpp(shape, tmp_path):
     overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else {}
     if shape == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, top-k renormalized
         overrides = {"mlp_only_layers": [], "norm_topk_prob": True}
+    if shape == "qwen2_moe":  # llama.cpp's qwen2moe: every layer sparse, top-k never renormalized
+        overrides = {"mlp_only_layers": []}
+    if shape == "gpt_oss":  # no key holds the SwiGLU's clamp: llama.cpp runs transformers' default
+        overrides = {"swiglu_limit": 7.0}
     hf_model = make_hf_model(shape, seed=13, **overrides)
     loaded = load_model(write_gguf(hf_model, tmp_path / "tiny.gguf"), dtype="float32")
     assert loaded.config.architecture == type(hf_model).__name__

@@ -17,6 +17,7 @@ from pagedllm.model.errors import (
     MissingTensorError,
     ModelFileNotFoundError,
     ModelLoadError,
+    ShapeMismatchError,
     UnsupportedModelError,
 )
 from pagedllm.model.loader import load_model, resolve_dtype
@@ -129,9 +130,9 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_quantization(tiny_checkpoint, tmp_path):
-    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "mxfp4.gguf",
-                      raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.MXFP4})
-    with expect(UnsupportedModelError, "MXFP4", "blk.1.ffn_up.weight", str(path)):
+    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "nvfp4.gguf",
+                      raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.NVFP4})
+    with expect(UnsupportedModelError, "NVFP4", "blk.1.ffn_up.weight", str(path)):
         load_model(path, dtype="float32")
 
 
@@ -145,11 +146,12 @@ def test_qwen3_5_gguf_is_refused_naming_a_tensor(tmp_path):
 
 
 def test_a_gguf_tensor_nothing_reads_is_refused(tiny_checkpoint, tmp_path):
-    # A supported architecture with a tensor we have no name for: refused, not run without it.
+    # Attention sinks (gpt-oss's, mapped) in a Llama file, whose model has no place for them:
+    # refused, not run without them.
     path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "extra.gguf",
                       extra={"blk.1.attn_sinks.weight": torch.ones(4)})
     with expect(UnsupportedModelError, "GGUF architecture 'llama'",
-                "cannot map tensor blk.1.attn_sinks.weight"):
+                "no place in the model for tensor blk.1.attn_sinks.weight (1 tensors unread)"):
         load_model(path, dtype="float32")
 
 
@@ -218,6 +220,20 @@ def test_a_damaged_config_field_is_one_line_naming_it(folder, field, value):
     config[field] = value
     (folder / "config.json").write_text(json.dumps(config))
     with expect(ModelLoadError, "config.json", field, repr(value)):
+        load_model(folder, dtype="float32")
+
+
+@pytest.mark.parametrize("field, delta, tensor", [
+    ("intermediate_size", 8, "mlp.gate_up_proj.weight"), ("head_dim", 16, "self_attn.qkv_proj.weight"),
+    ("vocab_size", 10, "embed_tokens.weight"), ("vocab_size", -10, "embed_tokens.weight"),
+    ("num_key_value_heads", 2, "self_attn.qkv_proj.weight"),
+])
+def test_a_config_that_disagrees_with_the_weights_is_one_line_naming_the_tensor(folder, field, delta, tensor):
+    """Issue 32, finding 7: torch's many-line load_state_dict error became a traceback at start."""
+    config = json.loads((folder / "config.json").read_text())
+    config[field] += delta
+    (folder / "config.json").write_text(json.dumps(config))
+    with expect(ShapeMismatchError, tensor, "in the weights, the config makes it"):
         load_model(folder, dtype="float32")
 
 

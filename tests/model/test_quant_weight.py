@@ -66,6 +66,22 @@ def test_repacked_bytes(gguf_tensors, qtype):
         assert weight.nbytes == gguf_tensors[qtype.name].n_bytes + codebook
 
 
+def test_mxfp4_scales_are_float16_where_that_is_exact(gguf_tensors):
+    """MXFP4's scales are powers of two: float16 holds real weights' (one byte a group over the
+    file's); a tensor with one out of float16's range keeps float32, and both stay exact."""
+    Q = gguf.GGMLQuantizationType
+    weight, reference = repacked(gguf_tensors, Q.MXFP4)
+    groups = ROWS * COLS // 32
+    assert weight.scales.dtype == torch.float16
+    assert weight.nbytes == gguf_tensors["MXFP4"].n_bytes + groups + 64
+    blocks = np.array(gguf_tensors["MXFP4"].data).reshape(-1, 17)
+    blocks[5, 0] = 127 + 100  # 2^99 after gguf's halving: past float16
+    wide = repack(Q.MXFP4, blocks, (ROWS, COLS))
+    assert wide.scales.dtype == torch.float32
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, Q.MXFP4).reshape(ROWS, COLS).copy())
+    assert torch.equal(wide.dequantize(), expected) and expected.abs().max() > 2.0**90
+
+
 def sum_order_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far two fp32 sums of the same products may differ: K * 2^-23 * sum |x_k w_k|."""
     return weight.shape[1] * 2.0**-23 * (x.abs().double() @ weight.abs().double().T) + 1e-30

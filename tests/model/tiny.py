@@ -67,6 +67,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    # Qwen2-MoE: q/k/v bias, a gated shared expert beside the routed ones, layer 1 of 3 dense
+    # (mlp_only_layers), scores not renormalized.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),
     # Latent attention: q through its own low-rank projection (V3) or not (V2); DeepSeek's experts
     # (a dense first layer, shared experts, grouped routing).
     "deepseek_v2_mla": ("DeepseekV2Config", dict(
@@ -95,6 +100,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
         position_embedding_type="rope")),
     "mixtral_moe": ("MixtralConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)),
+    # gpt-oss: attention sinks (randomized large, _randomized), windowed layers 0 and 2 around a
+    # full one, biases on q/k/v/o, the router and every expert; a SwiGLU limit low enough that the
+    # clamps bite; YaRN without truncation over an original context of 16, so its ramp moves.
+    "gpt_oss": ("GptOssConfig", dict(
+        num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=5, swiglu_limit=1.5, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 1e4})),
 }
 
 
@@ -129,6 +142,8 @@ def _randomized(model):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: as large as the scores, so they show
+                param.copy_(1.5 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
@@ -165,8 +180,9 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe",
+              "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
               "mixtral": "llama",  # llama.cpp writes Mixtral as a Llama with experts
+              "gpt_oss": "gpt-oss",
               "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
               "qwen3_5_text": "qwen35", "granitemoehybrid": "granitehybrid"}
 # Families whose GGUF files we refuse (their recurrent layers' tensors are not mapped): written
@@ -195,7 +211,10 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
-    for name, tensor in {**_gguf_tensors(hf_model, arch, split_kv_b), **(extra or {})}.items():
+    tensors = _gguf_tensors(hf_model, arch)
+    if split_kv_b:
+        tensors = _split_kv_b(tensors, config)
+    for name, tensor in {**tensors, **(extra or {})}.items():
         array = tensor.detach().numpy().astype(np.float32)
         qtype = (raw_types or {}).get(name)
         if name in (quantize or {}):
@@ -239,12 +258,23 @@ def _add_hparams(writer, config, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        if arch == "gpt-oss":
+            writer.add_expert_feed_forward_length(config.intermediate_size)
+            writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -359,13 +389,20 @@ def _granite_hybrid_tensor(name: str, tensor: torch.Tensor, config) -> dict[str,
     return {blk + theirs: tensor}
 
 
-def _split_kv_b(tensor: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's converter splits kv_b_proj per head into k_b (transposed: [heads, kv_lora_rank,
-    nope], for absorbing it into the query) and v_b [heads, v, kv_lora_rank]."""
-    nope, v = config.qk_nope_head_dim, config.v_head_dim
-    per_head = tensor.reshape(config.num_attention_heads, nope + v, tensor.shape[-1])
-    k_b, v_b = per_head.split([nope, v], dim=1)
-    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+def _split_kv_b(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """llama.cpp's converter splits each kv_b_proj (attn_kv_b) per head into k_b (transposed:
+    [heads, kv_lora_rank, nope], for absorbing it into the query) and v_b [heads, v, kv_lora_rank]."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(".attn_kv_b.weight"):
+            out[name] = tensor
+            continue
+        nope, v = config.qk_nope_head_dim, config.v_head_dim
+        per_head = tensor.reshape(config.num_attention_heads, nope + v, tensor.shape[-1])
+        k_b, v_b = per_head.split([nope, v], dim=1)
+        out[name.replace("attn_kv_b", "attn_k_b")] = k_b.transpose(1, 2).contiguous()
+        out[name.replace("attn_kv_b", "attn_v_b")] = v_b.contiguous()
+    return out
 
 
 def _add_tokenizer(writer) -> None:
@@ -399,7 +436,21 @@ def _stacked_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tens
     return {f"blk.{layer}.ffn_down_exps.weight": tensor}
 
 
-def _gguf_tensors(hf_model, arch: str, split_kv_b: bool = True) -> dict[str, torch.Tensor]:
+def _gpt_oss_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up_proj [E, H, 2I]
+    (inputs first, gate and up columns interleaved) split into ffn_gate_exps and ffn_up_exps
+    [E, I, H], down_proj [E, I, H] as ffn_down_exps [E, H, I]; the biases alike."""
+    layer = hf_name.split(".")[2]
+    kind = "bias" if hf_name.endswith("_bias") else "weight"
+    if kind == "weight":
+        tensor = tensor.transpose(1, 2)
+    if "gate_up_proj" in hf_name:
+        return {f"blk.{layer}.ffn_gate_exps.{kind}": tensor[:, 0::2],
+                f"blk.{layer}.ffn_up_exps.{kind}": tensor[:, 1::2]}
+    return {f"blk.{layer}.ffn_down_exps.{kind}": tensor}
+
+
+def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     import gguf
 
     config = hf_model.config
@@ -413,18 +464,16 @@ def _gguf_tensors(hf_model, arch: str, split_kv_b: bool = True) -> dict[str, tor
             out.update(_granite_hybrid_tensor(hf_name, tensor, config))
             continue
         if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
-            out.update(_stacked_experts(hf_name, tensor))
+            out.update(_gpt_oss_experts(hf_name, tensor) if arch == "gpt-oss"
+                       else _stacked_experts(hf_name, tensor))
             continue
         if hf_name.endswith("e_score_correction_bias"):  # llama.cpp's converter renames it first
             hf_name = hf_name.replace("_bias", ".bias")
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None and arch in REFUSED_GGUF_ARCHS:
             continue
-        if name.endswith(".attn_kv_b.weight") and split_kv_b:
-            k_b, v_b = _split_kv_b(tensor, config)
-            out[name.replace("attn_kv_b", "attn_k_b")] = k_b
-            out[name.replace("attn_kv_b", "attn_v_b")] = v_b
-            continue
+        if hf_name.endswith("self_attn.sinks"):  # llama.cpp's converter gives them a suffix
+            name += ".weight"
         if arch == "llama" and ".attn_q." in name:
             tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:

@@ -111,6 +111,28 @@ def test_idle_connections_leave_new_clients_served(conn_server):
     assert served(conn_server)
 
 
+def test_connections_that_never_send_their_body_leave_new_clients_served(tiny_model_dir):
+    """Issue 32, finding 8: complete POST headers and no body, on more connections than the cap,
+    each read by the server before the next comes: the oldest of them are closed to make room,
+    and a new client is served, not given a 503. (Their bodies' own deadline is far off here.)"""
+    cap = 40
+    limits = ConnectionLimits(max_connections=cap, header_timeout_s=HEADER_TIMEOUT_S)
+    headers = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    with guarded_server(tiny_config(tiny_model_dir), limits, body_timeout_s=60.0) as server:
+        bodiless = []
+        try:
+            for _ in range(cap + 10):
+                bodiless.append(sock := connect(server))
+                sock.sendall(headers)
+                time.sleep(0.01)  # its headers read: it waits for its body, not its headers
+            assert served(server)
+            assert closed_by_server(bodiless[0], 2)
+        finally:
+            for sock in bodiless:
+                sock.close()
+
+
 def test_a_slow_body_gets_408_and_the_connection_closes(conn_server):
     with connect(conn_server) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -1,7 +1,8 @@
 """Bounded work per request and fair shares through `pagedllm serve` (issue 32, findings 4, 5, 7):
 a request of more sequences than one may ask for, or of prompt logprobs past their budget, is
 refused with a 400 naming the field; a request of many sequences holding the engine does not keep
-another client's tiny request waiting until it ends (the scheduler admits least-served first);
+another client's tiny request waiting until it ends (the scheduler admits least-served first,
+and the token share set here shows in /metrics);
 a logit_bias past its bound is refused before the event loop parses it. Behaviour, not time:
 the bench (`pagedllm bench isolation`) measures the gaps."""
 
@@ -25,9 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def shares_server(tiny_model_dir, one_torch_thread):
     # 24 blocks of 16 tokens: a few of the large request's 64-token sequences at a time.
-    config = tiny_config(tiny_model_dir, num_kv_blocks=24, max_num_seqs=8)
+    config = tiny_config(tiny_model_dir, num_kv_blocks=24, max_num_seqs=8, step_share_tokens=4)
     with RunningServer(config) as running:
         yield running
+
+
+def test_the_token_share_is_in_the_metrics(shares_server):
+    metrics = httpx.get(f"{shares_server.base_url}/metrics", timeout=30).text
+    assert "pagedllm:step_share_tokens 4.0" in metrics.splitlines()
 
 
 def test_more_sequences_than_one_request_may_ask_for_is_a_400_naming_n(shares_server):

@@ -1,6 +1,6 @@
-"""A mixture-of-experts model served: `pagedllm serve` on a tiny random Qwen3-MoE answers the
-official openai client, streamed and not, with the tokens the offline engine gives (which
-tests/model/test_moe.py checks against transformers)."""
+"""A mixture-of-experts model served: `pagedllm serve` on a tiny random Qwen3-MoE (and Qwen2-MoE,
+with its gated shared expert) answers the official openai client, streamed and not, with the
+tokens the offline engine gives (which tests/model/test_moe.py checks against transformers)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
 PROMPTS = ["mixture of", "experts route each token to two of four"]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return save_checkpoint(make_hf_model("qwen3_moe"), tmp_path_factory.mktemp("qwen3-moe"))
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def moe_dir(request, tmp_path_factory):
+    return save_checkpoint(make_hf_model(request.param), tmp_path_factory.mktemp(request.param))
 
 
 def test_served_moe_text_equals_the_offline_engine(moe_dir, one_torch_thread):

@@ -84,7 +84,7 @@ def test_bad_values_are_refused_in_one_line(value, message):
     assert "\n" not in str(info.value)
 
 
-def test_engine_config_checks_the_field_and_refuses_the_draft_model_the_step_does_not_run(tmp_path):
+def test_engine_config_checks_the_field_and_takes_a_draft_model_on_one_process(tmp_path):
     assert EngineConfig().speculative_config is None
     with pytest.raises(ValueError, match="method must be one of"):
         EngineConfig(speculative_config={"method": "medusa"})
@@ -92,9 +92,10 @@ def test_engine_config_checks_the_field_and_refuses_the_draft_model_the_step_doe
     assert "speculative decoding: ngram" in config.describe_choices()
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"")
-    with pytest.raises(ValueError, match="'draft_model' is not run by the engine yet"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": str(draft),
-                                         "num_speculative_tokens": 2})
+    draft_config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    assert EngineConfig(speculative_config=draft_config).speculative_method == "draft_model"
+    with pytest.raises(ValueError, match="'draft_model' runs on one process"):
+        EngineConfig(speculative_config=draft_config, tensor_parallel_size=2)
 
 
 def _tokenizer(vocab: dict[str, int], eos: str = "</s>") -> Tokenizer:

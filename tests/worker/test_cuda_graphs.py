@@ -235,6 +235,8 @@ def test_attention_on_the_host_is_never_captured():
     """The torch path (every device but CUDA's Triton kernel) loops over host lists."""
     cache = (torch.zeros(2, BLOCK_SIZE, 2, 16), torch.zeros(2, BLOCK_SIZE, 2, 16))
     assert not cuda_graphs.attention_captures(cache, torch.float32, torch.device("cpu"))
+    # Attention sinks (gpt-oss) take the torch path on CUDA too: decided before any device work.
+    assert not cuda_graphs.attention_captures(cache, torch.float32, torch.device("cuda"), sinks=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a CUDA device decides by itself whether to capture")

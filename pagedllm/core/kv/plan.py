@@ -125,9 +125,13 @@ def make_kv_manager(config: EngineConfig, plan: KVPlan) -> KVCacheManager | Cont
                           state_pages_per_request=plan.state_pages_per_request, kv_kind=plan.kv_kind)
 
 
-def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str) -> str:
+def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str, draft_bytes_per_block: int = 0) -> str:
     """The start-up log line: what the cache holds, the max_model_len it chose and why, and how
-    many requests that long fit at once."""
+    many requests that long fit at once. draft_bytes_per_block: a draft model's share of each
+    block (speculative decoding: its K/V of the block's tokens lives in the block)."""
+    per_block = f"{plan.bytes_per_block} bytes per block"
+    if draft_bytes_per_block:
+        per_block += f" ({draft_bytes_per_block} of them the draft model's K/V)"
     length = f"max_model_len={plan.max_model_len}"
     if plan.fitted:
         length += (f" (the longest request this KV budget holds; the model allows "
@@ -140,6 +144,6 @@ def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str) -> str:
                    "prefix caching is off for this model: its recurrent layers' state at the end of "
                    "a cached prefix is not kept)")
     return (f"KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens, "
-            f"{plan.bytes_per_block} bytes per block, {plan.num_slots} token slots "
+            f"{per_block}, {plan.num_slots} token slots "
             f"({plan.kv_cache_bytes / 2**20:.1f} MiB, KV dtype {kv_dtype_name}, {kv_layout} layout); "
             f"{length} fits {plan.num_blocks // plan.blocks_per_request} requests at once")

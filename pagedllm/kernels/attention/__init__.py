@@ -19,6 +19,12 @@ call for prefill chunks and decodes) where it is built and takes the call, the T
 (triton_attention, the same contract) for CUDA tensors, and the portable torch path (torch_ref, also
 the reference both kernels are tested against) everywhere else. The Triton kernel reads compressed
 pages and soft-caps in its inner loop, so CUDA takes the torch path only without Triton.
+
+Attention sinks (gpt-oss: a learned logit per query head that joins each softmax's denominator
+and adds no value) are in the torch path only: a call with sinks takes it on every device, so the
+compiled and Triton kernels, and every other model's results, are untouched. The one-call decode
+(model/decode_layers.py) and batch-invariant mode (model/batch_invariant.py), which call the
+compiled kernel directly, refuse a model with sinks.
 """
 
 from __future__ import annotations
@@ -74,13 +80,18 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache
     (the new K/V already written by write_kv): [T, Hq, D]. softcap: scores become
-    softcap * tanh(score / softcap) before the softmax (Gemma 2). With
+    softcap * tanh(score / softcap) before the softmax (Gemma 2). sinks: [Hq] logits each head's
+    softmax counts in its denominator (gpt-oss; the torch path). With
     attn_metadata.batch_invariant, each row's result is independent of the batch (the CPU
     kernel's row-invariant entry; pagedllm.model.batch_invariant checked at start-up that it
     takes this model)."""
+    if sinks is not None:
+        return torch_ref.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
+                                         sliding_window, softcap, sinks)
     if attn_metadata.batch_invariant:
         return cpu_attention.paged_attention(query, key_cache, value_cache, attn_metadata, scale,
                                           sliding_window, softcap, row_invariant=True)

@@ -9,6 +9,9 @@ A compressed cache (kv_quant.QuantizedKV) is quantized on write and its gathered
 dequantized before the attention call, which runs in float32: the attention over exactly the
 values the codes stand for, which makes this the kernel's oracle for them too.
 
+Attention sinks (gpt-oss) and soft-capping are written out in float32 (SDPA has a hook for
+neither); every other call is one SDPA call.
+
 With a sliding window only the blocks from the window of each request's first new token on are
 gathered: the entries before it may be holes (blocks the KV manager gave back) and are never read.
 """
@@ -47,17 +50,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens [T, Hq, D] over its whole context in the cache.
 
     The new K/V must already be written (write_kv), so the context includes them. softcap: the
-    scores become softcap * tanh(score / softcap) before the softmax.
+    scores become softcap * tanh(score / softcap) before the softmax. sinks: [Hq] logits each
+    head's softmax adds to its denominator (a column of the scores that has no value).
     """
     if isinstance(key_cache, QuantizedKV) and query.dtype != torch.float32:
         # The values codes stand for are not bf16 / fp16 values: attend in float32 (as the kernel
         # does) rather than round them first.
         return paged_attention(query.float(), key_cache, value_cache, attn_metadata, scale,
-                               sliding_window, softcap).to(query.dtype)
+                               sliding_window, softcap, sinks).to(query.dtype)
     out = torch.empty_like(query)
     starts = attn_metadata.query_start_loc_cpu
     decodes: list[int] = []
@@ -68,12 +73,12 @@ def paged_attention(
         elif q_end > q_start:
             out[q_start:q_end] = _chunk_attention(
                 query[q_start:q_end], key_cache, value_cache,
-                attn_metadata.block_tables[b], ctx_len, scale, sliding_window, softcap)
+                attn_metadata.block_tables[b], ctx_len, scale, sliding_window, softcap, sinks)
     if decodes:
         rows = torch.tensor([starts[b] for b in decodes], device=query.device)
         out[rows] = _batched_decode_attention(
             query[rows], key_cache, value_cache, attn_metadata, decodes, scale, sliding_window,
-            softcap)
+            softcap, sinks)
     return out
 
 
@@ -103,6 +108,7 @@ def _chunk_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal attention of q_len new tokens that come after ctx_len - q_len cached ones."""
     q_len = query.shape[0]
@@ -113,7 +119,7 @@ def _chunk_attention(
     # SDPA's is_causal aligns the mask to the top-left corner, which is only right without
     # cached context, so the mask is built explicitly.
     # Without cached context or a window the two agree, and is_causal takes the faster kernel.
-    if q_len == ctx_len and sliding_window is None and softcap is None:
+    if q_len == ctx_len and sliding_window is None and softcap is None and sinks is None:
         mask, is_causal = None, True
     else:
         key_start = first_block * key_cache.shape[1]
@@ -122,7 +128,7 @@ def _chunk_attention(
     # (measured 7-12x faster on a 1024-token bf16 chunk than the same call with 3-D tensors).
     out = _attention(
         query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0), mask, is_causal, scale, softcap)
+        value.transpose(0, 1).unsqueeze(0), mask, is_causal, scale, softcap, sinks)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -148,6 +154,7 @@ def _batched_decode_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One new token [N, Hq, D] for each of N requests, attending over padded contexts: each
     request's blocks from the first its window reads (0 without a window)."""
@@ -173,7 +180,7 @@ def _batched_decode_attention(
     if sliding_window is not None:
         mask &= key_pos >= lens - sliding_window
     out = _attention(query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2),
-                     mask[:, None, None, :], False, scale, softcap)
+                     mask[:, None, None, :], False, scale, softcap, sinks)
     return out[:, :, 0, :]
 
 
@@ -185,17 +192,25 @@ def _attention(
     is_causal: bool,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over [B, H, L, D] inputs whose key/value heads each serve a group of query heads.
-    SDPA has no hook to soft-cap the scores, so soft-capped attention is written out, in float32
-    (a mask is then required)."""
-    if softcap is None:
+    SDPA has no hook to soft-cap the scores or to add sinks, so such attention is written out, in
+    float32 (a mask is then required)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                               is_causal=is_causal, scale=scale, enable_gqa=True)
     group = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(group, dim=1)
     value = value.float().repeat_interleave(group, dim=1)
     scores = query.float() @ key.transpose(-1, -2) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ value).to(query.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ value).to(query.dtype)
+    # The sink is one more column of each head's scores, dropped after the softmax: it takes its
+    # share of the denominator and brings no value.
+    sink_column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ value).to(query.dtype)

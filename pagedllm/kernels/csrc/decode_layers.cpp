@@ -6,13 +6,14 @@
 // The layers' weights come as two flat lists built once (pagedllm/model/decode_layers.py, which
 // also says which models qualify): `tensors`, and `meta` describing them. Per layer:
 //   meta:    sliding_window, has_qk_norm, num_experts (0: a dense MLP), and for a mixture of
-//            experts top_k and normalize; then for each projection (qkv, o, then gate_up and down,
-//            or each expert's gate_up and down): has_bias, has_lora, num_parts, and per part: bits,
-//            group_size, rows
+//            experts top_k, normalize and has_gated_shared_expert; then for each projection (qkv, o,
+//            then gate_up and down, or each expert's gate_up and down and the shared expert's):
+//            has_bias, has_lora, num_parts, and per part: bits, group_size, rows
 //   tensors: input norm weight, post-attention norm weight, key cache, value cache, key scales,
 //            value scales (empty: an uncompressed cache), the q and k norms' weights if it has them,
 //            the q/k/v and output projections, then gate_up and down, or the router's weight, its
-//            scale (float64 [1]) and each expert's gate_up and down. A projection: its float32 bias
+//            scale (float64 [1]), the shared expert's gate weight [1, hidden] if it has one, each
+//            expert's gate_up and down, and the shared expert's. A projection: its float32 bias
 //            if it has one, its LoRA A, B and part columns if it has them (lora/layers.py: every
 //            token's own adapter's update is added by lora_add_, over lora_slots), and per part:
 //            codes, scales, mins, codebook (empty: none)
@@ -23,7 +24,7 @@
 // the K/V written to the paged cache, paged attention, the output projection, add + RMSNorm, then
 // gate/up, SiLU-and-mul, down; or a mixture of experts as model/moe.py's SparseMoE runs it (the
 // compiled router, each expert once over its tokens, the same torch operations in the same order
-// around them). Returns [x, residual]: the last layer's MLP output and the residual stream (the
+// around them; Qwen2-MoE's shared expert scaled by its sigmoid gate and added, as shared_output). Returns [x, residual]: the last layer's MLP output and the residual stream (the
 // final norm adds them, in Python).
 
 #include <ATen/core/Tensor.h>
@@ -135,16 +136,19 @@ void norm_heads_(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_
   k.copy_(rms_norm(k.reshape({T * num_kv_heads, head_dim}), k_norm, eps).view({T, kv_size}));
 }
 
-// model/moe.py's SparseMoE.forward with greedy softmax routing and no shared expert: the compiled
-// router (moe_route.cpp), then the same torch operations in the same order, each expert's MLP by
-// the compiled kernels.
+// model/moe.py's SparseMoE.forward with greedy softmax routing, and no shared expert or a gated one
+// (Qwen2-MoE): the compiled router (moe_route.cpp), then the same torch operations in the same
+// order, each expert's MLP by the compiled kernels.
 at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t top_k, bool normalize,
-                   const at::Tensor& lora_slots) {
+                   bool gated_shared, const at::Tensor& lora_slots) {
   const at::Tensor& router = r.tensor();
   const double scale = r.tensor().item<double>();
+  const at::Tensor* shared_gate = gated_shared ? &r.tensor() : nullptr;
   std::vector<GatedMLP> experts;
   experts.reserve(num_experts);
   for (int64_t e = 0; e < num_experts; ++e) experts.emplace_back(r);
+  std::optional<GatedMLP> shared;
+  if (gated_shared) shared.emplace(r);
   const auto [weights, picked] = moe_route(x, router, top_k, normalize, scale);
   // run_experts(): each expert once over its tokens; each (token, pick) pair's output times its
   // weight, rounded, in a row of its own; a token's k rows summed in fp32 in pick order and rounded
@@ -181,7 +185,11 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
         o[t * H + h] = static_cast<scalar_t>(sum);
       }
   });
-  return out;
+  if (!shared) return out;
+  // SparseMoE.shared_output: the gate's one logit per token in float32 (moe.py's Router), its
+  // sigmoid rounded to x's dtype, times the shared expert's output; then added to the experts'.
+  const at::Tensor gate = at::linear(x.to(at::kFloat), shared_gate->to(at::kFloat));
+  return out + at::sigmoid(gate).to(x.scalar_type()) * (*shared)(x, lora_slots);
 }
 
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
@@ -200,6 +208,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
     const int64_t num_experts = r.integer();
     const int64_t top_k = num_experts > 0 ? r.integer() : 0;
     const bool normalize = num_experts > 0 && r.integer() != 0;
+    const bool gated_shared = num_experts > 0 && r.integer() != 0;
     const at::Tensor& input_norm = r.tensor();
     const at::Tensor& post_norm = r.tensor();
     at::Tensor key_cache = r.tensor(), value_cache = r.tensor();
@@ -227,7 +236,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
                                             seq_lens, query_start_loc, scale, sliding_window, softcap, use_amx);
     at::Tensor o = Projection(r)(attended.view({T, q_size}), lora_slots);
     add_rms_norm_(o, residual, post_norm, eps);
-    x = num_experts > 0 ? mixture(o, r, num_experts, top_k, normalize, lora_slots) : GatedMLP(r)(o, lora_slots);
+    x = num_experts > 0 ? mixture(o, r, num_experts, top_k, normalize, gated_shared, lora_slots)
+                        : GatedMLP(r)(o, lora_slots);
   }
   TORCH_CHECK(r.next_tensor == tensors.size() && r.next_int == meta.size(),
               "decode_layers: tensors or meta left over: they do not describe the layers");
