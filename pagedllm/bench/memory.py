@@ -4,7 +4,8 @@ Per step it records allocated and used KV slots and the running / waiting reques
 waste (empty slots in allocated memory / allocated), the most requests running at once,
 throughput and preemptions for each layout, and draws both over time, one above the other.
 With --html it also writes the server's KV cache page as a report: both block maps played back
-side by side (bench/memory_report.py).
+side by side (bench/memory_report.py). With --families it compares model families instead: bytes
+per KV token and requests at once in a fixed budget (bench/memory_families.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 from collections.abc import Callable
 from functools import partial
 
+from pagedllm.bench import memory_families
 from pagedllm.bench.common import (
     RunResult,
     StepRecord,
@@ -52,6 +54,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="also write the KV cache page as a static report: both layouts' block "
                              "maps side by side, played back over the run (recording them adds "
                              "a fraction of a millisecond to each step)")
+    memory_families.add_args(parser)
     add_threads_arg(parser)
     # Block 16 (not the engine's CPU default): the layouts' waste compared at a fine grain.
     parser.set_defaults(func=main, num_prompts=64, input_len="32-512", output_len="32-256",
@@ -137,6 +140,8 @@ def scheduler_figures(scheduler: Scheduler) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.families:
+        return memory_families.main(args)
     apply_threads(args)
     max_model_len = args.max_model_len or 1024
     num_blocks = args.reservations * cdiv(max_model_len, args.block_size)

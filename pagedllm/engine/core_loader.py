@@ -146,19 +146,15 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         logger.info("%s pooling needs every prompt token's hidden state, which a prefix-cache hit "
                     "skips: prefix caching is off", config.pooling_type)
         config = dataclasses.replace(config, enable_prefix_caching=False)
-    # The heads are this process's (model.config): under tensor parallelism its share, the
-    # largest of any rank's, so the budget is what each rank's cache may take.
-    bytes_per_block = _kv_bytes_per_block(config, model, model_config, dtype)
-    draft_bytes = 0 if draft is None else _kv_bytes_per_block(config, draft.model, draft.config, dtype)
-    bytes_per_block += draft_bytes
-    state_pages = 0
     if model_config.is_hybrid:
         config = _hybrid_config(config)
-        state_pages = pages_per_request(model.state_shapes, bytes_per_block)
-    kv_plan = plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
-                            sliding_window=model_config.kv_window,
-                            free_device_bytes=_free_device_bytes(device), state_pages_per_request=state_pages,
-                            kv_kind=kv_page_kind(model_config.kv_window, model_config.kv_lora_rank > 0))
+    # The heads are this process's (model.config): under tensor parallelism its share, the
+    # largest of any rank's, so the budget is what each rank's cache may take.
+    draft_bytes = 0 if draft is None else _kv_bytes_per_block(
+        config, draft.config, dtype, draft.model.config.num_key_value_heads)
+    state_shapes = model.state_shapes if model_config.is_hybrid else []
+    kv_plan = plan_model_kv_cache(config, model_config, dtype, model.config.num_key_value_heads,
+                                  state_shapes, _free_device_bytes(device), draft_bytes)
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, kv_plan.max_model_len,
                         config.scheduling_policy, config.step_share_tokens),
@@ -185,13 +181,26 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                      grammar_compiler, facts, lora, speculator)
 
 
-def _kv_bytes_per_block(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-                        dtype: torch.dtype) -> int:
+def plan_model_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                        kv_heads: int, state_shapes: list[tuple[int, ...]],
+                        free_device_bytes: int | None = None, draft_bytes_per_block: int = 0) -> KVPlan:
+    """The KV plan for a model of this shape (config.block_size set): its attention layers' bytes
+    per block (a latent-attention model's one latent per token, keys and values at once) and a
+    draft model's share of each block, the pages of one request's recurrent state (state_shapes;
+    [] where it has none), what the budget buys. kv_heads: this process's share of the KV heads."""
+    latent = model_config.kv_lora_rank > 0
+    bytes_per_block = _kv_bytes_per_block(config, model_config, dtype, kv_heads) + draft_bytes_per_block
+    return plan_kv_cache(config, bytes_per_block, model_config.max_position_embeddings,
+                         sliding_window=model_config.kv_window, free_device_bytes=free_device_bytes,
+                         state_pages_per_request=pages_per_request(state_shapes, bytes_per_block),
+                         kv_kind=kv_page_kind(model_config.kv_window, latent))
+def _kv_bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                        kv_heads: int) -> int:
     """What one block of a model's K/V takes (every attention layer's keys and values, scales
-    included), at this process's heads per rank."""
+    included), at this process's heads per rank (kv_heads)."""
     return kv_cache_bytes_per_block(
-        len(model_config.attention_layers), config.block_size, model.config.num_key_value_heads,
-        model_config.head_dim, dtype, config.kv_cache_dtype, values_share_keys=model_config.kv_lora_rank > 0)
+        len(model_config.attention_layers), config.block_size, kv_heads, model_config.head_dim, dtype,
+        config.kv_cache_dtype, values_share_keys=model_config.kv_lora_rank > 0)
 
 
 def _draft_proposer(config: EngineConfig, draft: LoadedModel, kv_plan: KVPlan, dtype: torch.dtype,

@@ -62,14 +62,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     # expert beside the routed ones.
     "Qwen2MoeForCausalLM": Architecture(gguf_name="qwen2moe", qkv_bias=True, shared_expert_gate=True),
     # Multi-head latent attention (model/mla.py) and mixtures of experts with shared experts.
-    "DeepseekV2ForCausalLM": Architecture(sliding_window=False),
+    # llama.cpp writes both as deepseek2 (config.py tells V3 by its sigmoid router).
+    "DeepseekV2ForCausalLM": Architecture(gguf_name="deepseek2", sliding_window=False),
     "DeepseekV3ForCausalLM": Architecture(sliding_window=False),
     # Hybrid: Gated DeltaNet layers with a gated full-attention layer every few (model/hybrid.py);
     # its RMSNorms scale by 1 + weight.
     "Qwen3_5ForCausalLM": Architecture(qk_norm=True, norm_offset=1.0, sliding_window=False),
     # Hybrid: Mamba2 layers with a few attention layers, a shared MLP beside routed experts (or
     # alone), and Granite's scalings (model/granite_hybrid.py).
-    "GraniteMoeHybridForCausalLM": Architecture(sliding_window=False),
+    "GraniteMoeHybridForCausalLM": Architecture(gguf_name="granitehybrid", sliding_window=False),
     "Gemma2ForCausalLM": Architecture(gguf_name="gemma2", sliding_period=2, **_GEMMA),
     "Gemma3ForCausalLM": Architecture(gguf_name="gemma3", qk_norm=True, sliding_period=6,
                                       local_rope_theta=10000.0, **_GEMMA),

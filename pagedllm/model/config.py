@@ -14,7 +14,13 @@ from pagedllm.model.architectures import (
     GGUF_ARCHITECTURES,
     Architecture,
 )
-from pagedllm.model.config_parts import gguf_moe_fields, hf_sparse_and_latent_fields
+from pagedllm.model.config_parts import (
+    SIGMOID_GATING,
+    gguf_granite_hybrid_fields,
+    gguf_latent_fields,
+    gguf_moe_fields,
+    hf_sparse_and_latent_fields,
+)
 from pagedllm.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -266,7 +272,14 @@ class ModelConfig:
         architecture = GGUF_ARCHITECTURES[gguf_arch]
         if gguf_arch == "llama" and metadata.get("llama.expert_count"):
             architecture = "MixtralForCausalLM"  # llama.cpp writes Mixtral as a Llama with experts
+        if gguf_arch == "deepseek2" and metadata.get("deepseek2.expert_gating_func") == SIGMOID_GATING:
+            architecture = "DeepseekV3ForCausalLM"
         arch = ARCHITECTURES[architecture]
+
+        # A hybrid's head_count_kv is per layer, 0 on its recurrent layers.
+        kv_per_layer = metadata.get(f"{gguf_arch}.attention.head_count_kv")
+        if isinstance(kv_per_layer, list):
+            metadata = {**metadata, f"{gguf_arch}.attention.head_count_kv": max(kv_per_layer, default=0)}
 
         def key(name: str, default: Any = None) -> Any:
             default = _LLAMA_CPP_DEFAULTS.get(gguf_arch, {}).get(name, default)
@@ -286,7 +299,7 @@ class ModelConfig:
                                          "tokenizer.ggml.eot_token_id",
                                          "tokenizer.ggml.eom_token_id") if k in metadata]
         window, sliding_layers = _gguf_sliding_window(key, arch, layers)
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=key("vocab_size") or len(metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
@@ -316,6 +329,11 @@ class ModelConfig:
             partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
             **gguf_moe_fields(key, tensor_names, layers, architecture),
         )
+        if gguf_arch == "deepseek2":
+            fields.update(gguf_latent_fields(key))
+        if gguf_arch == "granitehybrid":
+            fields.update(gguf_granite_hybrid_fields(key, tensor_names, kv_per_layer))
+        return cls(**fields)
 
 
 # The largest value a size may have: token ids and tensor dimensions are int32-sized, and a larger
@@ -457,6 +475,8 @@ def _gguf_sliding_window(
 _LLAMA_CPP_DEFAULTS = {
     "gemma2": {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
+    # DeepSeek's converter writes expert_weights_norm only where it is true.
+    "deepseek2": {"expert_weights_norm": False},
     "qwen2moe": {"expert_weights_norm": False},  # its graph never renormalizes the top-k scores
 }
 

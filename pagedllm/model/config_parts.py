@@ -180,13 +180,65 @@ def _hf_mla(config: dict[str, Any], architecture: str) -> dict[str, Any]:
                 partial_rotary_factor=rope / (kv_lora + rope))
 
 
+# llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType): DeepSeek-V3's router is sigmoid.
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2
+
+
+def gguf_latent_fields(key) -> dict[str, Any]:
+    """DeepSeek's latent attention from llama.cpp's keys. Its files already give the cache's
+    geometry as ours (head_count_kv 1, key_length kv_lora_rank + rope dims); the uncompressed
+    heads' sizes are the _mla keys. llama.cpp rotates DeepSeek's rope dims as interleaved pairs."""
+    kv_lora, rope = key("attention.kv_lora_rank"), key("rope.dimension_count")
+    key_mla, value_mla = key("attention.key_length_mla"), key("attention.value_length_mla")
+    missing = [name for name, value in (("attention.kv_lora_rank", kv_lora), ("rope.dimension_count", rope),
+               ("attention.key_length_mla", key_mla), ("attention.value_length_mla", value_mla)) if not value]
+    if missing:
+        raise UnsupportedModelError(f"deepseek2 GGUF without {', '.join(missing)} (latent attention) "
+                                    "is not supported")
+    if key("rope.scaling.yarn_log_multiplier"):
+        raise UnsupportedModelError("deepseek2: YaRN rope scaling with mscale_all_dim is not supported yet")
+    return dict(kv_lora_rank=kv_lora, q_lora_rank=key("attention.q_lora_rank") or None,
+                qk_nope_head_dim=key_mla - rope, qk_rope_head_dim=rope, v_head_dim=value_mla,
+                rope_interleave=True)
+
+
+def gguf_granite_hybrid_fields(key, tensor_names: set[str], kv_per_layer: list[int] | None) -> dict[str, Any]:
+    """Granite 4's hybrids from llama.cpp's keys: the layer kinds from the per-layer KV head counts
+    (0 on a Mamba2 layer), the ssm.* sizes, Granite's scales, the shared MLP's width (beside the
+    experts, or as the dense MLP). llama.cpp turns rotary on only where rope.scaling.finetuned
+    says so (Granite 4's hybrids have none)."""
+    if not isinstance(kv_per_layer, list):
+        raise UnsupportedModelError("granitehybrid GGUF without a per-layer attention.head_count_kv")
+    kinds = ["full_attention" if heads else "linear_attention" for heads in kv_per_layer]
+    heads, inner = key("ssm.time_step_rank"), key("ssm.inner_size")
+    missing = [name for name in ("ssm.time_step_rank", "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel")
+               if not key(name)]
+    if missing or inner % heads:
+        raise UnsupportedModelError(f"granitehybrid GGUF: {', '.join(missing) or 'ssm.inner_size'} "
+                                    "missing or not whole heads")
+    first_ssm = kinds.index("linear_attention") if "linear_attention" in kinds else 0
+    shared = key("expert_shared_feed_forward_length")
+    width = dict(shared_expert_intermediate_size=shared) if key("expert_count") else \
+        dict(intermediate_size=shared or key("feed_forward_length"))
+    return dict(
+        layer_types=_check_hybrid(kinds, "GraniteMoeHybridForCausalLM"), mamba_n_heads=heads,
+        mamba_d_head=inner // heads, mamba_n_groups=key("ssm.group_count", 1),
+        mamba_d_state=key("ssm.state_size"), mamba_d_conv=key("ssm.conv_kernel"),
+        mamba_conv_bias=f"blk.{first_ssm}.ssm_conv1d.bias" in tensor_names,
+        mamba_proj_bias=f"blk.{first_ssm}.ssm_in.bias" in tensor_names,
+        embedding_multiplier=float(key("embedding_scale", 1.0)),
+        residual_multiplier=float(key("residual_scale", 1.0)),
+        attention_multiplier=key("attention.scale"), logits_scaling=float(key("logit_scale", 1.0)),
+        use_rope=bool(key("rope.scaling.finetuned", False)), **width)
 def gguf_moe_fields(key, tensor_names: set[str], layers: int, architecture: str) -> dict[str, Any]:
     """From llama.cpp's keys; the sparse layers are those with a router tensor, and they have a
     shared expert where their ffn_*_shexp tensors are there (Qwen2-MoE: as wide as
     expert_shared_feed_forward_length says, else feed_forward_length, as llama.cpp reads it).
     llama.cpp renormalizes the top-k scores unless the file says otherwise (or, for qwen2moe,
     config.py's _LLAMA_CPP_DEFAULTS). gpt-oss's files hold no key for its SwiGLU's clamp: llama.cpp
-    runs it with transformers' defaults, 7.0 and 1.702."""
+    runs it with transformers' defaults, 7.0 and 1.702. DeepSeek's: expert_shared_count shared
+    experts of the routed ones' width, the routed weights' scale, and the routing its gating
+    function and expert groups say (as _hf_moe reads it from config.json)."""
     experts = key("expert_count", 0)
     if not experts:
         return {}
@@ -199,4 +251,13 @@ def gguf_moe_fields(key, tensor_names: set[str], layers: int, architecture: str)
                                                    or key("feed_forward_length")) if shared else 0)
     if architecture == "GptOssForCausalLM":
         fields.update(swiglu_limit=7.0, swiglu_alpha=1.702, **_GPT_OSS_MOE)
+    shared_count = key("expert_shared_count", 0)
+    if shared_count:  # DeepSeek: shared experts as wide as the routed ones, routed by its rules
+        sigmoid = key("expert_gating_func", SOFTMAX_GATING) == SIGMOID_GATING
+        groups = key("expert_group_count", 1)
+        method = "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"
+        fields.update(shared_expert_intermediate_size=fields["moe_intermediate_size"] * shared_count,
+                      routed_scaling_factor=float(key("expert_weights_scale", 1.0)), topk_method=method,
+                      scoring_func="sigmoid" if sigmoid else "softmax", n_group=groups,
+                      topk_group=key("expert_group_used_count", 1))
     return fields

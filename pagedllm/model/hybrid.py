@@ -87,8 +87,7 @@ class HybridForCausalLM(LlamaForCausalLM):
         self.vocab_gather = None
         self.embed_scale = None
         self.lora_embedding = self.lora_head = None  # LlamaForCausalLM's LoRA hooks (none here)
-        num_recurrent = config.num_hidden_layers - len(config.attention_layers)
-        self.state_shapes = self.layer_state_shapes(config) * num_recurrent  # one request's state
+        self.state_shapes = self.request_state_shapes(config)
         self._states: StatePages | None = None  # over the runner's KV caches, made on first use
 
     @staticmethod
@@ -101,6 +100,12 @@ class HybridForCausalLM(LlamaForCausalLM):
     def layer_state_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
         """One recurrent layer's state tensors."""
         return state_shapes(config)
+
+    @classmethod
+    def request_state_shapes(cls, config: ModelConfig) -> list[tuple[int, ...]]:
+        """One request's state: every recurrent layer's tensors, in layer order."""
+        num_recurrent = config.num_hidden_layers - len(config.attention_layers)
+        return cls.layer_state_shapes(config) * num_recurrent
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

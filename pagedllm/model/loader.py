@@ -221,6 +221,17 @@ _HYBRID_CLASSES = {"Qwen3_5ForCausalLM": HybridForCausalLM,
                    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that builds a model of config's family."""
+    return _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM)
+
+
+def recurrent_state_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """The tensors of one request's recurrent state ([] for a model without recurrent layers),
+    from its config alone: what its model class's state_shapes will be."""
+    return model_class(config).request_state_shapes(config) if config.is_hybrid else []
+
+
 def _model_path(path: str | Path | None) -> Path:
     """The path asked for, or the default model's."""
     if path is None:
@@ -252,11 +263,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device,
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     get = weights.gguf_getter(checkpoint, path)
     with _naming(path):
-        model = LlamaForCausalLM.from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device,
-                                                 shard)
+        model = model_class(config).from_hf_tensors(config, set(checkpoint.hf_names), get, dtype, device,
+                                                    shard)
     factors = checkpoint.rope_freq_factors()
     if factors is not None:
         model.rotary.inv_freq /= factors
+    checkpoint.check_all_read()
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, path)
 
 
@@ -277,7 +289,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, device: str | torch.device
         if config.architecture == "GptOssForCausalLM":  # its experts stacked (float or MXFP4)
             tensors = UnstackedExperts(tensors.names, tensors.get, config.num_experts,
                                        dequantize=not weights.keeps_mxfp4)
-        model = _HYBRID_CLASSES.get(config.architecture, LlamaForCausalLM).from_hf_tensors(
+        model = model_class(config).from_hf_tensors(
             config, tensors.names, weights.safetensors_getter(tensors), dtype, device, shard)
     return LoadedModel(model, dataclasses.replace(config, dtype=dtype), tokenizer, folder)
 

@@ -104,12 +104,15 @@ def test_sharded_checkpoint(tmp_path):
 @pytest.mark.parametrize("shape", ["llama_gqa_untied", "qwen2_qkv_bias", "qwen3_qk_norm",
                                    "gemma2_softcap_window", "gemma3_local_rope",
                                    "phi3_longrope_window", "phi4_partial_rotary", "qwen3_moe",
-                                   "qwen2_moe", "mixtral_moe", "gpt_oss"])
+                                   "qwen2_moe", "mixtral_moe", "gpt_oss", "deepseek_v2_mla",
+                                   "deepseek_v3_mla"])
 def test_gguf_written_like_llama_cpp(shape, tmp_path):
     # What llama.cpp's converter changes (Llama's q/k row order, Gemma's norms stored as 1 + w,
     # Phi-3's fused names and rope factor tensors, keys it leaves out) the loader must undo.
     # GGUF has no key for Gemma's query_pre_attn_scalar: llama.cpp takes head_dim, as every Gemma
     # but the 27B ones has it.
+    # DeepSeek's kv_b_proj comes split in two (attn_k_b transposed, attn_v_b), its router's
+    # gating function, groups and bias under llama.cpp's names.
     overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else {}
     if shape == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, top-k renormalized
         overrides = {"mlp_only_layers": [], "norm_topk_prob": True}
@@ -125,6 +128,16 @@ def test_gguf_written_like_llama_cpp(shape, tmp_path):
     paged = PagedSequences(loaded.model, num_blocks=12, block_size=BLOCK_SIZE)
     ours = torch.cat([paged.step({0: ids[:12]})[0], paged.step({0: ids[12:]})[0]])
     assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [12, 10]))
+
+
+def test_deepseek_gguf_with_kv_b_whole(tmp_path):
+    # Files from before llama.cpp split kv_b_proj hold it whole, as attn_kv_b.
+    hf_model = make_hf_model("deepseek_v2_mla", seed=13)
+    path = write_gguf(hf_model, tmp_path / "kv_b.gguf", split_kv_b=False)
+    loaded = load_model(path, dtype="float32")
+    ids = token_ids(10, seed=14)
+    ours = PagedSequences(loaded.model, num_blocks=6, block_size=BLOCK_SIZE).step({0: ids})[0]
+    assert_logits_close(ours, hf_chunked_logits(hf_model, ids, [len(ids)]))
 
 
 def test_bfloat16_runs_close_to_float32(tiny_checkpoint):

@@ -21,7 +21,7 @@ from pagedllm.model.errors import (
     UnsupportedModelError,
 )
 from pagedllm.model.loader import load_model, resolve_dtype
-from tests.model.tiny import write_gguf
+from tests.model.tiny import make_hf_model, write_gguf
 
 
 @pytest.fixture
@@ -133,6 +133,25 @@ def test_unsupported_quantization(tiny_checkpoint, tmp_path):
     path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "nvfp4.gguf",
                       raw_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.NVFP4})
     with expect(UnsupportedModelError, "NVFP4", "blk.1.ffn_up.weight", str(path)):
+        load_model(path, dtype="float32")
+
+
+def test_qwen3_5_gguf_is_refused_naming_a_tensor(tmp_path):
+    # Its Gated DeltaNet layers' ssm_* tensors are not mapped from GGUF: refused in one line naming
+    # the architecture and the first tensor in the file we cannot read.
+    path = write_gguf(make_hf_model("qwen3_5_hybrid"), tmp_path / "qwen35.gguf")
+    with expect(UnsupportedModelError, str(path), "GGUF architecture 'qwen35'",
+                "cannot map tensor blk.0.ssm_a ", "Hugging Face folder"):
+        load_model(path, dtype="float32")
+
+
+def test_a_gguf_tensor_nothing_reads_is_refused(tiny_checkpoint, tmp_path):
+    # Attention sinks (gpt-oss's, mapped) in a Llama file, whose model has no place for them:
+    # refused, not run without them.
+    path = write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, tmp_path / "extra.gguf",
+                      extra={"blk.1.attn_sinks.weight": torch.ones(4)})
+    with expect(UnsupportedModelError, "GGUF architecture 'llama'",
+                "no place in the model for tensor blk.1.attn_sinks.weight (1 tensors unread)"):
         load_model(path, dtype="float32")
 
 

@@ -182,18 +182,26 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
               "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
               "mixtral": "llama",  # llama.cpp writes Mixtral as a Llama with experts
-              "gpt_oss": "gpt-oss"}
+              "gpt_oss": "gpt-oss",
+              "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+              "qwen3_5_text": "qwen35", "granitemoehybrid": "granitehybrid"}
+# Families whose GGUF files we refuse (their recurrent layers' tensors are not mapped): written
+# under the names gguf's map gives, the tensors it has no name for left out, no converter
+# transforms; only good for seeing the refusal.
+REFUSED_GGUF_ARCHS = ("qwen35",)
 
 
 def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
-               quantize: dict | None = None) -> Path:
+               quantize: dict | None = None, split_kv_b: bool = True, extra: dict | None = None) -> Path:
     """The model as llama.cpp's converter would write it (F32): its metadata keys, tensor names
     from gguf's own name map, q/k rows permuted for Llama, Gemma's norms stored as 1 + weight,
     Phi-3's LongRoPE factors as tensors.
 
     raw_types maps a GGUF tensor name to a quantization type whose bytes are written as zeros,
     to test how unsupported types are refused; quantize, to a quantization type it is stored in
-    (quant_blocks.quantized_blocks: quantized by gguf where it can, else random blocks)."""
+    (quant_blocks.quantized_blocks: quantized by gguf where it can, else random blocks). split_kv_b:
+    DeepSeek's kv_b_proj as attn_k_b and attn_v_b, as llama.cpp's converter writes it now (False:
+    attn_kv_b, as older files hold it). extra: more tensors by GGUF name, written as they are."""
     import gguf
 
     from tests.model.quant_blocks import quantized_blocks
@@ -203,7 +211,10 @@ def write_gguf(hf_model, path: Path, raw_types: dict | None = None,
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer)
-    for name, tensor in _gguf_tensors(hf_model, arch).items():
+    tensors = _gguf_tensors(hf_model, arch)
+    if split_kv_b:
+        tensors = _split_kv_b(tensors, config)
+    for name, tensor in {**tensors, **(extra or {})}.items():
         array = tensor.detach().numpy().astype(np.float32)
         qtype = (raw_types or {}).get(name)
         if name in (quantize or {}):
@@ -232,9 +243,15 @@ def _add_hparams(writer, config, arch: str) -> None:
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "deepseek2":
+        _add_deepseek2_hparams(writer, config)
+        return
+    if arch == "granitehybrid":
+        _add_granite_hybrid_hparams(writer, config)
+        return
+    writer.add_head_count_kv(config.num_key_value_heads)
     if getattr(config, "head_dim", None):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -273,6 +290,119 @@ def _add_hparams(writer, config, arch: str) -> None:
             scale = config.max_position_embeddings / original
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)))
+
+
+def _add_deepseek2_hparams(writer, config) -> None:
+    """As llama.cpp's converter writes DeepSeek-V2/V3: the latent cache as one KV head of
+    kv_lora_rank + rope dims, the uncompressed heads' sizes under the _mla keys, the router's
+    gating function and groups, the scale and renormalization of the routed weights."""
+    import gguf
+
+    kv_lora, rope, nope = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim
+    writer.add_head_count_kv(1)
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_kv_lora_rank(kv_lora)
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_rope_dimension_count(rope)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if getattr(config, "norm_topk_prob", False):
+        writer.add_expert_weights_norm(True)
+    sigmoid = config.model_type == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+
+
+def _add_granite_hybrid_hparams(writer, config) -> None:
+    """As llama.cpp's converter writes Granite 4's hybrids: KV heads per layer (0 on Mamba2 ones),
+    the ssm sizes, Granite's multipliers as scales, rotary only where rope.scaling.finetuned says
+    (never, for these: give the model position_embedding_type="nope")."""
+    kinds = config.layer_types
+    writer.add_head_count_kv([config.num_key_value_heads if k in ("attention", "full_attention") else 0
+                              for k in kinds])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+
+
+# transformers' Granite hybrid names (after the layer's prefix) -> llama.cpp's (after blk.N.).
+_GRANITE_HYBRID_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mamba.in_proj.weight": "ssm_in.weight", "mamba.out_proj.weight": "ssm_out.weight",
+    "mamba.conv1d.weight": "ssm_conv1d.weight", "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.dt_bias": "ssm_dt.bias", "mamba.A_log": "ssm_a", "mamba.D": "ssm_d",
+    "mamba.norm.weight": "ssm_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "block_sparse_moe.router.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.experts.down_proj": "ffn_down_exps.weight",
+    "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+}
+
+
+def _granite_hybrid_tensor(name: str, tensor: torch.Tensor, config) -> dict[str, torch.Tensor]:
+    """One layer tensor as llama.cpp's converter writes it: gate and up halves apart, q/k rows
+    permuted as Llama's, A as -exp(A_log), A and D as [heads, 1], the conv weight squeezed, the
+    gated norm's weight per group."""
+    layer, ours = name.split(".", 3)[2], name.split(".", 3)[3]
+    blk = f"blk.{layer}."
+    if ours == "block_sparse_moe.experts.gate_up_proj":  # [E, 2I, H]
+        gate, up = tensor.chunk(2, dim=1)
+        return {blk + "ffn_gate_exps.weight": gate, blk + "ffn_up_exps.weight": up}
+    if ours == "shared_mlp.input_linear.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return {blk + "ffn_gate_shexp.weight": gate, blk + "ffn_up_shexp.weight": up}
+    theirs = _GRANITE_HYBRID_TENSORS[ours]
+    if theirs == "attn_q.weight":
+        tensor = _llama_cpp_permute(tensor, config.num_attention_heads)
+    elif theirs == "attn_k.weight":
+        tensor = _llama_cpp_permute(tensor, config.num_key_value_heads)
+    elif theirs == "ssm_a":
+        tensor = -torch.exp(tensor).reshape(-1, 1)
+    elif theirs == "ssm_d":
+        tensor = tensor.reshape(-1, 1)
+    elif theirs == "ssm_conv1d.weight":
+        tensor = tensor.squeeze(1)
+    elif theirs == "ssm_norm.weight":
+        tensor = tensor.reshape(config.mamba_n_groups, -1)
+    return {blk + theirs: tensor}
+
+
+def _split_kv_b(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """llama.cpp's converter splits each kv_b_proj (attn_kv_b) per head into k_b (transposed:
+    [heads, kv_lora_rank, nope], for absorbing it into the query) and v_b [heads, v, kv_lora_rank]."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(".attn_kv_b.weight"):
+            out[name] = tensor
+            continue
+        nope, v = config.qk_nope_head_dim, config.v_head_dim
+        per_head = tensor.reshape(config.num_attention_heads, nope + v, tensor.shape[-1])
+        k_b, v_b = per_head.split([nope, v], dim=1)
+        out[name.replace("attn_kv_b", "attn_k_b")] = k_b.transpose(1, 2).contiguous()
+        out[name.replace("attn_kv_b", "attn_v_b")] = v_b.contiguous()
+    return out
 
 
 def _add_tokenizer(writer) -> None:
@@ -330,11 +460,18 @@ def _gguf_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if arch == "granitehybrid" and hf_name.startswith("model.layers."):
+            out.update(_granite_hybrid_tensor(hf_name, tensor, config))
+            continue
         if ".mlp.experts." in hf_name:  # transformers' fused experts: llama.cpp's stacked ones
             out.update(_gpt_oss_experts(hf_name, tensor) if arch == "gpt-oss"
                        else _stacked_experts(hf_name, tensor))
             continue
+        if hf_name.endswith("e_score_correction_bias"):  # llama.cpp's converter renames it first
+            hf_name = hf_name.replace("_bias", ".bias")
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None and arch in REFUSED_GGUF_ARCHS:
+            continue
         if hf_name.endswith("self_attn.sinks"):  # llama.cpp's converter gives them a suffix
             name += ".weight"
         if arch == "llama" and ".attn_q." in name:

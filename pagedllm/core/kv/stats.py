@@ -51,6 +51,12 @@ class KVStats:
         return self.allocated_bytes - self.used_bytes
 
     @property
+    def bytes_per_token(self) -> int:
+        """One token's KV across every attention layer (a latent-attention model's latent; a
+        hybrid model's recurrent layers hold none: their state is per request)."""
+        return self.bytes_per_block // self.block_size if self.block_size else 0
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         queries = self.prefix_cache_queries
         return self.prefix_cache_hits / queries if queries else 0.0
@@ -60,5 +66,5 @@ class KVStats:
 
     def to_dict(self) -> dict:
         derived = ("num_used_blocks", "usage", "waste_slots", "waste_pct", "allocated_bytes",
-                   "used_bytes", "waste_bytes", "prefix_cache_hit_rate")
+                   "used_bytes", "waste_bytes", "bytes_per_token", "prefix_cache_hit_rate")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
