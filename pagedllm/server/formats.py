@@ -270,6 +270,15 @@ class CompletionFormat(Format):
                 "text_offset": offsets}
 
 
+def _echo_text(body, messages) -> str:
+    """vLLM's chat echo: the last message's text, where the answer continues it (an assistant's
+    message, or any message when no generation prompt opens a new turn); else nothing."""
+    if not body.echo or not messages:
+        return ""
+    last = messages[-1]
+    return last.text() if last.role == "assistant" or not body.add_generation_prompt else ""
+
+
 class ChatFormat(Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
@@ -278,6 +287,9 @@ class ChatFormat(Format):
         super().__init__(api, body)
         self.constraint = constraint
         self._readers: dict[int, ToolCallReader | ReasoningReader | None] = {}  # by choice index
+        conversations = body.messages if body.messages and isinstance(body.messages[0], list) \
+            else [body.messages]  # a batch's, or the one conversation
+        self.echoes = [_echo_text(body, messages) for messages in conversations]
 
     def _reader(self, index: int, prompt) -> ToolCallReader | ReasoningReader | None:
         """The choice's reader: of reasoning (with --reasoning-parser; where the answer starts
@@ -295,7 +307,8 @@ class ChatFormat(Format):
         return self._readers[index]
 
     def opening_chunks(self, num_prompts: int) -> list[list[dict]]:
-        return [[{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # a stream is one conversation: its echo (or nothing) opens each choice's content
+        return [[{"index": j, "delta": {"role": "assistant", "content": self.echoes[0]}, "logprobs": None,
                   "finish_reason": None} for j in range(self.n)]]
 
     def opening_fields(self, prompts) -> dict:
@@ -307,6 +320,9 @@ class ChatFormat(Format):
             message, finish_reason = {"role": "assistant", "content": out.text}, out.finish_reason
         else:
             message, finish_reason = reader.message(out.text, out.finish_reason)
+        echo = self.echoes[index // self.n]
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(out),
                 "finish_reason": finish_reason, "stop_reason": out.stop_reason,
                 **self.token_ids_fields(out, whole=True)}

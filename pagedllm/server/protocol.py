@@ -64,7 +64,6 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     "prompt_embeds": (),
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
-    "echo": (False,),  # on chat (vLLM's: echo the last message); completions declare it
     "chat_template": (),  # per request; the server's --chat-template is honoured
     "documents": ([],),
     "audio": (),
@@ -296,6 +295,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = logprob_count("logprobs")
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the prompt ends inside the last message
+    # vLLM's: the answer's content starts with the last message's text where the answer continues
+    # that message (an assistant's last message, or any last message without a generation prompt)
+    echo: StrictBool = False
     add_special_tokens: StrictBool = False  # the template writes BOS itself
     chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
     # vLLM's: at most this many tokens of reasoning, then its end marker is forced (needs the

@@ -117,3 +117,37 @@ def test_tokenize_a_conversation_with_tools_as_the_chat_renders_it(server):
     assert chat["usage"]["prompt_tokens"] == with_tools["count"]
     bad = post(server, "/tokenize", {"messages": messages, "tools": [{"type": "nope"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+def chat_texts(server, body: dict, path: str = "/v1/chat/completions") -> list[str]:
+    answer = ok(server, path, {"max_tokens": 4, "temperature": 0, **body})
+    return [choice["message"]["content"] for choice in answer["choices"]]
+
+
+def streamed_text(server, body: dict) -> str:
+    body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "stream": True, **body}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    return "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
+                   if json.loads(d)["choices"])
+
+
+def test_chat_echo_prepends_the_message_the_answer_continues(tiny_server):
+    """vLLM's chat echo: the last message's text before the answer where the answer continues it
+    (whole, streamed and per conversation of a batch); a user's last message under a generation
+    prompt is not echoed."""
+    said = "An apple a day"
+    continued = {"messages": [{"role": "user", "content": "a saying"},
+                              {"role": "assistant", "content": said}],
+                 "add_generation_prompt": False, "continue_final_message": True}
+    [plain] = chat_texts(tiny_server, continued)
+    assert chat_texts(tiny_server, {**continued, "echo": True}) == [said + plain]
+    assert streamed_text(tiny_server, {**continued, "echo": True}) == said + plain
+    asked = {"messages": [{"role": "user", "content": said}]}
+    assert chat_texts(tiny_server, {**asked, "echo": True}) == chat_texts(tiny_server, asked)
+    batch = {"messages": [continued["messages"], [{"role": "assistant", "content": "Once"}]],
+             "add_generation_prompt": False, "continue_final_message": True}
+    plain_batch = chat_texts(tiny_server, batch, "/v1/chat/completions/batch")
+    assert chat_texts(tiny_server, {**batch, "echo": True}, "/v1/chat/completions/batch") == [
+        said + plain_batch[0], "Once" + plain_batch[1]]
