@@ -70,6 +70,9 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     "modalities": (["text"],),
     "prediction": (),
     "mm_processor_kwargs": ({},),
+    # vLLM's disaggregated prefill (a KV connector's settings; its prompt_token_ids replace the
+    # prompt): no KV connector here, so an answer would silently be another request's.
+    "kv_transfer_params": (),
 }
 # Names of ignored fields the log has mentioned (the log says each once); bounded, so that
 # clients sending ever new names cannot grow it.
