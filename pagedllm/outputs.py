@@ -23,6 +23,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     logprob: float
     rank: int  # 1 = most likely token
     top: list[tuple[int, float]]
+    # The alternatives' ranks where they are not top's positions (logprob_token_ids' tokens)
+    top_ranks: list[int] | None = None
 
 
 # One dict per generated token: token id -> Logprob (the chosen token and the top-N).

@@ -104,6 +104,8 @@ LIST_BOUNDS: dict[str, int] = {
     "bad_words": MAX_BAD_WORDS,
     "logit_bias": MAX_LOGIT_BIAS_ENTRIES,
     "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
+    # vLLM's pinned alternatives: each one an entry per token, as a logprobs count's are
+    "logprob_token_ids": MAX_LOGPROBS,
 }
 
 
@@ -134,7 +136,8 @@ def check_runnable(params, vocab_size: int | None = None) -> None:
         raise ValueError(f"top_k must be at most {MAX_TOP_K} (larger values mean every token: "
                          f"SamplingParams clamps them); got {_short(params.top_k)}")
     if vocab_size is not None:
-        ids = [*params.stop_token_ids, *(params.logit_bias or ()), *(params.allowed_token_ids or ())]
+        ids = [*params.stop_token_ids, *(params.logit_bias or ()), *(params.allowed_token_ids or ()),
+               *(params.logprob_token_ids or ())]
         bad = [t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)]
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab_size}) (the vocabulary); "

@@ -49,6 +49,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: with logprobs, each token's alternatives are these tokens (whatever their rank,
+    # from the raw logits as the others) instead of the `logprobs` likeliest.
+    logprob_token_ids: list[int] | None = None
     # Log-probabilities of the prompt's tokens (with this many top alternatives each); the
     # first token has none. Such a request reads nothing from the prefix cache.
     prompt_logprobs: int | None = None
@@ -72,6 +75,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
         if _is_int(self.top_k) and self.top_k == 0:
@@ -133,6 +138,13 @@ class SamplingParams:
             ok = self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
             _check(bool(ok), "allowed_token_ids", "a non-empty list of token ids (non-negative "
                    "integers)", self.allowed_token_ids[:10])
+        if self.logprob_token_ids is not None:
+            check_list_length("logprob_token_ids", len(self.logprob_token_ids))
+            ok = self.logprob_token_ids and all(_is_int(t) and t >= 0 for t in self.logprob_token_ids)
+            _check(bool(ok), "logprob_token_ids", "a non-empty list of token ids (non-negative "
+                   "integers)", self.logprob_token_ids[:10])
+            _check(self.logprobs is not None, "logprob_token_ids", "given with logprobs (they are "
+                   "the alternatives its logprobs list)", self.logprob_token_ids[:10])
         if self.bad_words is not None:
             check_list_length("bad_words", len(self.bad_words))
             for word in self.bad_words:

@@ -420,6 +420,8 @@ class InputProcessor:
             self.check_token_ids(list(params.logit_bias), "logit_bias", "logit_bias keys")
         if params.allowed_token_ids is not None:
             self.check_token_ids(params.allowed_token_ids, "allowed_token_ids", "allowed_token_ids")
+        if params.logprob_token_ids is not None:
+            self.check_token_ids(params.logprob_token_ids, "logprob_token_ids", "logprob_token_ids")
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
         """Each bad word as token ids, as it would appear at the start of the text and after a

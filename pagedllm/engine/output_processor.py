@@ -237,7 +237,8 @@ class OutputProcessor:
         """The chosen (or given) token first, then the top-N by rank (vLLM's order, which its
         API's logprobs lists keep), by id, with their decoded text."""
         entry = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))}
-        for rank, (tid, val) in enumerate(lp.top, 1):
+        ranks = lp.top_ranks or range(1, len(lp.top) + 1)
+        for rank, (tid, val) in zip(ranks, lp.top):
             entry.setdefault(tid, Logprob(val, rank, self._decode_one(tid)))
         return entry
 

@@ -236,7 +236,7 @@ class Api:
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_token_id_keys(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-            skip_special_tokens=body.skip_special_tokens,
+            logprob_token_ids=body.logprob_token_ids, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs)
         fields = {**self.processor.sampling_defaults,

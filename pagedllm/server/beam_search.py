@@ -40,6 +40,7 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 # Body fields a beam search cannot honour, with the values that mean "not asked for".
 _NOT_WITH_BEAMS: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None,), "prompt_logprobs": (None,), "echo": (False,),
+    "logprob_token_ids": (None,),
     "stop": (None, []), "stop_token_ids": (None, []), "bad_words": (None, []), "logit_bias": (None, {}),
     "allowed_token_ids": (None,), "min_tokens": (0,), "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,), "repetition_penalty": (None, 1.0), "top_p": (None, 1.0),

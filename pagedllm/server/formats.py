@@ -244,7 +244,7 @@ class CompletionFormat(Format):
         # The chosen token and logprobs alternatives: logprobs + 1 entries at most (vLLM's and
         # OpenAI's rule), the chosen one first, so logprobs=0 lists the chosen token alone.
         top_n = top_count(self.body.logprobs)
-        count = None if top_n is None else top_n + 1
+        count = None if top_n is None or self.body.logprob_token_ids else top_n + 1
 
         def add(token_id: int, entry: dict[int, Logprob] | None) -> None:
             if entry is None:
@@ -354,7 +354,7 @@ class ChatFormat(Format):
             return None
         # top_logprobs entries, the chosen token first (vLLM's list: with k, the chosen token
         # and the k - 1 best others).
-        count = top_count(self.body.top_logprobs)
+        count = None if self.body.logprob_token_ids else top_count(self.body.top_logprobs)
         content = []
         for token_id, entry in zip(out.token_ids, out.logprobs):
             content.append({**self._token_json(token_id, entry[token_id]),

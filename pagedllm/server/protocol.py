@@ -213,6 +213,10 @@ class _SamplingFields(_Body):
         min_length=1, max_length=LIST_BOUNDS["allowed_token_ids"])] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN),
                                         _UNICODE]], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # vLLM's: with logprobs, each token's alternatives are these tokens (whatever their rank)
+    # instead of the likeliest ones; the listed count then follows them, not logprobs/top_logprobs.
+    logprob_token_ids: Annotated[list[TokenId], Field(
+        min_length=1, max_length=LIST_BOUNDS["logprob_token_ids"])] | None = None
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
     prompt_logprobs: Int | None = logprob_count("prompt_logprobs")
     # logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)

@@ -172,7 +172,7 @@ class RejectionSampler:
                 result.append(None)
                 continue
             rows = raw[starts[i]:starts[i] + len(tokens[i])]
-            result.append(Sampler.logprobs_of(rows, tokens[i], num_top))
+            result.append(Sampler.logprobs_of(rows, tokens[i], num_top, draft.row.params.logprob_token_ids))
         return result
 
 

@@ -257,17 +257,19 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
-        found = _token_logprobs(raw[index], token_ids[index], [rows[i].params.logprobs for i in wanted])
+        found = _token_logprobs(raw[index], token_ids[index], [rows[i].params.logprobs for i in wanted],
+                                [rows[i].params.logprob_token_ids for i in wanted])
         for i, entry in zip(wanted, found):
             result[i] = entry
         return result
 
     @staticmethod
-    def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: int,
+                    pinned: list[int] | None = None) -> list[TokenLogprobs]:
         """Each row's log-probability of a given token (a prompt's next token), its rank and the
-        num_top best, from the raw logits [len(token_ids), vocab]."""
+        num_top best (or the pinned tokens'), from the raw logits [len(token_ids), vocab]."""
         chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
-        return _token_logprobs(logits.float(), chosen, [num_top] * len(token_ids))
+        return _token_logprobs(logits.float(), chosen, [num_top] * len(token_ids), [pinned] * len(token_ids))
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -305,8 +307,10 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
-def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]) -> list[TokenLogprobs]:
-    """Log-softmax of each row of raw: the chosen token's value and rank, and the row's top-n."""
+def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int],
+                    pinned: list[list[int] | None] | None = None) -> list[TokenLogprobs]:
+    """Log-softmax of each row of raw: the chosen token's value and rank, and the row's top-n, or
+    where pinned gives a row token ids (logprob_token_ids), those tokens' values and ranks."""
     logp = torch.log_softmax(raw, dim=-1)
     chosen_logp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
     ranks = (logp > chosen_logp.unsqueeze(1)).sum(dim=1) + 1
@@ -315,9 +319,21 @@ def _token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, nums_top: list[int]
     chosen, chosen_logp, ranks = chosen.tolist(), chosen_logp.tolist(), ranks.tolist()
     top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
     # A token a grammar forbids (-inf) is no alternative: fewer than n may be left.
-    return [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j],
-                          [(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")])
-            for j, n in enumerate(nums_top)]
+    found = [TokenLogprobs(chosen[j], chosen_logp[j], ranks[j],
+                           [(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")])
+             for j, n in enumerate(nums_top)]
+    for j, ids in enumerate(pinned or ()):
+        if ids is not None:
+            found[j].top, found[j].top_ranks = _pinned_logprobs(logp[j], ids)
+    return found
+
+
+def _pinned_logprobs(logp: torch.Tensor, token_ids: list[int]) -> tuple[list[tuple[int, float]], list[int]]:
+    """Given tokens' log-probabilities in one row of logp, and their ranks (1: the likeliest)."""
+    index = torch.tensor(token_ids, dtype=torch.long, device=logp.device)
+    values = logp[index]
+    ranks = (logp.unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1
+    return list(zip(token_ids, values.tolist())), ranks.tolist()
 
 
 def _has_penalty(p: SamplingParams) -> bool:

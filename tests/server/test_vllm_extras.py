@@ -118,6 +118,38 @@ def test_minus_one_resolves_to_a_vocabulary_within_the_cap():
         resolve_count("top_logprobs", -1, 49152)
 
 
+# -- logprob_token_ids -----------------------------------------------------------------------------
+
+def test_logprob_token_ids_list_those_tokens_whole_and_streamed(server):
+    """vLLM's logprob_token_ids: each token's alternatives are the chosen token and the given ones,
+    valued as an unconstrained request's top list values them (raw logits: before
+    allowed_token_ids' mask), whatever logprobs/top_logprobs ask; without logprobs, a 400."""
+    common = {"max_tokens": 1, "temperature": 0}
+    top = ok(server, "/v1/completions", {"prompt": "The cat", "logprobs": 20, **common})
+    listed = top["choices"][0]["logprobs"]["top_logprobs"][0]
+    ranked = [(int(token.removeprefix("token_id:")), value) for token, value in listed.items()]
+    (first, first_value), (fifth, fifth_value) = ranked[1], ranked[5]  # after the chosen token
+    chosen = ranked[-1][0]  # forced by allowed_token_ids: not one of the pinned tokens
+    pinned = {"logprob_token_ids": [first, fifth], "allowed_token_ids": [chosen], **common}
+    expected = {f"token_id:{first}": first_value, f"token_id:{fifth}": fifth_value}
+
+    def check(listed: dict) -> None:
+        assert set(listed) == {*expected, f"token_id:{chosen}"}
+        assert all(listed[token] == pytest.approx(value, abs=1e-4) for token, value in expected.items())
+
+    check(ok(server, "/v1/completions", {"prompt": "The cat", "logprobs": 1, **pinned})
+          ["choices"][0]["logprobs"]["top_logprobs"][0])
+    streamed = events(server, "/v1/completions", {"prompt": "The cat", "logprobs": 0, **pinned})
+    [streamed] = [chunk for chunk in streamed if chunk["choices"]]
+    check(streamed["choices"][0]["logprobs"]["top_logprobs"][0])
+    chat = ok(server, "/v1/chat/completions",
+              {"messages": CHAT, "logprobs": True, "top_logprobs": 5, **pinned})
+    listed = chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert {entry["token"] for entry in listed} == {*expected, f"token_id:{chosen}"}
+    response = post(server, "/v1/chat/completions", {"messages": CHAT, **pinned})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprob_token_ids"
+
+
 # -- server flags ----------------------------------------------------------------------------------
 
 def test_force_include_usage_puts_running_usage_on_every_chunk(server):

@@ -134,6 +134,33 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert out.logprobs[0].rank == 1
 
 
+def test_pinned_logprob_token_ids_give_those_tokens_whatever_their_rank():
+    """vLLM's logprob_token_ids: the alternatives are the given tokens, valued from the raw logits
+    (before allowed_token_ids masks them) with their true ranks; other rows keep their top-n."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 50)
+    expected = torch.log_softmax(logits, -1)
+    pinned = [int(expected[0].argmin()), 7, int(expected[0].argmax())]
+    rows = [row(SamplingParams(temperature=0, logprobs=5, logprob_token_ids=pinned, allowed_token_ids=[3])),
+            row(SamplingParams(temperature=0, logprobs=2))]
+    out = Sampler()(logits, rows)
+    pinned_lp, plain = out.logprobs
+    assert out.token_ids[0] == 3 and pinned_lp.token_id == 3
+    assert [t for t, _ in pinned_lp.top] == pinned
+    for (t, value), rank in zip(pinned_lp.top, pinned_lp.top_ranks):
+        assert math.isclose(value, expected[0, t].item(), abs_tol=1e-5)
+        assert rank == int((expected[0] > expected[0, t]).sum()) + 1
+    assert pinned_lp.top_ranks[0] == 50 and pinned_lp.top_ranks[2] == 1
+    assert [t for t, _ in plain.top] == expected[1].topk(2).indices.tolist() and plain.top_ranks is None
+
+
+def test_logprob_token_ids_need_logprobs():
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprobs=1, logprob_token_ids=list(range(21)))
+
+
 def test_no_logprobs_unless_asked():
     out = Sampler()(torch.randn(1, 10), [row(SamplingParams(temperature=0))])
     assert out.logprobs == [None]
