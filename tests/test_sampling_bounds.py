@@ -81,15 +81,17 @@ def test_the_server_body_takes_what_the_table_admits(name, value):
 @pytest.mark.parametrize("name", sorted(LIST_BOUNDS))
 def test_every_list_is_bounded_in_sampling_params(name):
     limit = LIST_BOUNDS[name]
-    value = {"stop": ["x"], "stop_token_ids": [1], "bad_words": ["w"], "allowed_token_ids": [1]}.get(name)
+    value = {"stop": ["x"], "stop_token_ids": [1], "bad_words": ["w"], "allowed_token_ids": [1],
+             "logprob_token_ids": [1]}.get(name)
+    needs = {"logprobs": 0} if name == "logprob_token_ids" else {}  # they are logprobs' alternatives
     if name == "logit_bias":
         SamplingParams(logit_bias={i: 1.0 for i in range(limit)})
         with pytest.raises(ValueError, match=f"logit_bias must have at most {limit} entries"):
             SamplingParams(logit_bias={i: 1.0 for i in range(limit + 1)})
         return
-    SamplingParams(**{name: value * limit})
+    SamplingParams(**{name: value * limit}, **needs)
     with pytest.raises(ValueError, match=f"{name} must have at most {limit} entries"):
-        SamplingParams(**{name: value * (limit + 1)})
+        SamplingParams(**{name: value * (limit + 1)}, **needs)
 
 
 @pytest.mark.parametrize("name, value", [("top_k", 2**70), ("seed", 2**64), ("temperature", math.nan),
