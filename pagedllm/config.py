@@ -419,6 +419,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.speculative_method is None:  # "null" (a bench twin's plain engine): off, as unset
+            self.speculative_config = None
         # The scheduler's own checks, so every entry point rejects the same values.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len or 1,
                         step_share_tokens=self.step_share_tokens)

@@ -116,3 +116,10 @@ def test_draft_vocabulary_must_match():
         check_draft_vocabulary(4, 4, _tokenizer(vocab), _tokenizer(other))
     with pytest.raises(ValueError, match="eos_token_id is 2, the target's 1"):
         check_draft_vocabulary(4, 4, _tokenizer(vocab), _tokenizer(vocab, eos="a"))
+
+
+def test_null_leaves_the_engine_plain():
+    from pagedllm.config import EngineConfig
+
+    assert EngineConfig(speculative_config="null").speculative_config is None
+    assert "speculat" not in " ".join(EngineConfig(speculative_config="null").describe_choices())
