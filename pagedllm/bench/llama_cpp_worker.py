@@ -54,17 +54,20 @@ def serve(llm, request: dict) -> dict:
 
 def batched(llm, requests: list[dict], threads: int) -> dict:
     """Every request at once, as llama-server's parallel slots serve them: continuous batching
-    through llama.cpp's C API, one sequence id per request in one unified KV cache, each step the
-    running sequences' next tokens first, then prompt tokens up to the batch's size; greedy."""
+    through llama.cpp's C API, one sequence id per request, each with its own KV cells (faster
+    than one unified cache here: 103 against 95 tok/s for 16 streams of the default model on
+    ep-2c), each step the running sequences' next tokens first, then prompt tokens up to the
+    batch's size; greedy."""
     import llama_cpp as C
     import numpy as np
 
     params = C.llama_context_default_params()
-    params.n_ctx = sum(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests) + 64
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests)
+    params.n_ctx = len(requests) * (longest + 64)  # every sequence's cells: n_ctx / n_seq_max
     params.n_batch = params.n_ubatch = N_BATCH
     params.n_seq_max = len(requests)
     params.n_threads = params.n_threads_batch = threads
-    params.kv_unified = True
+    params.kv_unified = False
     ctx = C.llama_init_from_model(llm._model.model, params)
     batch = C.llama_batch_init(N_BATCH, 0, 1)
     n_vocab = llm.n_vocab()

@@ -29,7 +29,8 @@ FAKE_LLAMA_CPP = textwrap.dedent('''
         return SimpleNamespace()
 
     def llama_init_from_model(model, params):
-        assert model == "fake model" and params.n_seq_max >= 1 and params.kv_unified
+        assert model == "fake model" and params.n_seq_max >= 1 and not params.kv_unified
+        assert params.n_ctx % params.n_seq_max == 0  # each sequence's own cells
         return {"rows": {}, "positions": {}}
 
     def llama_batch_init(n_tokens, embd, n_seq_max):
