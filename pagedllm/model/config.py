@@ -147,6 +147,12 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+        # A rotary width the heads cannot hold loaded, then failed every request's step.
+        if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(
+                f"the rotary dimension, head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.partial_rotary_factor:g} = {self.head_dim * self.partial_rotary_factor:g}, must be "
+                f"an even number from 2 to head_dim (GGUF: rope.dimension_count)")
         if self.layer_types is not None:
             _check_layer_types(self.layer_types, self.num_hidden_layers)
         if self.num_experts and not (isinstance(self.num_experts_per_tok, int)

@@ -237,6 +237,22 @@ def test_a_config_that_disagrees_with_the_weights_is_one_line_naming_the_tensor(
         load_model(folder, dtype="float32")
 
 
+@pytest.mark.parametrize("dimensions", [3, 18, 100])
+def test_a_rotary_dimension_the_heads_cannot_hold_is_one_line(tiny_checkpoint, tmp_path, dimensions):
+    """Issue 32, finding 8: a GGUF whose rope.dimension_count is odd or past head_dim (16 here)
+    loaded, then failed every request's step."""
+    path = tmp_path / "damaged.gguf"
+    write_gguf(tiny_checkpoint("llama_gqa_untied").hf_model, path)
+    reader = gguf.GGUFReader(path)
+    metadata = {name: f.contents() for name, f in reader.fields.items()}
+    from pagedllm.model.config import ModelConfig
+
+    metadata["llama.rope.dimension_count"] = dimensions
+    with pytest.raises(ModelLoadError, match="must be an even number from 2 to head_dim") as info:
+        ModelConfig.from_gguf_metadata(metadata, {t.name for t in reader.tensors})
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("field, value", [("attention.head_count", 0), ("embedding_length", -1),
                                           ("vocab_size", 2**40)])
 def test_a_damaged_gguf_field_is_one_line_naming_it(tiny_checkpoint, tmp_path, field, value):
