@@ -20,9 +20,11 @@ from pagedllm.utils import cdiv
 from tests.core.kv.sim import SimRunner, check_output, check_scheduler
 
 EOS = 0
-# "+state": a hybrid model's pool, KV pages and each request's recurrent state pages mixed.
+# "+state": a hybrid model's pool, KV pages and each request's recurrent state pages mixed;
+# "+latent": MLA's latent pages (with state pages too: every kind of page one pool can hold).
 LAYOUTS = ["paged", "paged+prefix", "paged+window", "paged+prefix+window", "contiguous-max",
-           "contiguous-request", "paged+state", "paged+window+state"]
+           "contiguous-request", "paged+state", "paged+window+state", "paged+prefix+latent",
+           "paged+latent+state"]
 
 
 def make_manager(layout: str, num_blocks: int, block_size: int, max_model_len: int,
@@ -32,7 +34,7 @@ def make_manager(layout: str, num_blocks: int, block_size: int, max_model_len: i
                                    reserve=layout.removeprefix("contiguous-"))
     return KVCacheManager(num_blocks, block_size, enable_prefix_caching="prefix" in layout,
                           sliding_window=sliding_window, state_pages_per_request=state_pages,
-                          kv_kind=kv_page_kind(sliding_window, latent=False))
+                          kv_kind=kv_page_kind(sliding_window, latent="latent" in layout))
 
 
 class Harness:
