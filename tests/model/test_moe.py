@@ -158,17 +158,17 @@ def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_
     shared = token_ids(12, seed=40)
     prompts = [shared + token_ids(length, seed=41 + length) for length in (3, 7, 9, 5)]
     expected = [hf_greedy(checkpoint.hf_model, p, 10) for p in prompts]
-    # 10 blocks of 4 tokens cannot hold four requests of ~25 tokens (two of them forked n=2)
+    # 10 blocks of 4 tokens cannot hold four requests of ~25 tokens (three of them forked n=3)
     # at once: requests are preempted and recomputed; the shared 12 tokens hit the prefix cache.
     llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, max_model_len=32,
               num_kv_blocks=10, max_num_batched_tokens=16, enable_prefix_caching=True)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
         temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert first.outputs[0].token_ids == expected[0]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
     for output, want in zip(outputs, expected[1:], strict=True):
-        assert [c.token_ids for c in output.outputs] == [want, want]
+        assert [c.token_ids for c in output.outputs] == [want, want, want]
     assert sum(o.num_cached_tokens for o in outputs) > 0
     stats = llm.memory_stats()
     assert stats["num_preemptions"] > 0

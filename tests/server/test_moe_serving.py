@@ -14,7 +14,7 @@ from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
 PROMPTS = ["mixture of", "experts route each token to two of four"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "deepseek_v2_mla", "deepseek_v3_mla"])
 def moe_dir(request, tmp_path_factory):
     return save_checkpoint(make_hf_model(request.param), tmp_path_factory.mktemp(request.param))
 
