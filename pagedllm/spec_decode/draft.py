@@ -221,11 +221,7 @@ class DraftModelProposer:
         sampled = [j for j, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             device = dist.device
-            uniforms = torch.rand(len(sampled), dtype=torch.float64, generator=self.sampler.generator,
-                                  device=device)
-            for n, j in enumerate(sampled):  # a seeded request's from its own generator
-                if (generator := rows[j].generator) is not None:
-                    uniforms[n] = torch.rand((), dtype=torch.float64, generator=generator, device=device)
+            uniforms = self.sampler.uniforms([rows[j].generator for j in sampled], device)
             index = torch.tensor(sampled, dtype=torch.long, device=device)
             for j, token in zip(sampled, _inverse_cdf(dist[index], uniforms).tolist()):
                 tokens[j] = token

@@ -212,7 +212,7 @@ class Sampler:
         device = logits.device
         index = torch.tensor(random_rows, dtype=torch.long, device=device)
         params = [rows[i].params for i in random_rows]
-        uniforms = self._uniforms([rows[i].generator for i in random_rows], device)
+        uniforms = self.uniforms([rows[i].generator for i in random_rows], device)
         picks = torch.empty(len(random_rows), dtype=torch.long, device=device)
         # Rows with a temperature alone: the compiled kernel's one pass (csrc/sample.cpp) where it
         # runs, the same inverse CDF as _inverse_cdf below; the others, and any row elsewhere:
@@ -239,7 +239,7 @@ class Sampler:
         chosen[index] = picks
         return chosen
 
-    def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    def uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
         """One uniform number per row, all of them from one draw of the shared generator, then
         each seeded row's own from its own generator: a seeded row takes exactly one number per
         step from its generator whatever else is in the batch, so its samples are reproducible."""
