@@ -194,6 +194,8 @@ def plan_model_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: 
                          sliding_window=model_config.kv_window, free_device_bytes=free_device_bytes,
                          state_pages_per_request=pages_per_request(state_shapes, bytes_per_block),
                          kv_kind=kv_page_kind(model_config.kv_window, latent))
+
+
 def _kv_bytes_per_block(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                         kv_heads: int) -> int:
     """What one block of a model's K/V takes (every attention layer's keys and values, scales

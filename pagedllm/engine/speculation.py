@@ -144,14 +144,17 @@ class Speculator:
                 start += n
             return runs
         logits = self._masked(seqs, counts, logits)
-        drafts = [Draft(seq.row, seq.request.spec_token_ids[:n - 1],
-                        self._draft_probs.get(seq.request.request_id)) for seq, n in zip(seqs, counts)]
-        for draft in drafts:
-            if draft.draft_probs is not None:
-                draft.draft_probs = draft.draft_probs[:len(draft.proposal)]
+        drafts = [self._draft(seq, n) for seq, n in zip(seqs, counts)]
         out = self.verifier(logits, drafts)
         return [(tokens, lps if lps is not None else [None] * len(tokens))
                 for tokens, lps in zip(out.token_ids, out.logprobs)]
+
+    def _draft(self, seq: CoreSequence, num_rows: int) -> Draft:
+        """What the rejection sampler verifies for seq: its proposal's first num_rows - 1 tokens,
+        with the distributions a draft model drew them from (None for the other methods)."""
+        proposal = seq.request.spec_token_ids[:num_rows - 1]
+        probs = self._draft_probs.get(seq.request.request_id)
+        return Draft(seq.row, proposal, None if probs is None else probs[:len(proposal)])
 
     def _kept_rows(self, seqs: list[CoreSequence], counts: list[int],
                    logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
