@@ -170,19 +170,21 @@ class GGUFCheckpoint:
     def unmapped_tensors(self) -> list[str]:
         """The file's tensors, in its order, that nothing here reads."""
         joined = {part for parts, _ in self.joined.values() for part in parts}
-        read = set(self.hf_names.values()) | joined | _READ_APART
-        return [name for name in self.tensors if name not in read and not self._copies_kv_b(name)]
+        read = set(self.hf_names.values()) | joined
+        return [name for name in self.tensors if name not in read and not self._needs_no_reading(name)]
 
-    def _copies_kv_b(self, name: str) -> bool:
-        """Whether name is a half of a kv_b_proj the file also holds whole (attn_kv_b, read)."""
+    def _needs_no_reading(self, name: str) -> bool:
+        """Whether the model need not read name: a tensor read on its own (_READ_APART), or a half
+        of a kv_b_proj the file also holds whole (attn_kv_b, read)."""
+        if name in _READ_APART:
+            return True
         match = _SPLIT_KV_B.fullmatch(name)
         return bool(match) and f"blk.{match[1]}.attn_kv_b.weight" in self.tensors
 
     def check_all_read(self) -> None:
         """Once the model is built: refuse a file with a tensor it did not read (a name we map, such
         as attention sinks, on a model that has no place for it), rather than run without it."""
-        unread = [name for name in self.tensors
-                  if name not in self.read and name not in _READ_APART and not self._copies_kv_b(name)]
+        unread = [name for name in self.tensors if name not in self.read and not self._needs_no_reading(name)]
         if unread:
             raise UnsupportedModelError(
                 f"{self.path}: GGUF architecture {self.architecture!r}: no place in the model for tensor "
