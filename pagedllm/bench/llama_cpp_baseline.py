@@ -7,13 +7,12 @@ through llama.cpp's C API, one sequence per request."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pagedllm.bench.scenarios import StreamTiming
+from pagedllm.bench.worker_session import WorkerSession
 from pagedllm.bench.workload import BenchRequest
 
 SYSTEM = "llama.cpp"
@@ -31,42 +30,19 @@ def add_args(parser) -> None:
                              "rival of --speculative-config's ngram method")
 
 
-class Session:
-    def __init__(self, python: str, model: Path, threads: int, n_ctx: int, prompt_lookup: int | None = None):
-        self.process = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
-        self.info = self._ask({"model": str(model), "threads": threads, "n_ctx": n_ctx,
-                               "prompt_lookup": prompt_lookup})
-        self.info.update(threads=threads, model=str(model), prompt_lookup=prompt_lookup)
-        self.token_ids: list[list[int]] = []  # what the last batched run generated, request by request
-        self.cpu_s: float | None = None  # the last batched run's CPU seconds
+class Session(WorkerSession):
+    system = "llama.cpp"
 
-    def _ask(self, message: dict) -> dict:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.process.wait()}); "
-                               "its error is above")
-        return json.loads(reply)
+    def __init__(self, python: str, model: Path, threads: int, n_ctx: int, prompt_lookup: int | None = None):
+        super().__init__(python, _WORKER, {"model": str(model), "threads": threads, "n_ctx": n_ctx,
+                                           "prompt_lookup": prompt_lookup})
+        self.info.update(threads=threads, model=str(model), prompt_lookup=prompt_lookup)
 
     def stream(self, request: BenchRequest) -> StreamTiming:
         reply = self._ask({"prompt_token_ids": request.prompt_token_ids,
                            "max_tokens": request.max_tokens})
         return StreamTiming(reply["ttft_s"], reply["decode_s"], len(reply["token_ids"]),
                             reply["decode_cpu_s"])
-
-    def batched(self, requests: list[BenchRequest]) -> float:
-        reply = self._ask({"requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
-                                        for r in requests]})
-        self.token_ids, self.cpu_s = reply["token_ids"], reply["cpu_s"]
-        return reply["elapsed_s"]
-
-    def close(self) -> dict:
-        self.process.stdin.close()
-        final = json.loads(self.process.stdout.readline() or "{}")
-        self.process.wait()
-        return {k: v for k, v in final.items() if k != "done"}
 
 
 def start(engine, args, requests: list[BenchRequest]) -> Session:

