@@ -46,6 +46,7 @@ from pagedllm.text.chat_template import (
     TemplateTooLong,
     check_chat_template,
     content_spans,
+    message_texts,
 )
 from pagedllm.text.score_prompt import score_prompt
 from pagedllm.text.tokenizer import Tokenizer
@@ -352,7 +353,12 @@ class InputProcessor:
         except Exception as exc:  # the template itself failed (e.g. roles out of order)
             raise InvalidInput(f"the chat template could not render these messages: {exc}",
                                "messages") from exc
-        plain = content_spans(text, messages, render) if split_special_tokens else ()
+        # Only a message that writes out a special token needs its place found (a second render):
+        # plain spans change nothing else (Tokenizer.encode).
+        forging = split_special_tokens and any(
+            isinstance(part, str) and self.tokenizer.has_special_text(part)
+            for message in messages for part in message_texts(message))
+        plain = content_spans(text, messages, render) if forging else ()
         return {"prompt": text, "prompt_token_ids": self.encode(
             text, "messages", add_special_tokens=add_special_tokens, plain_spans=plain)}
 

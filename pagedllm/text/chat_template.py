@@ -266,7 +266,7 @@ def content_spans(text: str, messages: list[dict[str, Any]],
             return placed
     spans, at = [], 0
     for message in messages:
-        for part in _text_parts(message):
+        for part in message_texts(message):
             if not isinstance(part, str) or not part.strip():
                 continue
             for candidate in (part, part.strip()):
@@ -278,7 +278,8 @@ def content_spans(text: str, messages: list[dict[str, Any]],
     return spans
 
 
-def _text_parts(message) -> list:
+def message_texts(message) -> list:
+    """A chat message's texts: its content, or its text parts' (other values as they are)."""
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str):
         return [content]

@@ -139,6 +139,14 @@ class Tokenizer:
                 ids.append(token_id)
         return ids
 
+    def has_special_text(self, text: str) -> bool:
+        """Whether text writes out a special token (which encode matches whole outside plain_spans)."""
+        return any(token in text for token in self._special_token_texts)
+
+    @cached_property
+    def _special_token_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
     @cached_property
     def _special_token_ids(self) -> frozenset[int]:
         return frozenset(i for i, token in self.backend.get_added_tokens_decoder().items() if token.special)
