@@ -86,6 +86,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDLLM_DECODE_LAYERS", _switch, True,
            "0: decode steps run the layers one Python call at a time, not all in one compiled call "
            "(model/decode_layers.py; for measurements)"),
+    EnvVar("PAGEDLLM_HUGE_PAGES", _switch, True,
+           "0: the CPU weights stay where they were loaded, not copied into memory advised for "
+           "transparent huge pages (model/huge_pages.py; for measurements)"),
     EnvVar("CXX", str, "c++", "the C++ compiler the kernels are built with"),
     EnvVar("PAGEDLLM_API_KEY", str, None,
            "`pagedllm serve`'s API key where --api-key and --api-key-file are not given",

@@ -31,6 +31,7 @@ from pagedllm.kernels.attention import allocate_kv_cache, copy_blocks, cpu_atten
 from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.model.batch_invariant import make_batch_invariant
 from pagedllm.model.decode_layers import DecodeLayers
+from pagedllm.model.huge_pages import move_weights_to_huge_pages
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.utils import cdiv
 from pagedllm.worker import cuda_graphs
@@ -105,6 +106,8 @@ class ModelRunner:
             make_batch_invariant(model)
         elif self.device.type == "cpu" and hasattr(model, "prepack_for_cpu"):
             model.prepack_for_cpu(max_num_batched_tokens)
+        if self.device.type == "cpu":  # before anything takes views of the weights (DecodeLayers)
+            move_weights_to_huge_pages(model)
         self.block_size = block_size
         # A hybrid model's recurrent states are read and written around the layers: not in a graph.
         self.recurrent = cfg.is_hybrid
