@@ -5,8 +5,9 @@ runs it (the engine core in its own process), with a scripted step (tests/server
 a prompt holding SAY[text]END makes the model's logits pick `text`, byte by byte, then EOS. The
 script only replaces the model's numbers: the engine's grammar masks still apply to them, so a
 JSON schema or a thinking budget shows in the answer exactly as it would with a real model.
-Chat templates: a Qwen3-style one (enable_thinking false closes the reasoning in the prompt) and a
-DeepSeek-R1-style one (the prompt opens it).
+Chat templates: a Qwen3-style one (enable_thinking false closes the reasoning in the prompt), a
+DeepSeek-R1-style one (the prompt opens it) and gpt-oss's Harmony (its markers special tokens of
+the tokenizer, said as such by the script).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.server.protocol import APIError
 from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.structured.spec import GrammarSpec
 from tests.server.conftest import RunningServer, tiny_config
+from tests.server.scripted_core import HARMONY_TOKENS
 
 QWEN3_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -29,6 +31,9 @@ QWEN3_TEMPLATE = (
 R1_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}")
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -41,6 +46,24 @@ def long_tiny_model(tmp_path_factory):
 
     model = make_hf_model("llama_gqa_untied", max_position_embeddings=2048)
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny-long"))
+
+
+@pytest.fixture(scope="module")
+def harmony_tiny_model(long_tiny_model, tmp_path_factory):
+    """The same model with Harmony's markers as special tokens 258-262 (scripted_core's)."""
+    import shutil
+
+    from tokenizers import AddedToken
+
+    from tests.model.tiny import tokenizer_backend
+
+    folder = tmp_path_factory.mktemp("tiny-harmony")
+    shutil.copytree(long_tiny_model, folder, dirs_exist_ok=True)
+    backend = tokenizer_backend()
+    backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in HARMONY_TOKENS])
+    assert [backend.token_to_id(m) for m in HARMONY_TOKENS] == list(HARMONY_TOKENS.values())
+    backend.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 def _server(model_dir, parser: str, template: str) -> RunningServer:
@@ -58,6 +81,12 @@ def qwen3(long_tiny_model):
 @pytest.fixture(scope="module")
 def r1(long_tiny_model):
     with _server(long_tiny_model, "deepseek_r1", R1_TEMPLATE) as running:
+        yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(harmony_tiny_model):
+    with _server(harmony_tiny_model, "gpt_oss", HARMONY_TEMPLATE) as running:
         yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
 
 
@@ -222,7 +251,7 @@ def test_an_unknown_parser_stops_start_up_in_one_line(capsys, core_starts):
 
     assert main(["serve", "--model", "/nowhere/at/all", "--reasoning-parser", "qwen9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1"
+    assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1, gpt_oss"
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert core_starts == []
 
@@ -252,3 +281,39 @@ def test_where_the_constraint_starts(parser, prompt, spec, budget, expected):
         assert moved == expected
     else:
         assert (moved.kind, moved.reasoning.mode, moved.reasoning.budget) == expected
+
+
+HARMONY_THOUGHT = ('<|channel|>analysis<|message|>The user greets me; {"reply"} in kind.<|end|>'
+                   "<|start|>assistant<|channel|>final<|message|>Hello there!")
+
+
+def test_gpt_oss_channels_split_into_reasoning_and_content(gpt_oss):
+    """Harmony's analysis channel is the reasoning, its final channel the content; the markers
+    (special tokens, which a plain decode drops) are read and left out of both."""
+    choice = ask(gpt_oss, HARMONY_THOUGHT, extra_body={"return_token_ids": True}).choices[0]
+    assert set(HARMONY_TOKENS.values()) - set(choice.token_ids) == {262}  # said as special tokens
+    assert choice.message.reasoning_content == 'The user greets me; {"reply"} in kind.'
+    assert choice.message.reasoning == choice.message.reasoning_content
+    assert choice.message.content == "Hello there!"
+    assert choice.finish_reason == "stop"
+    reasoning, content, _, finish = streamed(gpt_oss, HARMONY_THOUGHT)
+    assert len(reasoning) > 1 and len(content) > 1
+    assert ("".join(reasoning), "".join(content)) == (choice.message.reasoning_content, "Hello there!")
+    assert finish == "stop"
+
+
+def test_gpt_oss_final_channel_alone_is_all_content(gpt_oss):
+    script = "<|channel|>final<|message|>Straight to the answer."
+    message = ask(gpt_oss, script).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, "Straight to the answer.")
+    reasoning, content, _, _ = streamed(gpt_oss, script)
+    assert reasoning == [] and "".join(content) == "Straight to the answer."
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"extra_body": {"thinking_token_budget": 10}}, "thinking_token_budget"),
+    ({"response_format": {"type": "json_object"}}, "response_format")])
+def test_gpt_oss_refuses_a_grammar_after_its_special_markers(gpt_oss, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(gpt_oss, HARMONY_THOUGHT, **kwargs)
+    assert info.value.body["param"] == param and "special tokens" in info.value.body["message"]
