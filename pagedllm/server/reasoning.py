@@ -12,9 +12,9 @@ reasoning, with its thinking budget.
 - thinking_token_budget (vLLM's name): at most that many tokens of reasoning, then the end
   marker is forced, through the same grammar. It needs a reasoning parser (which knows the
   markers); without one it is a 400.
-- A parser whose markers are special tokens (gpt_oss's Harmony channels) splits answers, whole
-  and streamed, but a constraint or a budget with it is a 400: the grammar reads markers as text,
-  and llguidance gives special tokens none.
+- A parser whose markers are special tokens (gpt_oss's Harmony channels) gives the grammar its
+  markers as tokens and the content's headers (the final channel's), which the model may write
+  before the constrained answer.
 """
 
 from __future__ import annotations
@@ -39,22 +39,10 @@ def constraint_after_reasoning(fmt: ReasoningFormat | None, prompt: str, spec: G
     state = prompt_state(fmt, prompt)
     if state == "content" or (spec is None and budget is None):
         return spec
-    if fmt.special_markers:
-        raise APIError(_NO_GRAMMAR_OVER_SPECIAL_MARKERS.format(parser=fmt.name),
-                       param="thinking_token_budget" if spec is None else "response_format")
     # deepseek_r1 counts unopened text before the end marker as reasoning: the reasoning is open.
     mode = "open" if state == "reasoning" or fmt.implicit_start else "optional"
-    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget)
+    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget, fmt.content_headers, fmt.special_markers)
     return spec.after_reasoning(prefix) if spec is not None else GrammarSpec.any_text(prefix)
-
-
-# The grammar after the reasoning (structured/reasoning_grammar.py) and the budget's forced marker
-# read the markers as text; llguidance gives a special token no text, so they would refuse the
-# very token that ends the reasoning.
-_NO_GRAMMAR_OVER_SPECIAL_MARKERS = (
-    "a constraint (response_format, structured outputs, forced tools) or a thinking_token_budget "
-    "cannot follow the reasoning of --reasoning-parser {parser}: its markers are special tokens, "
-    "which the grammar after the reasoning does not hold; leave them out")
 
 
 class ReasoningReader:

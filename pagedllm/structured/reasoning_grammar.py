@@ -17,11 +17,24 @@ marker's tokens itself; this grammar takes them as reasoning text like any other
 
 An answer of any text (a budget with no constraint, kind "text") is just any text: the budget
 matcher alone gives it its shape.
+
+Special-token markers (gpt-oss's Harmony: ReasoningPrefix.special_markers) are no text to
+llguidance: a regex never matches them. Their grammar names each `<|name|>` piece as a token, and
+the reasoning is any text ended by the end token (which no text can hold, so no lazy lexeme is
+needed); the content headers come each or not, in order:
+
+    start: (<|channel|> "analysis" <|message|> think)? (<|start|> "assistant")?
+           (<|channel|> "final" <|message|>)? GAP @answer
+    think: /(?s:.*)/ <|end|>
+
+and an answer of any text is any text there. The budget matcher needs nothing apart: llguidance
+decodes a special token to its text and tokenizes the text back to it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 
@@ -31,11 +44,14 @@ from pagedllm.structured.spec import ReasoningPrefix
 # model cannot spend its tokens on newlines.
 _GAP = r"/[ \t\r\n]{0,8}/"
 _REGEX_SPECIALS = set("\\.+*?()|[]{}^$#&-~/")
+_SPECIAL_PIECE = re.compile(r"(<\|[A-Za-z0-9_]+\|>)")  # a special token's name, as Harmony's
 
 
 def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
     """The llguidance grammar of reasoning then answer. answer: the constraint's own grammar as
     llguidance takes it (a TopLevelGrammar JSON with one grammar, or Lark text); None: any text."""
+    if prefix.special_markers:
+        return _after_special_markers(prefix, answer)
     if answer is None:
         return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     think = f"think[lazy]: /(?s:.*){_regex(prefix.end)}/"
@@ -44,6 +60,23 @@ def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
     else:
         start = f"start: ({_literal(prefix.start)} think {_GAP})? @answer"
     return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
+
+
+def _after_special_markers(prefix: ReasoningPrefix, answer: str | None) -> str:
+    """after_reasoning where the markers hold special tokens (see the module's docstring)."""
+    think = f"think: /(?s:.*)/ {_tokens(prefix.end)}"
+    opening = "think" if prefix.mode == "open" else f"({_tokens(prefix.start)} think)?"
+    headers = " ".join(f"({_tokens(h)})?" for h in prefix.content_headers)
+    if answer is None:
+        return f"start: {opening} {headers} /(?s:.*)/\n{think}"
+    start = f"start: {opening} {headers} {_GAP} @answer"
+    return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
+
+
+def _tokens(marker: str) -> str:
+    """A marker as Lark: its `<|name|>` pieces as special tokens, the text between as literals."""
+    pieces = [p for p in _SPECIAL_PIECE.split(marker) if p]
+    return " ".join(p if _SPECIAL_PIECE.fullmatch(p) else _literal(p) for p in pieces)
 
 
 def _named(grammar: str, name: str) -> dict:

@@ -60,16 +60,21 @@ class ReasoningPrefix:
     with a budget, after that many tokens (the end marker counted when the model writes it) the
     end marker is forced. mode "open": the answer starts inside the reasoning (the prompt opened
     it, or the parser counts unopened text as reasoning); "optional": the answer may open it
-    with the start marker, or go straight to the constrained part."""
+    with the start marker, or go straight to the constrained part. content_headers: markers
+    the model may write before the constrained part, each or not, in order (gpt-oss's final
+    channel header). special_markers: the markers' `<|name|>` pieces are special tokens of the
+    vocabulary (gpt-oss's Harmony), which a grammar names as tokens, never as text."""
 
     start: str = "<think>"
     end: str = "</think>"
     mode: Literal["open", "optional"] = "optional"
     budget: int | None = None
+    content_headers: tuple[str, ...] = ()
+    special_markers: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("start", "end"):
-            marker = getattr(self, name)
+        for name, marker in [("start", self.start), ("end", self.end),
+                             *(("content header", h) for h in self.content_headers)]:
             if not isinstance(marker, str) or not marker or len(marker) > 64:
                 raise ValueError(f"the reasoning {name} marker must be 1-64 characters; got {_short(marker)}")
         if self.mode not in ("open", "optional"):

@@ -10,7 +10,7 @@ model's numbers are replaced.
 
 Where a grammar forced the reasoning's end marker early (a thinking budget), the answer follows
 the script again from the script's own end marker on: the byte after the answer's last
-`</think>` is the byte after the script's.
+`</think>` (or Harmony's `<|end|>`) is the byte after the script's.
 
 Harmony's markers (gpt-oss: `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`)
 are the special tokens 258-262 of the tokenizer tests/server/test_reasoning.py gives such a model:
@@ -26,7 +26,7 @@ import torch
 EOS = 257  # the tiny tokenizer's (tests/model/tiny.py)
 HARMONY_TOKENS = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|return|>": 262}
 _HARMONY_TEXT = {token: text for text, token in HARMONY_TOKENS.items()}
-END_MARKER = "</think>"
+END_MARKERS = ("</think>", "<|end|>")
 _SCRIPT = re.compile(r"SAY\[(.*?)\]END", re.S)
 
 
@@ -55,9 +55,11 @@ def next_token(script: str, output_ids: list[int]) -> int:
     """The script's next token after this output, or EOS once it is all said."""
     said = text_of(output_ids)
     position = len(tokens_of(said))
-    if END_MARKER in said and END_MARKER in script:
-        resumed = script[:script.index(END_MARKER) + len(END_MARKER)] + said.rsplit(END_MARKER, 1)[1]
-        position = len(tokens_of(resumed))
+    for marker in END_MARKERS:
+        if marker in said and marker in script:
+            resumed = script[:script.index(marker) + len(marker)] + said.rsplit(marker, 1)[1]
+            position = len(tokens_of(resumed))
+            break
     script_tokens = tokens_of(script)
     return script_tokens[position] if position < len(script_tokens) else EOS
 

@@ -310,10 +310,41 @@ def test_gpt_oss_final_channel_alone_is_all_content(gpt_oss):
     assert reasoning == [] and "".join(content) == "Straight to the answer."
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"extra_body": {"thinking_token_budget": 10}}, "thinking_token_budget"),
-    ({"response_format": {"type": "json_object"}}, "response_format")])
-def test_gpt_oss_refuses_a_grammar_after_its_special_markers(gpt_oss, kwargs, param):
-    with pytest.raises(openai.BadRequestError) as info:
-        ask(gpt_oss, HARMONY_THOUGHT, **kwargs)
-    assert info.value.body["param"] == param and "special tokens" in info.value.body["message"]
+HARMONY_LONG_THOUGHT = ("<|channel|>analysis<|message|>a long chain of thought that goes on and on<|end|>"
+                        "<|start|>assistant<|channel|>final<|message|>Done.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_thinking_budget_caps_the_analysis_channel(gpt_oss, stream):
+    """Special tokens counted as any: 10 tokens of analysis, then <|end|> is forced and the model
+    goes on to its final channel."""
+    kwargs = {"extra_body": {"thinking_token_budget": 10}}
+    if stream:
+        reasoning, content, _, _ = streamed(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
+        reasoning, content = "".join(reasoning), "".join(content)
+    else:
+        response = ask(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
+        message = response.choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+        # <|channel|>analysis<|message|>, 10 of analysis, <|end|> forced,
+        # <|start|>assistant<|channel|>final<|message|>, Done., EOS
+        assert response.usage.completion_tokens == 10 + 10 + 1 + 17 + 5 + 1
+    assert (reasoning, content) == ("a long cha", "Done.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_json_schema_applies_to_the_final_channel(gpt_oss, stream):
+    """The analysis holds braces and quotes; the final channel's header comes before the answer,
+    which is the schema's, even where the script wants plain text."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for script, expected in [(HARMONY_THOUGHT.replace("Hello there!", '{"answer": 42}'), {"answer": 42}),
+                             (HARMONY_THOUGHT, None)]:
+        if stream:
+            reasoning, content, _, _ = streamed(gpt_oss, script, response_format=fmt)
+            reasoning, content = "".join(reasoning), "".join(content)
+        else:
+            message = ask(gpt_oss, script, response_format=fmt).choices[0].message
+            reasoning, content = message.reasoning_content, message.content
+        assert reasoning == 'The user greets me; {"reply"} in kind.'
+        answer = json.loads(content)
+        assert answer == expected if expected else isinstance(answer["answer"], int)
