@@ -27,8 +27,10 @@ needed); the content headers come each or not, in order:
            (<|channel|> "final" <|message|>)? GAP @answer
     think: /(?s:.*)/ <|end|>
 
-and an answer of any text is any text there. The budget matcher needs nothing apart: llguidance
-decodes a special token to its text and tokenizes the text back to it.
+and an answer of any text is any text there: text holds no special token, so after the analysis
+the answer is the final channel's (no commentary channel: Harmony's tool calls). The budget
+matcher needs nothing apart: llguidance decodes a special token to its text and tokenizes the
+text back to it.
 """
 
 from __future__ import annotations
