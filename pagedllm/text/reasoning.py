@@ -11,10 +11,10 @@ The names and rules are vLLM's:
 - deepseek_r1: everything before `</think>` is reasoning, whether or not `<think>` opened it
   (the R1 template writes the opening tag into the prompt); no `</think>` at all (cut by
   max_tokens while thinking) is all reasoning.
-- gpt_oss: OpenAI's Harmony channels. The template ends the prompt with `<|start|>assistant`;
-  the model writes `<|channel|>analysis<|message|>reasoning<|end|>` and then
-  `<|start|>assistant<|channel|>final<|message|>content` (ended by `<|return|>`, an EOS id), or
-  the final channel alone. The analysis message is the reasoning, the final one the content;
+- gpt_oss (vLLM's openai_gptoss): OpenAI's Harmony channels. The template ends the prompt
+  with `<|start|>assistant`; the model writes `<|channel|>analysis<|message|>reasoning<|end|>`
+  and then `<|start|>assistant<|channel|>final<|message|>content` (ended by `<|return|>`, an
+  EOS id), or the final channel alone. The analysis message is the reasoning, the final one the content;
   the content's headers are dropped as whitespace is. Harmony's markers are special tokens, so
   the answer is decoded with them (ReasoningFormat.special_markers: skip_special_tokens is off
   for its chat answers). Other channels (commentary: Harmony's tool calls and preambles) are not
@@ -59,12 +59,14 @@ class ReasoningFormat:
     special_markers: bool = False
 
 
+_HARMONY = ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
+                           content_headers=("<|start|>assistant", "<|channel|>final<|message|>"),
+                           special_markers=True)
 REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "qwen3": ReasoningFormat("qwen3"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", implicit_start=True),
-    "gpt_oss": ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
-                               content_headers=("<|start|>assistant", "<|channel|>final<|message|>"),
-                               special_markers=True),
+    "gpt_oss": _HARMONY,
+    "openai_gptoss": _HARMONY,  # vLLM's name for it
 }
 REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
 

@@ -251,7 +251,8 @@ def test_an_unknown_parser_stops_start_up_in_one_line(capsys, core_starts):
 
     assert main(["serve", "--model", "/nowhere/at/all", "--reasoning-parser", "qwen9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1, gpt_oss"
+    assert err == ("pagedllm: error: unknown reasoning parser 'qwen9'; "
+                   "known: qwen3, deepseek_r1, gpt_oss, openai_gptoss")
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert core_starts == []
 

@@ -127,6 +127,10 @@ def test_the_prompt_end_decides_where_the_answer_starts(prompt, state):
 
 
 def test_unknown_parser_is_one_line():
-    known = "known: qwen3, deepseek_r1, gpt_oss"
+    known = "known: qwen3, deepseek_r1, gpt_oss, openai_gptoss"
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'qwen9'; {known}"):
         reasoning_format("qwen9")
+
+
+def test_vllms_name_for_the_harmony_parser_is_the_same_parser():
+    assert reasoning_format("openai_gptoss") is reasoning_format("gpt_oss") is HARMONY
