@@ -12,9 +12,10 @@ Where a grammar forced the reasoning's end marker early (a thinking budget), the
 the script again from the script's own end marker on: the byte after the answer's last
 `</think>` (or Harmony's `<|end|>`) is the byte after the script's.
 
-Harmony's markers (gpt-oss: `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`)
-are the special tokens 258-262 of the tokenizer tests/server/test_reasoning.py gives such a model:
-a script says each as its one token, and a prompt holding them reads back as their text.
+Harmony's markers (gpt-oss: `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`,
+`<|constrain|>`, `<|call|>`) are the special tokens 258-264 of the tokenizer
+tests/server/test_reasoning.py gives such a model: a script says each as its one token, and a
+prompt holding them reads back as their text.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import re
 import torch
 
 EOS = 257  # the tiny tokenizer's (tests/model/tiny.py)
-HARMONY_TOKENS = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|return|>": 262}
+HARMONY_TOKENS = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|return|>": 262,
+                  "<|constrain|>": 263, "<|call|>": 264}
 _HARMONY_TEXT = {token: text for text, token in HARMONY_TOKENS.items()}
 END_MARKERS = ("</think>", "<|end|>")
 _SCRIPT = re.compile(r"SAY\[(.*?)\]END", re.S)

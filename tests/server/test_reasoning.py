@@ -32,7 +32,10 @@ R1_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}")
 HARMONY_TEMPLATE = (
-    "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+    "{% if tools %}{{ '<|start|>developer<|message|># Tools' }}{% for t in tools %}"
+    "{{ ' functions.' + t['function']['name'] }}{% endfor %}{{ '<|end|>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|start|>' + m['role'] }}{% if m['role'] == 'assistant' %}"
+    "{{ '<|channel|>final' }}{% endif %}{{ '<|message|>' + m['content'] + '<|end|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 WEATHER = {"type": "function", "function": {
@@ -50,7 +53,7 @@ def long_tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harmony_tiny_model(long_tiny_model, tmp_path_factory):
-    """The same model with Harmony's markers as special tokens 258-262 (scripted_core's)."""
+    """The same model with Harmony's markers as special tokens 258-264 (scripted_core's)."""
     import shutil
 
     from tokenizers import AddedToken
@@ -292,7 +295,7 @@ def test_gpt_oss_channels_split_into_reasoning_and_content(gpt_oss):
     """Harmony's analysis channel is the reasoning, its final channel the content; the markers
     (special tokens, which a plain decode drops) are read and left out of both."""
     choice = ask(gpt_oss, HARMONY_THOUGHT, extra_body={"return_token_ids": True}).choices[0]
-    assert set(HARMONY_TOKENS.values()) - set(choice.token_ids) == {262}  # said as special tokens
+    assert {258, 259, 260, 261} <= set(choice.token_ids)  # said as special tokens
     assert choice.message.reasoning_content == 'The user greets me; {"reply"} in kind.'
     assert choice.message.reasoning == choice.message.reasoning_content
     assert choice.message.content == "Hello there!"
@@ -349,3 +352,32 @@ def test_gpt_oss_json_schema_applies_to_the_final_channel(gpt_oss, stream):
         assert reasoning == 'The user greets me; {"reply"} in kind.'
         answer = json.loads(content)
         assert answer == expected if expected else isinstance(answer["answer"], int)
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>The user wants the weather; I call the tool.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                '<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_tool_calls_after_the_analysis(gpt_oss, stream):
+    """tools with tool_choice auto: Harmony's commentary message to functions.get_weather is the
+    call, its body the arguments, after the reasoning (a Harmony template picks the format)."""
+    kwargs = {"tools": [WEATHER], "tool_choice": "auto"}
+    if stream:
+        reasoning, content, calls, finish = streamed(gpt_oss, HARMONY_CALL, **kwargs)
+        reasoning, content = "".join(reasoning), "".join(content)
+        name = calls[0].function.name
+        arguments = "".join(c.function.arguments or "" for c in calls)
+    else:
+        choice = ask(gpt_oss, HARMONY_CALL, **kwargs).choices[0]
+        reasoning, content = choice.message.reasoning_content, choice.message.content
+        finish = choice.finish_reason
+        (call,) = choice.message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert reasoning == "The user wants the weather; I call the tool."
+    assert finish == "tool_calls" and not (content or "").strip()
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+    final = ask(gpt_oss, HARMONY_THOUGHT, **kwargs).choices[0]  # a final-channel answer: no call
+    assert (final.message.content, final.message.tool_calls) == ("Hello there!", None)
+    assert final.finish_reason == "stop"
