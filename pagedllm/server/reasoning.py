@@ -41,7 +41,7 @@ def constraint_after_reasoning(fmt: ReasoningFormat | None, prompt: str, spec: G
         return spec
     # deepseek_r1 counts unopened text before the end marker as reasoning: the reasoning is open.
     mode = "open" if state == "reasoning" or fmt.implicit_start else "optional"
-    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget, fmt.content_headers, fmt.special_markers)
+    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget, fmt.content_headers, fmt.special_tokens)
     return spec.after_reasoning(prefix) if spec is not None else GrammarSpec.any_text(prefix)
 
 

@@ -18,19 +18,18 @@ marker's tokens itself; this grammar takes them as reasoning text like any other
 An answer of any text (a budget with no constraint, kind "text") is just any text: the budget
 matcher alone gives it its shape.
 
-Special-token markers (gpt-oss's Harmony: ReasoningPrefix.special_markers) are no text to
-llguidance: a regex never matches them. Their grammar names each `<|name|>` piece as a token, and
-the reasoning is any text ended by the end token (which no text can hold, so no lazy lexeme is
+Special tokens (gpt-oss's Harmony: ReasoningPrefix.special_tokens) are no text to llguidance: a
+regex never matches them. Their grammar names each marker piece that is one as a token, and the
+reasoning is any text ended by the end token (which no text can hold, so no lazy lexeme is
 needed); the content headers come each or not, in order:
 
     start: (<|channel|> "analysis" <|message|> think)? (<|start|> "assistant")?
            (<|channel|> "final" <|message|>)? GAP @answer
     think: /(?s:.*)/ <|end|>
 
-and an answer of any text is any text there: text holds no special token, so after the analysis
-the answer is the final channel's (no commentary channel: Harmony's tool calls). The budget
-matcher needs nothing apart: llguidance decodes a special token to its text and tokenizes the
-text back to it.
+and an answer of any text is text and those special tokens in any order (a commentary channel's
+tool call among them). The budget matcher needs nothing apart: llguidance decodes a special token
+to its text and tokenizes the text back to it.
 """
 
 from __future__ import annotations
@@ -46,14 +45,13 @@ from pagedllm.structured.spec import ReasoningPrefix
 # model cannot spend its tokens on newlines.
 _GAP = r"/[ \t\r\n]{0,8}/"
 _REGEX_SPECIALS = set("\\.+*?()|[]{}^$#&-~/")
-_SPECIAL_PIECE = re.compile(r"(<\|[A-Za-z0-9_]+\|>)")  # a special token's name, as Harmony's
 
 
 def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
     """The llguidance grammar of reasoning then answer. answer: the constraint's own grammar as
     llguidance takes it (a TopLevelGrammar JSON with one grammar, or Lark text); None: any text."""
-    if prefix.special_markers:
-        return _after_special_markers(prefix, answer)
+    if prefix.special_tokens:
+        return _after_special_tokens(prefix, answer)
     if answer is None:
         return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     think = f"think[lazy]: /(?s:.*){_regex(prefix.end)}/"
@@ -64,21 +62,20 @@ def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
     return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
 
 
-def _after_special_markers(prefix: ReasoningPrefix, answer: str | None) -> str:
+def _after_special_tokens(prefix: ReasoningPrefix, answer: str | None) -> str:
     """after_reasoning where the markers hold special tokens (see the module's docstring)."""
-    think = f"think: /(?s:.*)/ {_tokens(prefix.end)}"
-    opening = "think" if prefix.mode == "open" else f"({_tokens(prefix.start)} think)?"
-    headers = " ".join(f"({_tokens(h)})?" for h in prefix.content_headers)
+    def tokens(marker: str) -> str:  # the special tokens as tokens, the text between as literals
+        pieces = re.split(f"({'|'.join(map(re.escape, prefix.special_tokens))})", marker)
+        return " ".join(p if p in prefix.special_tokens else _literal(p) for p in pieces if p)
+
+    think = f"think: /(?s:.*)/ {tokens(prefix.end)}"
+    opening = "think" if prefix.mode == "open" else f"({tokens(prefix.start)} think)?"
+    headers = " ".join(f"({tokens(h)})?" for h in prefix.content_headers)
     if answer is None:
-        return f"start: {opening} {headers} /(?s:.*)/\n{think}"
+        free = " | ".join(("/(?s:.+)/", *prefix.special_tokens))
+        return f"start: {opening} {headers} free\nfree: ({free})*\n{think}"
     start = f"start: {opening} {headers} {_GAP} @answer"
     return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
-
-
-def _tokens(marker: str) -> str:
-    """A marker as Lark: its `<|name|>` pieces as special tokens, the text between as literals."""
-    pieces = [p for p in _SPECIAL_PIECE.split(marker) if p]
-    return " ".join(p if _SPECIAL_PIECE.fullmatch(p) else _literal(p) for p in pieces)
 
 
 def _named(grammar: str, name: str) -> dict:

@@ -16,9 +16,10 @@ The names and rules are vLLM's:
   and then `<|start|>assistant<|channel|>final<|message|>content` (ended by `<|return|>`, an
   EOS id), or the final channel alone. The analysis message is the reasoning, the final one the content;
   the content's headers are dropped as whitespace is. Harmony's markers are special tokens, so
-  the answer is decoded with them (ReasoningFormat.special_markers: skip_special_tokens is off
-  for its chat answers). Other channels (commentary: Harmony's tool calls and preambles) are not
-  read apart: text after `<|end|>` that is not the final channel's stays in the content.
+  the answer is decoded with them (ReasoningFormat.special_tokens: skip_special_tokens is off
+  for its chat answers). Other channels stay in the content: text after `<|end|>` that is not
+  the final channel's, where the harmony tool-call format reads a call to a function
+  (structured/tool_parser_harmony.py).
 
 Where the answer starts is the chat template's decision, read from the prompt's end
 (prompt_state): a prompt ending in `</think>` (Qwen3's template with enable_thinking false)
@@ -54,14 +55,16 @@ class ReasoningFormat:
     # Headers that open the content (gpt_oss: the final channel's), each dropped where the content
     # starts with it, in this order, as the whitespace before the content is.
     content_headers: tuple[str, ...] = ()
-    # The markers are special tokens of the model's vocabulary (gpt_oss): its answers must be
-    # decoded with special tokens kept, or the markers vanish before the split.
-    special_markers: bool = False
+    # Special tokens of the model's vocabulary that the markers are made of, and the others its
+    # answers hold (gpt_oss: Harmony's, a tool call's among them). Any: answers are decoded with
+    # special tokens kept, or the markers vanish before the split.
+    special_tokens: tuple[str, ...] = ()
 
 
 _HARMONY = ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
                            content_headers=("<|start|>assistant", "<|channel|>final<|message|>"),
-                           special_markers=True)
+                           special_tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                           "<|constrain|>"))
 REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "qwen3": ReasoningFormat("qwen3"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", implicit_start=True),

@@ -87,7 +87,7 @@ def test_every_kind_of_answer_after_reasoning(tiny_compiler, answer, good, bad):
 
 
 @pytest.mark.parametrize("prefix", [ReasoningPrefix(mode="open", budget=100), ReasoningPrefix(
-    "<|channel|>analysis<|message|>", "<|end|>", "optional", 9, ("<|start|>assistant",), True)])
+    "<|channel|>analysis<|message|>", "<|end|>", "optional", 9, ("<|start|>assistant",), ("<|end|>",))])
 def test_specs_with_reasoning_are_plain_data_that_cross_the_channel(prefix):
     spec = JSON.after_reasoning(prefix)
     assert hash(spec) != hash(JSON) and spec != JSON and spec.describe().endswith("after reasoning")
@@ -102,6 +102,7 @@ def test_specs_with_reasoning_are_plain_data_that_cross_the_channel(prefix):
     ({"end": ""}, "the reasoning end marker must be 1-64 characters"),
     ({"mode": "maybe"}, "reasoning mode must be 'open' or 'optional'"),
     ({"content_headers": ("",)}, "the reasoning content header marker must be 1-64 characters"),
+    ({"special_tokens": ('<|x|> "injected"',)}, "a reasoning special token must be written <|name|>"),
 ])
 def test_bad_prefixes_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -201,14 +202,14 @@ def test_a_real_vocabulary_forces_the_whole_marker(smol_compiler, smol_tokenizer
     assert matcher.accept_tokens(smol_tokenizer.encode('{"a": 5}')) and matcher.can_end
 
 
-HARMONY = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261}
+HARMONY = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|constrain|>": 262}
 HARMONY_PREFIX = ReasoningPrefix("<|channel|>analysis<|message|>", "<|end|>", "optional", None,
-                                 ("<|start|>assistant", "<|channel|>final<|message|>"), True)
+                                 ("<|start|>assistant", "<|channel|>final<|message|>"), tuple(HARMONY))
 
 
 @pytest.fixture(scope="module")
 def harmony_compiler():
-    """The tiny tokenizer with Harmony's markers as special tokens 258-261."""
+    """The tiny tokenizer with Harmony's markers as special tokens 258-262."""
     from tokenizers import AddedToken
 
     from pagedllm.structured.compiler import GrammarCompiler
@@ -261,3 +262,6 @@ def test_a_budget_forces_the_special_end_token(harmony_compiler):
     assert at_budget.accept_token(HARMONY["<|end|>"])
     after = harmony_tokens("<|start|>assistant<|channel|>final<|message|>free text")
     assert at_budget.accept_tokens(after) and at_budget.can_end
+    call = harmony_walk(harmony_compiler, spec, "<|channel|>analysis<|message|>ab<|end|><|start|>assistant"
+                        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}')
+    assert call is not None and call.can_end  # a tool call after the analysis, under a budget
