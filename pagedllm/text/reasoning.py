@@ -14,12 +14,12 @@ The names and rules are vLLM's:
 - gpt_oss (vLLM's openai_gptoss): OpenAI's Harmony channels. The template ends the prompt
   with `<|start|>assistant`; the model writes `<|channel|>analysis<|message|>reasoning<|end|>`
   and then `<|start|>assistant<|channel|>final<|message|>content` (ended by `<|return|>`, an
-  EOS id), or the final channel alone. The analysis message is the reasoning, the final one the content;
-  the content's headers are dropped as whitespace is. Harmony's markers are special tokens, so
-  the answer is decoded with them (ReasoningFormat.special_tokens: skip_special_tokens is off
-  for its chat answers). Other channels stay in the content: text after `<|end|>` that is not
-  the final channel's, where the harmony tool-call format reads a call to a function
-  (structured/tool_parser_harmony.py).
+  EOS id), or the final channel alone. The analysis message is the reasoning, the final one
+  the content; the content's headers are dropped as whitespace is. Harmony's markers are
+  special tokens, so the answer is decoded with them (ReasoningFormat.special_tokens:
+  skip_special_tokens is off for its chat answers). Other channels stay in the content: text
+  after `<|end|>` that is not the final channel's, where the harmony tool-call format reads a
+  call to a function (structured/tool_parser_harmony.py).
 
 Where the answer starts is the chat template's decision, read from the prompt's end
 (prompt_state): a prompt ending in `</think>` (Qwen3's template with enable_thinking false)
