@@ -8,18 +8,30 @@ tokenize as they do for it), random weights quantized by gguf's own quantizer. R
 
 Bytes per decoded token: every weight a token's forward pass reads (attention, norms, the router,
 its top-k experts, the LM head) against the dense equivalent that reads every expert.
+
+Memory after load (load_memory): a fresh process imports pagedllm, then builds the engine on the
+file with a KV budget (the engine's --kv-cache-memory, else 64 MiB); its RSS growth between the two
+against the file's bytes plus the budget. The experts stay quantized, so the weights held are the
+file's bytes (Q8_0's 34 bytes per 32 weights); what grows beyond them and the KV cache is a fixed
+cost of starting an engine (the tokenizer, the compiled kernels' libraries, Python's heap: about
+50 MiB on ep-2c, whatever the file's size), which only a small file's ratio shows. The KV cache's
+pages count once the OS maps them (a fresh cache's are not all resident yet), so the growth is at
+most the file, the whole budget and that fixed cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 QUANT_TYPES = ("Q8_0", "Q4_0")
+DEFAULT_KV_CACHE_MEMORY = "64MiB"
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
     if not path.exists():
         write_random_moe_gguf(path, shape, args.quant, args.seed or 0)  # the engine's --seed
     report = bytes_per_token(path)
+    report["load_memory"] = load_memory(path, args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     print(json.dumps(report, indent=2))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
@@ -153,3 +166,44 @@ def bytes_per_token(path: Path) -> dict:
     return {"file": str(path), "experts": experts, "experts_per_token": used,
             "bytes_per_decoded_token": active, "dense_equivalent_bytes_per_token": dense,
             "ratio": round(active / dense, 4)}
+
+
+def load_memory(path: Path, kv_cache_memory: str) -> dict:
+    """RSS of a fresh process with pagedllm imported, and after it built an engine on the file
+    with this KV budget (MiB); the growth against the file plus the KV cache."""
+    child = subprocess.run([sys.executable, "-c", "from pagedllm.bench.moe import _report_load_rss; "
+                            "_report_load_rss()", str(path), kv_cache_memory],
+                           capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise RuntimeError(f"loading {path} to measure its RSS failed: {child.stderr.strip()[-2000:]}")
+    measured = json.loads(child.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    file_mib = path.stat().st_size / mib
+    kv_mib = measured["kv_cache_bytes"] / mib
+    growth = measured["rss_loaded_mib"] - measured["rss_imported_mib"]
+    return {"file_mib": round(file_mib, 1), "kv_cache_mib": round(kv_mib, 1),
+            "weights_held_mib": round(measured["weight_bytes"] / mib, 1),
+            "rss_imported_mib": round(measured["rss_imported_mib"], 1),
+            "rss_after_load_mib": round(measured["rss_loaded_mib"], 1), "load_growth_mib": round(growth, 1),
+            "growth_over_file_plus_kv": round(growth / (file_mib + kv_mib), 3)}
+
+
+def _report_load_rss() -> None:
+    """The child of load_memory: argv is the file and the KV budget; prints one JSON line."""
+    import gc
+
+    from pagedllm import LLM
+
+    path, kv_cache_memory = sys.argv[1:3]
+    imported = _rss_mib()
+    llm = LLM(model=path, kv_cache_memory=kv_cache_memory, max_model_len=256)
+    gc.collect()
+    stats = llm.memory_stats()
+    print(json.dumps({"rss_imported_mib": imported, "rss_loaded_mib": _rss_mib(),
+                      "kv_cache_bytes": stats["kv_cache_bytes"], "weight_bytes": stats["weight_bytes"]}))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return kib / 1024

@@ -11,6 +11,10 @@ text when they are built.
 A stop string finishes its sequence here, the moment its text appears; process_outputs then
 names the sequences the core must abort, since the core never sees text. Text that could still
 grow into a stop string is held back until it cannot.
+
+The token that stopped a sequence in the core (an EOS id, or one of stop_token_ids) stays in its
+token ids but gives no text unless include_stop_str_in_output (vLLM's rule): with
+skip_special_tokens off, an answer would otherwise end in `<|eos|>` or gpt-oss's `<|return|>`.
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ class _RequestState:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[_SequenceText | None]  # by index; None until the core starts that output
+    # The EOS ids whose token, when the sequence stops on it, gives no text (none with ignore_eos
+    # or include_stop_str_in_output); a stop token id's, the core names (output.stop_reason).
+    hidden_eos_ids: frozenset[int] = frozenset()
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # once the core sent them
     prompt_logprobs_sent: bool = False  # in a DELTA output
@@ -139,9 +146,11 @@ class OutputProcessor:
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
+        hidden_eos = params.include_stop_str_in_output or params.ignore_eos
         self._requests[request.request_id] = _RequestState(
             request.request_id, prompt, request.prompt_token_ids, params,
-            RequestMetrics(request.arrival_time), [None] * params.n)
+            RequestMetrics(request.arrival_time), [None] * params.n,
+            frozenset(() if hidden_eos else request.eos_token_ids))
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request (no output for it); False if it was unknown or finished."""
@@ -177,7 +186,7 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.first_scheduled_time = output.first_scheduled_time
-            if self._add_tokens(seq, output):  # a stop string ended it, whatever the core says
+            if self._add_tokens(seq, output, state.hidden_eos_ids):  # a stop string ended it
                 if output.finish_reason is None:
                     result.sequences_to_abort.append((state.request_id, seq.index))
             elif output.finish_reason is not None:
@@ -215,13 +224,23 @@ class OutputProcessor:
                                          for lp in output.prompt_logprobs]
         return seq
 
-    def _add_tokens(self, seq: _SequenceText, output: EngineCoreOutput) -> bool:
-        """Append the new tokens (text and logprobs); True if a stop string ended the sequence."""
+    def _add_tokens(self, seq: _SequenceText, output: EngineCoreOutput,
+                    hidden_eos_ids: frozenset[int]) -> bool:
+        """Append the new tokens (text and logprobs); True if a stop string ended the sequence.
+        The token the core stopped the sequence on gives no text if it is an EOS of hidden_eos_ids
+        or the stop token id the core names (not a token that completed the grammar)."""
         logprobs = output.new_logprobs
-        for i, token_id in enumerate(output.new_token_ids):
+        tokens = output.new_token_ids
+        last = tokens[-1] if output.finish_reason == "stop" and tokens else None
+        stopped_on = last is not None and (last in hidden_eos_ids or (
+            last == output.stop_reason and not seq.include_stop))
+        unseen = len(tokens) - 1 if stopped_on else None
+        for i, token_id in enumerate(tokens):
             seq.token_ids.append(token_id)
             if logprobs is not None:
                 self._add_logprobs(seq, logprobs[i])
+            if i == unseen:
+                continue
             delta = seq.detokenizer.add(token_id)
             if delta and seq.add_text(delta):
                 return True

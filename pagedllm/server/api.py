@@ -144,6 +144,8 @@ class Api:
             spec = constraint_after_reasoning(self.reasoning, prompt["prompt"], constraint.spec,
                                               body.thinking_token_budget)
             params = self._sampling_params(body, max_tokens, logprobs, prompt_logprobs, spec)
+            if self.reasoning is not None and self.reasoning.special_tokens:
+                params.skip_special_tokens = False  # the parser reads the markers (text/reasoning.py)
             requests += await self.workers.run(self._process, response_id, body, [prompt], params,
                                                "messages", first_index=i)
         return requests

@@ -12,6 +12,9 @@ reasoning, with its thinking budget.
 - thinking_token_budget (vLLM's name): at most that many tokens of reasoning, then the end
   marker is forced, through the same grammar. It needs a reasoning parser (which knows the
   markers); without one it is a 400.
+- A parser whose markers are special tokens (gpt_oss's Harmony channels) gives the grammar its
+  markers as tokens and the content's headers (the final channel's), which the model may write
+  before the constrained answer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def constraint_after_reasoning(fmt: ReasoningFormat | None, prompt: str, spec: G
         return spec
     # deepseek_r1 counts unopened text before the end marker as reasoning: the reasoning is open.
     mode = "open" if state == "reasoning" or fmt.implicit_start else "optional"
-    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget)
+    prefix = ReasoningPrefix(fmt.start, fmt.end, mode, budget, fmt.content_headers, fmt.special_tokens)
     return spec.after_reasoning(prefix) if spec is not None else GrammarSpec.any_text(prefix)
 
 

@@ -17,11 +17,25 @@ marker's tokens itself; this grammar takes them as reasoning text like any other
 
 An answer of any text (a budget with no constraint, kind "text") is just any text: the budget
 matcher alone gives it its shape.
+
+Special tokens (gpt-oss's Harmony: ReasoningPrefix.special_tokens) are no text to llguidance: a
+regex never matches them. Their grammar names each marker piece that is one as a token, and the
+reasoning is any text ended by the end token (which no text can hold, so no lazy lexeme is
+needed); the content headers come each or not, in order:
+
+    start: (<|channel|> "analysis" <|message|> think)? (<|start|> "assistant")?
+           (<|channel|> "final" <|message|>)? GAP @answer
+    think: /(?s:.*)/ <|end|>
+
+and an answer of any text is text and those special tokens in any order (a commentary channel's
+tool call among them). The budget matcher needs nothing apart: llguidance decodes a special token
+to its text and tokenizes the text back to it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 
@@ -36,6 +50,8 @@ _REGEX_SPECIALS = set("\\.+*?()|[]{}^$#&-~/")
 def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
     """The llguidance grammar of reasoning then answer. answer: the constraint's own grammar as
     llguidance takes it (a TopLevelGrammar JSON with one grammar, or Lark text); None: any text."""
+    if prefix.special_tokens:
+        return _after_special_tokens(prefix, answer)
     if answer is None:
         return llguidance.LLMatcher.grammar_from_regex("(?s:.*)")
     think = f"think[lazy]: /(?s:.*){_regex(prefix.end)}/"
@@ -43,6 +59,22 @@ def after_reasoning(prefix: ReasoningPrefix, answer: str | None) -> str:
         start = f"start: think {_GAP} @answer"
     else:
         start = f"start: ({_literal(prefix.start)} think {_GAP})? @answer"
+    return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
+
+
+def _after_special_tokens(prefix: ReasoningPrefix, answer: str | None) -> str:
+    """after_reasoning where the markers hold special tokens (see the module's docstring)."""
+    def tokens(marker: str) -> str:  # the special tokens as tokens, the text between as literals
+        pieces = re.split(f"({'|'.join(map(re.escape, prefix.special_tokens))})", marker)
+        return " ".join(p if p in prefix.special_tokens else _literal(p) for p in pieces if p)
+
+    think = f"think: /(?s:.*)/ {tokens(prefix.end)}"
+    opening = "think" if prefix.mode == "open" else f"({tokens(prefix.start)} think)?"
+    headers = " ".join(f"({tokens(h)})?" for h in prefix.content_headers)
+    if answer is None:
+        free = " | ".join(("/(?s:.+)/", *prefix.special_tokens))
+        return f"start: {opening} {headers} free\nfree: ({free})*\n{think}"
+    start = f"start: {opening} {headers} {_GAP} @answer"
     return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{think}"}, _named(answer, "answer")]})
 
 

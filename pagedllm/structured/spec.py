@@ -47,6 +47,8 @@ MAX_REPEAT_COUNT = 1000
 MAX_REPEAT_PRODUCT = MAX_REPEAT_COUNT
 
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# A special token as llguidance's grammars name one (ReasoningPrefix.special_tokens go into them).
+SPECIAL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 _STRUCTURED_OUTPUT_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                             "grammar": "grammar", "json_object": "json_object"}
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -60,18 +62,28 @@ class ReasoningPrefix:
     with a budget, after that many tokens (the end marker counted when the model writes it) the
     end marker is forced. mode "open": the answer starts inside the reasoning (the prompt opened
     it, or the parser counts unopened text as reasoning); "optional": the answer may open it
-    with the start marker, or go straight to the constrained part."""
+    with the start marker, or go straight to the constrained part. content_headers: markers
+    the model may write before the constrained part, each or not, in order (gpt-oss's final
+    channel header). special_tokens: special tokens of the vocabulary (gpt-oss's Harmony) that
+    the markers are made of and an unconstrained answer may hold: a grammar names them as tokens,
+    never as text."""
 
     start: str = "<think>"
     end: str = "</think>"
     mode: Literal["open", "optional"] = "optional"
     budget: int | None = None
+    content_headers: tuple[str, ...] = ()
+    special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("start", "end"):
-            marker = getattr(self, name)
+        for name, marker in [("start", self.start), ("end", self.end),
+                             *(("content header", h) for h in self.content_headers),
+                             *(("special token", t) for t in self.special_tokens)]:
             if not isinstance(marker, str) or not marker or len(marker) > 64:
                 raise ValueError(f"the reasoning {name} marker must be 1-64 characters; got {_short(marker)}")
+        for token in self.special_tokens:
+            if not SPECIAL_TOKEN.fullmatch(token):
+                raise ValueError(f"a reasoning special token must be written <|name|>; got {_short(token)}")
         if self.mode not in ("open", "optional"):
             raise ValueError(f"reasoning mode must be 'open' or 'optional'; got {_short(self.mode)}")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)

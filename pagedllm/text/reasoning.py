@@ -11,6 +11,15 @@ The names and rules are vLLM's:
 - deepseek_r1: everything before `</think>` is reasoning, whether or not `<think>` opened it
   (the R1 template writes the opening tag into the prompt); no `</think>` at all (cut by
   max_tokens while thinking) is all reasoning.
+- gpt_oss (vLLM's openai_gptoss): OpenAI's Harmony channels. The template ends the prompt
+  with `<|start|>assistant`; the model writes `<|channel|>analysis<|message|>reasoning<|end|>`
+  and then `<|start|>assistant<|channel|>final<|message|>content` (ended by `<|return|>`, an
+  EOS id), or the final channel alone. The analysis message is the reasoning, the final one
+  the content; the content's headers are dropped as whitespace is. Harmony's markers are
+  special tokens, so the answer is decoded with them (ReasoningFormat.special_tokens:
+  skip_special_tokens is off for its chat answers). Other channels stay in the content: text
+  after `<|end|>` that is not the final channel's, where the harmony tool-call format reads a
+  call to a function (structured/tool_parser_harmony.py).
 
 Where the answer starts is the chat template's decision, read from the prompt's end
 (prompt_state): a prompt ending in `</think>` (Qwen3's template with enable_thinking false)
@@ -43,11 +52,24 @@ class ReasoningFormat:
     end: str = "</think>"
     # deepseek_r1: text before the end marker is reasoning even if the start marker never came.
     implicit_start: bool = False
+    # Headers that open the content (gpt_oss: the final channel's), each dropped where the content
+    # starts with it, in this order, as the whitespace before the content is.
+    content_headers: tuple[str, ...] = ()
+    # Special tokens of the model's vocabulary that the markers are made of, and the others its
+    # answers hold (gpt_oss: Harmony's, a tool call's among them). Any: answers are decoded with
+    # special tokens kept, or the markers vanish before the split.
+    special_tokens: tuple[str, ...] = ()
 
 
+_HARMONY = ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
+                           content_headers=("<|start|>assistant", "<|channel|>final<|message|>"),
+                           special_tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                           "<|constrain|>"))
 REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "qwen3": ReasoningFormat("qwen3"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", implicit_start=True),
+    "gpt_oss": _HARMONY,
+    "openai_gptoss": _HARMONY,  # vLLM's name for it
 }
 REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
 
@@ -85,6 +107,7 @@ class ReasoningSplitter:
         if state == "reasoning":
             self._state = "reasoning_lead"
         self._held = ""  # text not yet given out: maybe a marker's beginning, or whitespace
+        self._headers_left = fmt.content_headers  # those the content has not opened with (yet)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """The whole answer: (reasoning, content), None for an empty part."""
@@ -114,7 +137,7 @@ class ReasoningSplitter:
         if state in ("reasoning", "reasoning_lead"):
             return held.strip() if state == "reasoning_lead" else held.rstrip(), ""
         if state == "content_lead":
-            return "", held.lstrip()
+            return "", self._without_headers(held.lstrip())
         return "", held
 
     # -- one move of the state machine; False: it needs more text ---------------------------------
@@ -131,14 +154,34 @@ class ReasoningSplitter:
         if state == "reasoning":
             return self._reason(reasoning)
         if state == "content_lead":
-            self._held = self._held.lstrip()
-            if not self._held:
-                return False
-            self._state = "content"
-            return True
+            return self._lead_content()
         content.append(self._held)
         self._held = ""
         return True
+
+    def _lead_content(self) -> bool:
+        """Drop the whitespace and headers before the content; wait while what is held could
+        still be (the beginning of) one of them."""
+        held = self._without_headers(self._held.lstrip())
+        self._held = held
+        if not held or any(h.startswith(held) for h in self._headers_left):
+            return False
+        self._state = "content"
+        return True
+
+    def _without_headers(self, text: str) -> str:
+        """text with the content headers it opens with dropped (each once, in order, whitespace
+        between them too); those still to come are remembered."""
+        while self._headers_left:
+            header = self._headers_left[0]
+            if not text.startswith(header):
+                if header.startswith(text):  # maybe its beginning: wait for more
+                    return text
+                self._headers_left = self._headers_left[1:]  # this header was left out
+                continue
+            text = text[len(header):].lstrip()
+            self._headers_left = self._headers_left[1:]
+        return text
 
     def _decide_start(self) -> bool:
         """Does the answer open the reasoning? Wait while its start could still be the marker."""

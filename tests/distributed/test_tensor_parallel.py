@@ -1,10 +1,10 @@
 """Tensor parallelism end to end, with the workers the engine spawns (gloo on the CPU): in float32
 the greedy tokens at tensor_parallel_size 2 are those of size 1 (tiny Llama, Qwen2 with q/k/v
-bias, Mistral's window, mixtures of experts with Qwen2-MoE's gated shared expert among them, one KV
-head replicated on both ranks, quantized GGUF weights, the default model); preemption, prefix
-caching, copy-on-write forks, prompt logprobs, a pooling engine's vectors and scores and aborts go
-through the workers; a killed or hung worker is a clear error, never a hang; sizes that do not
-split are refused before anything starts.
+bias, Mistral's window, mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE's gated shared expert,
+gpt-oss's sinks and biased experts), one KV head replicated on both ranks, quantized GGUF weights,
+the default model); preemption, prefix caching, copy-on-write forks, prompt logprobs, a pooling
+engine's vectors and scores and aborts go through the workers; a killed or hung worker is a clear
+error, never a hang; sizes that do not split are refused before anything starts.
 
 Each engine spawns a worker process (seconds): engines are shared where the tests allow.
 """
@@ -67,6 +67,7 @@ def llama(tmp_path_factory) -> tuple[LLM, LLM]:
     ("qwen3_moe", {}),  # every expert's columns split, one dense layer among the sparse ones
     ("mixtral_moe", {}),
     ("qwen2_moe", {}),  # the shared expert's columns split too, its gate whole on both ranks
+    ("gpt_oss", {}),  # each rank its heads' sinks, its columns of every expert (and their biases)
 ])
 def test_greedy_tokens_equal_size_one(tmp_path, shape, overrides):
     folder = save_checkpoint(make_hf_model(shape, **overrides), tmp_path)

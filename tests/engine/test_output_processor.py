@@ -107,11 +107,33 @@ def test_finish_reasons_stop_token_and_metrics_pass_through():
     (out,) = feed(processor, "r", [104, 105, 42], finish_reason="stop", stop_reason=42,
                   num_cached_tokens=4, first_scheduled_time=1.5, num_preemptions=2)
     choice = out.outputs[0]
-    assert (choice.finish_reason, choice.stop_reason, choice.text) == ("stop", 42, "hi*")
+    assert (choice.finish_reason, choice.stop_reason, choice.text) == ("stop", 42, "hi")  # 42: no text
     assert out.prompt == "Say: " and out.prompt_token_ids == PROMPT and out.finished
     assert out.metrics.num_output_tokens == 3 and out.metrics.num_preemptions == 2
     assert out.metrics.first_scheduled_time == 1.5 and out.metrics.first_token_time is not None
     assert not processor.has_unfinished_requests()
+
+
+def test_the_token_that_stops_a_sequence_gives_no_text_unless_asked():
+    """vLLM's rule: the EOS or stop token id that ended a sequence stays in its token ids, but its
+    text (an EOS's, shown with skip_special_tokens off) only with include_stop_str_in_output. A
+    stop token id that did not stop it (a grammar completed on it before min_tokens: the core
+    names no stop_reason) is text."""
+    cases = [(dict(skip_special_tokens=False), 257, None, "hi"),
+             (dict(skip_special_tokens=False, include_stop_str_in_output=True), 257, None, f"hi{EOS}"),
+             (dict(stop_token_ids=[42]), 42, 42, "hi"),
+             (dict(stop_token_ids=[42], include_stop_str_in_output=True), 42, 42, "hi*"),
+             (dict(stop_token_ids=[42], min_tokens=5), 42, None, "hi*")]
+    for params, last, stop_reason, text in cases:
+        processor = OutputProcessor(TOKENIZER)
+        add(processor, "r", SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params))
+        (out,) = feed(processor, "r", [104, 105, last], finish_reason="stop", stop_reason=stop_reason)
+        assert (out.outputs[0].text, out.outputs[0].token_ids) == (text, [104, 105, last])
+    processor = OutputProcessor(TOKENIZER)  # an EOS that does not stop (ignore_eos) is text
+    add(processor, "r", SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=False,
+                                       ignore_eos=True))
+    (out,) = feed(processor, "r", [104, 257, 105], finish_reason="length")
+    assert out.outputs[0].text == f"h{EOS}i"
 
 
 def test_num_cached_tokens_comes_from_the_first_output():

@@ -16,7 +16,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import load_model
 from tests.model.paged import PagedSequences
-from tests.model.tiny import SHAPES, make_hf_model, save_checkpoint, write_gguf
+from tests.model.tiny import GGUF_OVERRIDES, SHAPES, make_hf_model, save_checkpoint, write_gguf
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4
@@ -113,13 +113,7 @@ def test_gguf_written_like_llama_cpp(shape, tmp_path):
     # but the 27B ones has it.
     # DeepSeek's kv_b_proj comes split in two (attn_k_b transposed, attn_v_b), its router's
     # gating function, groups and bias under llama.cpp's names.
-    overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else {}
-    if shape == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, top-k renormalized
-        overrides = {"mlp_only_layers": [], "norm_topk_prob": True}
-    if shape == "qwen2_moe":  # llama.cpp's qwen2moe: every layer sparse, top-k never renormalized
-        overrides = {"mlp_only_layers": []}
-    if shape == "gpt_oss":  # no key holds the SwiGLU's clamp: llama.cpp runs transformers' default
-        overrides = {"swiglu_limit": 7.0}
+    overrides = {"query_pre_attn_scalar": 16} if shape.startswith("gemma") else GGUF_OVERRIDES.get(shape, {})
     hf_model = make_hf_model(shape, seed=13, **overrides)
     loaded = load_model(write_gguf(hf_model, tmp_path / "tiny.gguf"), dtype="float32")
     assert loaded.config.architecture == type(hf_model).__name__

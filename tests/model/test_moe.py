@@ -26,7 +26,7 @@ from pagedllm.model.quant_linear import QuantLinear
 from tests.model.paged import PagedSequences
 from tests.model.test_llama_equivalence import assert_logits_close, hf_chunked_logits, token_ids
 from tests.model.test_quantized_model import greedy_generate
-from tests.model.tiny import _COMMON, SHAPES, make_hf_model, save_checkpoint, write_gguf
+from tests.model.tiny import _COMMON, GGUF_OVERRIDES, SHAPES, make_hf_model, save_checkpoint, write_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -151,17 +151,17 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("shape", ["qwen2_moe", "qwen3_moe", "mixtral_moe", "deepseek_v2_mla",
-                                   "deepseek_v3_mla", "gpt_oss"])
-def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_n(shape, tiny_checkpoint):
-    checkpoint = tiny_checkpoint(shape)
+def assert_engine_gives_transformers_tokens(source, hf_model) -> None:
+    """The engine on source (a folder or a GGUF file) gives hf_model's greedy tokens through
+    prefix-cache hits, preemption and n > 1."""
     shared = token_ids(12, seed=40)
     prompts = [shared + token_ids(length, seed=41 + length) for length in (3, 7, 9, 5)]
-    expected = [hf_greedy(checkpoint.hf_model, p, 10) for p in prompts]
+    expected = [hf_greedy(hf_model, p, 10) for p in prompts]
     # 10 blocks of 4 tokens cannot hold four requests of ~25 tokens (three of them forked n=3)
     # at once: requests are preempted and recomputed; the shared 12 tokens hit the prefix cache.
-    llm = LLM(model=str(checkpoint.folder), dtype="float32", block_size=4, max_model_len=32,
+    llm = LLM(model=str(source), dtype="float32", block_size=4, max_model_len=32,
               num_kv_blocks=10, max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert llm.engine.model_config.architecture == type(hf_model).__name__
     first = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
         temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert first.outputs[0].token_ids == expected[0]
@@ -175,10 +175,24 @@ def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+@pytest.mark.parametrize("shape", ["qwen2_moe", "qwen3_moe", "mixtral_moe", "deepseek_v2_mla",
+                                   "deepseek_v3_mla", "gpt_oss"])
+def test_the_engine_gives_transformers_tokens_through_cache_hits_preemption_and_n(shape, tiny_checkpoint):
+    checkpoint = tiny_checkpoint(shape)
+    assert_engine_gives_transformers_tokens(checkpoint.folder, checkpoint.hf_model)
+
+
+@pytest.mark.parametrize("shape", ["qwen2_moe", "qwen3_moe", "mixtral_moe", "gpt_oss"])
+def test_gguf_files_give_transformers_tokens_through_cache_hits_preemption_and_n(shape, tmp_path):
+    """The same weights as llama.cpp's GGUF (qwen2moe, qwen3moe, Mixtral as llama, gpt-oss; F32):
+    the folder's tokens above, transformers' own, through the same paths."""
+    hf_model = make_hf_model(shape, seed=3, **GGUF_OVERRIDES.get(shape, {}))
+    assert_engine_gives_transformers_tokens(write_gguf(hf_model, tmp_path / "moe.gguf"), hf_model)
+
+
 @pytest.mark.parametrize("shape", ["qwen3_moe", "mixtral_moe", "qwen2_moe"])
 def test_quantized_gguf_experts_stay_quantized_and_equal_dequantized(shape, tmp_path):
-    hf_model = make_hf_model(shape, mlp_only_layers=[], norm_topk_prob=True) if shape == "qwen3_moe" \
-        else make_hf_model(shape, mlp_only_layers=[]) if shape == "qwen2_moe" else make_hf_model(shape)
+    hf_model = make_hf_model(shape, **GGUF_OVERRIDES.get(shape, {}))
     layers = hf_model.config.num_hidden_layers
     # Each layer's stacked experts in another type: cut per expert, each expert's rows kept quantized;
     # Qwen2-MoE's shared expert quantized too, and its router and shared gate (which llama.cpp's
@@ -217,20 +231,6 @@ def test_an_unsupported_expert_tensor_type_is_refused_by_name(shape, tensor, tmp
         load_model(path, dtype="float32")
     message = str(info.value)
     assert "IQ2_XXS" in message and tensor in message and "\n" not in message
-
-
-def test_qwen2_moe_gguf_and_hf_folder_generate_transformers_tokens(tmp_path):
-    """The same weights as an HF folder and as llama.cpp's qwen2moe GGUF: the same greedy tokens
-    through LLM.generate, transformers' own."""
-    hf_model = make_hf_model("qwen2_moe", seed=3, mlp_only_layers=[])
-    prompts = [token_ids(n, seed=70 + n) for n in (2, 9, 14)]
-    expected = [hf_greedy(hf_model, p, 8) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for source in (save_checkpoint(hf_model, tmp_path / "hf"), write_gguf(hf_model, tmp_path / "moe.gguf")):
-        llm = LLM(model=str(source), dtype="float32", block_size=4, max_model_len=32, num_kv_blocks=24)
-        assert llm.engine.model_config.architecture == "Qwen2MoeForCausalLM"
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_a_qwen2_moe_shared_gate_stored_as_a_vector_loads_as_its_row(tmp_path):

@@ -185,6 +185,13 @@ GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "g
               "gpt_oss": "gpt-oss",
               "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
               "qwen3_5_text": "qwen35", "granitemoehybrid": "granitehybrid"}
+# Config arguments a model needs to be what llama.cpp's GGUF of it runs (its converter writes no
+# key for them, or llama.cpp's loader fixes them): the model to compare a GGUF against.
+GGUF_OVERRIDES: dict[str, dict] = {
+    "qwen3_moe": {"mlp_only_layers": [], "norm_topk_prob": True},  # every layer sparse, renormalized
+    "qwen2_moe": {"mlp_only_layers": []},  # every layer sparse, top-k never renormalized
+    "gpt_oss": {"swiglu_limit": 7.0},  # no key holds the SwiGLU's clamp: llama.cpp runs 7.0
+}
 # Families whose GGUF files we refuse (their recurrent layers' tensors are not mapped): written
 # under the names gguf's map gives, the tensors it has no name for left out, no converter
 # transforms; only good for seeing the refusal.

@@ -10,7 +10,12 @@ model's numbers are replaced.
 
 Where a grammar forced the reasoning's end marker early (a thinking budget), the answer follows
 the script again from the script's own end marker on: the byte after the answer's last
-`</think>` is the byte after the script's.
+`</think>` (or Harmony's `<|end|>`) is the byte after the script's.
+
+Harmony's markers (gpt-oss: `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`,
+`<|constrain|>`, `<|call|>`) are the special tokens 258-264 of the tokenizer
+tests/server/test_reasoning.py gives such a model: a script says each as its one token, and a
+prompt holding them reads back as their text.
 """
 
 from __future__ import annotations
@@ -20,24 +25,45 @@ import re
 import torch
 
 EOS = 257  # the tiny tokenizer's (tests/model/tiny.py)
-END_MARKER = "</think>"
+HARMONY_TOKENS = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|return|>": 262,
+                  "<|constrain|>": 263, "<|call|>": 264}
+_HARMONY_TEXT = {token: text for text, token in HARMONY_TOKENS.items()}
+END_MARKERS = ("</think>", "<|end|>")
 _SCRIPT = re.compile(r"SAY\[(.*?)\]END", re.S)
+
+
+def text_of(token_ids: list[int]) -> str:
+    """Byte tokens as latin-1 text, Harmony's as their markers; other ids (BOS, EOS) dropped."""
+    return "".join(chr(t) if t < 256 else _HARMONY_TEXT.get(t, "") for t in token_ids)
+
+
+def tokens_of(text: str) -> list[int]:
+    """The script's tokens: each Harmony marker one token, every other character its byte."""
+    tokens, at = [], 0
+    while at < len(text):
+        marker = next((m for m in HARMONY_TOKENS if text.startswith(m, at)), None)
+        tokens.append(HARMONY_TOKENS[marker] if marker else ord(text[at]))
+        at += len(marker) if marker else 1
+    return tokens
 
 
 def script_of(prompt_ids: list[int]) -> str | None:
     """The text a prompt asks to be said (its last SAY[...]END), or None."""
-    text = bytes(t for t in prompt_ids if t < 256).decode("latin-1")
-    found = _SCRIPT.findall(text)
+    found = _SCRIPT.findall(text_of(prompt_ids))
     return found[-1] if found else None
 
 
 def next_token(script: str, output_ids: list[int]) -> int:
-    """The script's next byte after this output, or EOS once it is all said."""
-    said = bytes(t for t in output_ids if t < 256).decode("latin-1")
-    position = len(said)
-    if END_MARKER in said and END_MARKER in script:
-        position = script.index(END_MARKER) + len(END_MARKER) + len(said.rsplit(END_MARKER, 1)[1])
-    return script.encode("latin-1")[position] if position < len(script) else EOS
+    """The script's next token after this output, or EOS once it is all said."""
+    said = text_of(output_ids)
+    position = len(tokens_of(said))
+    for marker in END_MARKERS:
+        if marker in said and marker in script:
+            resumed = script[:script.index(marker) + len(marker)] + said.rsplit(marker, 1)[1]
+            position = len(tokens_of(resumed))
+            break
+    script_tokens = tokens_of(script)
+    return script_tokens[position] if position < len(script_tokens) else EOS
 
 
 def scripted_logits(vocab_size: int, token: int) -> torch.Tensor:

@@ -5,8 +5,9 @@ runs it (the engine core in its own process), with a scripted step (tests/server
 a prompt holding SAY[text]END makes the model's logits pick `text`, byte by byte, then EOS. The
 script only replaces the model's numbers: the engine's grammar masks still apply to them, so a
 JSON schema or a thinking budget shows in the answer exactly as it would with a real model.
-Chat templates: a Qwen3-style one (enable_thinking false closes the reasoning in the prompt) and a
-DeepSeek-R1-style one (the prompt opens it).
+Chat templates: a Qwen3-style one (enable_thinking false closes the reasoning in the prompt), a
+DeepSeek-R1-style one (the prompt opens it) and gpt-oss's Harmony (its markers special tokens of
+the tokenizer, said as such by the script).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.server.protocol import APIError
 from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.structured.spec import GrammarSpec
 from tests.server.conftest import RunningServer, tiny_config
+from tests.server.scripted_core import HARMONY_TOKENS
 
 QWEN3_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -29,6 +31,12 @@ QWEN3_TEMPLATE = (
 R1_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}")
+HARMONY_TEMPLATE = (
+    "{% if tools %}{{ '<|start|>developer<|message|># Tools' }}{% for t in tools %}"
+    "{{ ' functions.' + t['function']['name'] }}{% endfor %}{{ '<|end|>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|start|>' + m['role'] }}{% if m['role'] == 'assistant' %}"
+    "{{ '<|channel|>final' }}{% endif %}{{ '<|message|>' + m['content'] + '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -41,6 +49,24 @@ def long_tiny_model(tmp_path_factory):
 
     model = make_hf_model("llama_gqa_untied", max_position_embeddings=2048)
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny-long"))
+
+
+@pytest.fixture(scope="module")
+def harmony_tiny_model(long_tiny_model, tmp_path_factory):
+    """The same model with Harmony's markers as special tokens 258-264 (scripted_core's)."""
+    import shutil
+
+    from tokenizers import AddedToken
+
+    from tests.model.tiny import tokenizer_backend
+
+    folder = tmp_path_factory.mktemp("tiny-harmony")
+    shutil.copytree(long_tiny_model, folder, dirs_exist_ok=True)
+    backend = tokenizer_backend()
+    backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in HARMONY_TOKENS])
+    assert [backend.token_to_id(m) for m in HARMONY_TOKENS] == list(HARMONY_TOKENS.values())
+    backend.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 def _server(model_dir, parser: str, template: str) -> RunningServer:
@@ -58,6 +84,12 @@ def qwen3(long_tiny_model):
 @pytest.fixture(scope="module")
 def r1(long_tiny_model):
     with _server(long_tiny_model, "deepseek_r1", R1_TEMPLATE) as running:
+        yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(harmony_tiny_model):
+    with _server(harmony_tiny_model, "gpt_oss", HARMONY_TEMPLATE) as running:
         yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
 
 
@@ -222,7 +254,8 @@ def test_an_unknown_parser_stops_start_up_in_one_line(capsys, core_starts):
 
     assert main(["serve", "--model", "/nowhere/at/all", "--reasoning-parser", "qwen9"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "pagedllm: error: unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1"
+    assert err == ("pagedllm: error: unknown reasoning parser 'qwen9'; "
+                   "known: qwen3, deepseek_r1, gpt_oss, openai_gptoss")
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert core_starts == []
 
@@ -252,3 +285,105 @@ def test_where_the_constraint_starts(parser, prompt, spec, budget, expected):
         assert moved == expected
     else:
         assert (moved.kind, moved.reasoning.mode, moved.reasoning.budget) == expected
+
+
+HARMONY_THOUGHT = ('<|channel|>analysis<|message|>The user greets me; {"reply"} in kind.<|end|>'
+                   "<|start|>assistant<|channel|>final<|message|>Hello there!")
+
+
+def test_gpt_oss_channels_split_into_reasoning_and_content(gpt_oss):
+    """Harmony's analysis channel is the reasoning, its final channel the content; the markers
+    (special tokens, which a plain decode drops) are read and left out of both."""
+    choice = ask(gpt_oss, HARMONY_THOUGHT, extra_body={"return_token_ids": True}).choices[0]
+    assert {258, 259, 260, 261} <= set(choice.token_ids)  # said as special tokens
+    assert choice.message.reasoning_content == 'The user greets me; {"reply"} in kind.'
+    assert choice.message.reasoning == choice.message.reasoning_content
+    assert choice.message.content == "Hello there!"
+    assert choice.finish_reason == "stop"
+    reasoning, content, _, finish = streamed(gpt_oss, HARMONY_THOUGHT)
+    assert len(reasoning) > 1 and len(content) > 1
+    assert ("".join(reasoning), "".join(content)) == (choice.message.reasoning_content, "Hello there!")
+    assert finish == "stop"
+
+
+def test_gpt_oss_final_channel_alone_is_all_content(gpt_oss):
+    script = "<|channel|>final<|message|>Straight to the answer."
+    message = ask(gpt_oss, script).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, "Straight to the answer.")
+    reasoning, content, _, _ = streamed(gpt_oss, script)
+    assert reasoning == [] and "".join(content) == "Straight to the answer."
+
+
+HARMONY_LONG_THOUGHT = ("<|channel|>analysis<|message|>a long chain of thought that goes on and on<|end|>"
+                        "<|start|>assistant<|channel|>final<|message|>Done.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_thinking_budget_caps_the_analysis_channel(gpt_oss, stream):
+    """Special tokens counted as any: 10 tokens of analysis, then <|end|> is forced and the model
+    goes on to its final channel."""
+    kwargs = {"extra_body": {"thinking_token_budget": 10}}
+    if stream:
+        reasoning, content, _, _ = streamed(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
+        reasoning, content = "".join(reasoning), "".join(content)
+    else:
+        response = ask(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
+        message = response.choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+        # <|channel|>analysis<|message|>, 10 of analysis, <|end|> forced,
+        # <|start|>assistant<|channel|>final<|message|>, Done., EOS
+        assert response.usage.completion_tokens == 10 + 10 + 1 + 17 + 5 + 1
+    assert (reasoning, content) == ("a long cha", "Done.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_json_schema_applies_to_the_final_channel(gpt_oss, stream):
+    """The analysis holds braces and quotes; the final channel's header comes before the answer,
+    which is the schema's, even where the script wants plain text."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for script, expected in [(HARMONY_THOUGHT.replace("Hello there!", '{"answer": 42}'), {"answer": 42}),
+                             (HARMONY_THOUGHT, None)]:
+        if stream:
+            reasoning, content, _, _ = streamed(gpt_oss, script, response_format=fmt)
+            reasoning, content = "".join(reasoning), "".join(content)
+        else:
+            message = ask(gpt_oss, script, response_format=fmt).choices[0].message
+            reasoning, content = message.reasoning_content, message.content
+        assert reasoning == 'The user greets me; {"reply"} in kind.'
+        answer = json.loads(content)
+        assert answer == expected if expected else isinstance(answer["answer"], int)
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>The user wants the weather; I call the tool.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                '<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_tool_calls_after_the_analysis(gpt_oss, stream):
+    """tools with tool_choice auto: Harmony's commentary message to functions.get_weather is the
+    call, its body the arguments, after the reasoning (a Harmony template picks the format)."""
+    kwargs = {"tools": [WEATHER], "tool_choice": "auto"}
+    if stream:
+        reasoning, content, calls, finish = streamed(gpt_oss, HARMONY_CALL, **kwargs)
+        reasoning, content = "".join(reasoning), "".join(content)
+        name = calls[0].function.name
+        arguments = "".join(c.function.arguments or "" for c in calls)
+    else:
+        choice = ask(gpt_oss, HARMONY_CALL, **kwargs).choices[0]
+        reasoning, content = choice.message.reasoning_content, choice.message.content
+        finish = choice.finish_reason
+        (call,) = choice.message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert reasoning == "The user wants the weather; I call the tool."
+    assert finish == "tool_calls" and not (content or "").strip()
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+    # Under a thinking budget (the grammar lets Harmony's tokens through after the analysis); the
+    # tiny tokenizer's <|call|> is no EOS id, which it is for gpt-oss: the script ends without it.
+    capped = ask(gpt_oss, HARMONY_CALL.removesuffix("<|call|>"), extra_body={"thinking_token_budget": 5},
+                 **kwargs).choices[0]
+    assert (capped.message.reasoning_content, capped.finish_reason) == ("The u", "tool_calls")
+    assert json.loads(capped.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    final = ask(gpt_oss, HARMONY_THOUGHT, **kwargs).choices[0]  # a final-channel answer: no call
+    assert (final.message.content, final.message.tool_calls) == ("Hello there!", None)
+    assert final.finish_reason == "stop"

@@ -5,6 +5,7 @@ constraint, a budget forces the end marker."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
@@ -85,8 +86,10 @@ def test_every_kind_of_answer_after_reasoning(tiny_compiler, answer, good, bad):
     assert walk(tiny_compiler, spec, f"<think>r</think>{bad}") is None
 
 
-def test_specs_with_reasoning_are_plain_data_that_cross_the_channel():
-    spec = JSON.after_reasoning(ReasoningPrefix(mode="open", budget=100))
+@pytest.mark.parametrize("prefix", [ReasoningPrefix(mode="open", budget=100), ReasoningPrefix(
+    "<|channel|>analysis<|message|>", "<|end|>", "optional", 9, ("<|start|>assistant",), ("<|end|>",))])
+def test_specs_with_reasoning_are_plain_data_that_cross_the_channel(prefix):
+    spec = JSON.after_reasoning(prefix)
     assert hash(spec) != hash(JSON) and spec != JSON and spec.describe().endswith("after reasoning")
     request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=spec), (257,), 0.0)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(AddRequest(request)), type=AddRequest)
@@ -98,6 +101,8 @@ def test_specs_with_reasoning_are_plain_data_that_cross_the_channel():
     ({"budget": True}, "thinking_token_budget must be a positive integer"),
     ({"end": ""}, "the reasoning end marker must be 1-64 characters"),
     ({"mode": "maybe"}, "reasoning mode must be 'open' or 'optional'"),
+    ({"content_headers": ("",)}, "the reasoning content header marker must be 1-64 characters"),
+    ({"special_tokens": ('<|x|> "injected"',)}, "a reasoning special token must be written <|name|>"),
 ])
 def test_bad_prefixes_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -195,3 +200,68 @@ def test_a_real_vocabulary_forces_the_whole_marker(smol_compiler, smol_tokenizer
         assert matcher.accept_token(token)
     assert smol_tokenizer.decode(forced) == "</think>" and len(forced) > 1
     assert matcher.accept_tokens(smol_tokenizer.encode('{"a": 5}')) and matcher.can_end
+
+
+HARMONY = {"<|start|>": 258, "<|channel|>": 259, "<|message|>": 260, "<|end|>": 261, "<|constrain|>": 262}
+HARMONY_PREFIX = ReasoningPrefix("<|channel|>analysis<|message|>", "<|end|>", "optional", None,
+                                 ("<|start|>assistant", "<|channel|>final<|message|>"), tuple(HARMONY))
+
+
+@pytest.fixture(scope="module")
+def harmony_compiler():
+    """The tiny tokenizer with Harmony's markers as special tokens 258-262."""
+    from tokenizers import AddedToken
+
+    from pagedllm.structured.compiler import GrammarCompiler
+    from pagedllm.text.tokenizer import Tokenizer
+    from tests.model import tiny
+
+    backend = tiny.tokenizer_backend()
+    backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in HARMONY])
+    compiler = GrammarCompiler(Tokenizer(backend, {"bos_token": tiny.BOS, "eos_token": tiny.EOS}))
+    yield compiler
+    compiler.close()
+
+
+def harmony_tokens(text: str) -> list[int]:
+    """Each marker its special token, every other character its byte."""
+    tokens, at = [], 0
+    while at < len(text):
+        marker = next((m for m in HARMONY if text.startswith(m, at)), None)
+        tokens.append(HARMONY[marker] if marker else ord(text[at]))
+        at += len(marker) if marker else 1
+    return tokens
+
+
+def harmony_walk(compiler, spec: GrammarSpec, text: str):
+    matcher = compiler.matcher(spec)
+    return matcher if matcher.accept_tokens(harmony_tokens(text)) else None
+
+
+@pytest.mark.parametrize("headers", [
+    "<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>", ""])
+def test_special_token_markers_are_tokens_to_the_grammar(harmony_compiler, headers):
+    """Harmony's analysis channel, its end token, the final channel's header (all, part or none of
+    it), then the schema's answer; the markers spelled out in plain bytes are only text."""
+    spec = JSON.after_reasoning(HARMONY_PREFIX)
+    thought = '<|channel|>analysis<|message|>I {think} "so"<|end|>'
+    assert harmony_walk(harmony_compiler, spec, thought + headers + '{"a": 1}').can_end
+    assert harmony_walk(harmony_compiler, spec, thought + headers + "hello") is None
+    assert harmony_walk(harmony_compiler, spec, headers + '{"a": 1}').can_end  # no analysis at all
+    in_reasoning = harmony_walk(harmony_compiler, spec, "<|channel|>analysis<|message|>I think")
+    assert HARMONY["<|end|>"] in in_reasoning.allowed_token_ids()
+    assert HARMONY["<|start|>"] not in in_reasoning.allowed_token_ids()  # only <|end|> ends it
+    spelled = in_reasoning.accept_tokens(list(b"<|end|>")) and in_reasoning.accept_tokens(list(b'{"a": 1}'))
+    assert spelled and not in_reasoning.can_end  # still reasoning: the text is no marker
+
+
+def test_a_budget_forces_the_special_end_token(harmony_compiler):
+    spec = GrammarSpec.any_text(dataclasses.replace(HARMONY_PREFIX, budget=3))
+    at_budget = harmony_walk(harmony_compiler, spec, "<|channel|>analysis<|message|>abc")
+    assert at_budget.allowed_token_ids() == [HARMONY["<|end|>"]]
+    assert at_budget.accept_token(HARMONY["<|end|>"])
+    after = harmony_tokens("<|start|>assistant<|channel|>final<|message|>free text")
+    assert at_budget.accept_tokens(after) and at_budget.can_end
+    call = harmony_walk(harmony_compiler, spec, "<|channel|>analysis<|message|>ab<|end|><|start|>assistant"
+                        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}')
+    assert call is not None and call.can_end  # a tool call after the analysis, under a budget

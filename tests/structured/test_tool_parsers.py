@@ -1,5 +1,6 @@
-"""Tool-call parsers: what they read out of Hermes and Llama 3.x JSON text, that streamed deltas
-in any chunking add up to the whole answer's parse, and that nothing which is not a call is lost."""
+"""Tool-call parsers: what they read out of Hermes, Llama 3.x JSON and gpt-oss Harmony text, that
+streamed deltas in any chunking add up to the whole answer's parse, and that nothing which is not a
+call is lost."""
 
 import itertools
 import json
@@ -98,6 +99,21 @@ def test_first_delta_has_id_and_name_then_argument_fragments():
     assert "".join(d.arguments for d in call_deltas) == '{"city": "Paris"}'
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+     None, [("get_weather", {"city": "Paris"})]),
+    ('to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}', None,
+     [("get_weather", {"city": "Oslo"})]),  # the recipient in the role header; no <|call|> text
+    ("\n<|channel|>commentary to=functions.now<|message|>", None, [("now", {})]),  # no arguments
+    ("Hello there!", "Hello there!", []),  # a final-channel answer
+    ("<|channel|>commentary<|message|>A preamble.", "<|channel|>commentary<|message|>A preamble.", []),
+    ("to=functions.f", "to=functions.f", []),  # a header cut short is content
+])
+def test_harmony(text, content, calls):
+    message = parse("harmony", text)
+    assert message.content == content and calls_of(message) == calls
+
+
 def test_named_tool_parser():
     parser = NamedToolParser("get_time", counting_ids())
     deltas = [parser.feed('{"utc_'), parser.feed('offset": 2}'), parser.finish()]
@@ -114,6 +130,7 @@ def test_parser_for_template():
     assert parser_for_template("... <tool_call>\n{...}\n</tool_call> ...") == "hermes"
     llama3 = 'Respond with {"name": function name, "parameters": dictionary of argument name and value}'
     assert parser_for_template(llama3) == "json"
+    assert parser_for_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "harmony"
     with pytest.raises(ValueError, match="unknown tool call format 'xml'"):
         make_parser("xml")
 
@@ -148,14 +165,25 @@ def json_answers(draw):
     return draw(st.sampled_from(["; ", ";", "\n"])).join(bodies), calls
 
 
+@st.composite
+def harmony_answers(draw):
+    if draw(st.booleans()):
+        return draw(contents), []
+    name, args = draw(names), draw(arguments)
+    header = draw(st.sampled_from([f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                                   f"to=functions.{name}<|channel|>commentary json<|message|>"]))
+    return draw(spacing) + header + json.dumps(args) + draw(st.sampled_from(["", "<|call|>"])), [(name, args)]
+
+
 def split_points(text):
     return st.lists(st.integers(0, len(text)), max_size=8).map(sorted)
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), kind=st.sampled_from(["hermes", "json"]))
+@given(data=st.data(), kind=st.sampled_from(["hermes", "json", "harmony"]))
 def test_streaming_in_any_chunks_equals_the_whole(data, kind):
-    text, calls = data.draw(hermes_answers() if kind == "hermes" else json_answers())
+    answers = {"hermes": hermes_answers, "json": json_answers, "harmony": harmony_answers}[kind]
+    text, calls = data.draw(answers())
     cuts = data.draw(split_points(text))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     whole = parse(kind, text)

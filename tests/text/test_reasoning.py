@@ -17,12 +17,13 @@ from pagedllm.text.reasoning import (
 
 QWEN3 = REASONING_PARSERS["qwen3"]
 R1 = REASONING_PARSERS["deepseek_r1"]
+HARMONY = REASONING_PARSERS["gpt_oss"]
 
 
 def reference_split(fmt: ReasoningFormat, state: str, text: str) -> tuple[str | None, str | None]:
     """The rules of pagedllm.text.reasoning, on the whole text at once (the oracle)."""
     if state == "content":
-        return None, text.lstrip() or None
+        return None, without_headers(fmt, text) or None
     body = text
     if state == "start":
         stripped = text.lstrip()
@@ -31,11 +32,20 @@ def reference_split(fmt: ReasoningFormat, state: str, text: str) -> tuple[str | 
         elif fmt.implicit_start:
             body = stripped
         else:
-            return None, stripped or None
+            return None, without_headers(fmt, stripped) or None
     if fmt.end in body:
         reasoning, content = body.split(fmt.end, 1)
-        return reasoning.strip() or None, content.lstrip() or None
+        return reasoning.strip() or None, without_headers(fmt, content) or None
     return body.strip() or None, None
+
+
+def without_headers(fmt: ReasoningFormat, content: str) -> str:
+    """The content, its leading whitespace and the headers it opens with (in order) dropped."""
+    content = content.lstrip()
+    for header in fmt.content_headers:
+        if content.startswith(header):
+            content = content[len(header):].lstrip()
+    return content
 
 
 def streamed(fmt: ReasoningFormat, state: str, pieces: list[str]) -> list[tuple[str, str]]:
@@ -57,6 +67,13 @@ def streamed(fmt: ReasoningFormat, state: str, pieces: list[str]) -> list[tuple[
     (QWEN3, "start", "<th", (None, "<th")),
     (QWEN3, "start", "", (None, None)),
     (QWEN3, "start", "<think>a</think>b</think>c", ("a", "b</think>c")),
+    (HARMONY, "start", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+                       "<|message|>Hello!", ("Think.", "Hello!")),
+    (HARMONY, "start", "<|channel|>final<|message|>Straight to it.", (None, "Straight to it.")),
+    (HARMONY, "start", "<|channel|>analysis<|message|>cut short", ("cut short", None)),
+    (HARMONY, "start", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary"
+                       "<|message|>b", ("a", "<|channel|>commentary<|message|>b")),
+    (HARMONY, "reasoning", "opened<|end|><|channel|>final<|message|>x", ("opened", "x")),
 ])
 def test_whole_answers(fmt, state, text, expected):
     assert ReasoningSplitter(fmt, state).split(text) == expected
@@ -64,16 +81,19 @@ def test_whole_answers(fmt, state, text, expected):
 
 
 ALPHABET = ["<think>", "</think>", "<", "</", "</th", "think", ">", "<t", "\n", " ", "a", "b", "{"]
+HARMONY_ALPHABET = ["<|channel|>analysis<|message|>", "<|channel|>", "analysis", "final", "<|message|>",
+                    "<|end|>", "<|start|>", "assistant", "<|start|>assistant", "<|channel|>final<|message|>",
+                    "<|", "|>", "\n", " ", "a", "{"]
 
 
-@settings(max_examples=400, deadline=None)
-@given(parts=st.lists(st.sampled_from(ALPHABET), max_size=14),
-       cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=8),
-       fmt=st.sampled_from([QWEN3, R1]), state=st.sampled_from(["start", "reasoning", "content"]))
-def test_streamed_pieces_concatenate_to_the_whole_split(parts, cuts, fmt, state):
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=8),
+       fmt=st.sampled_from([QWEN3, R1, HARMONY]), state=st.sampled_from(["start", "reasoning", "content"]))
+def test_streamed_pieces_concatenate_to_the_whole_split(data, cuts, fmt, state):
     """However the answer is cut, the streamed pieces join to the whole answer's split, and no
     reasoning piece comes after a content piece."""
-    text = "".join(parts)
+    alphabet = HARMONY_ALPHABET if fmt is HARMONY else ALPHABET
+    text = "".join(data.draw(st.lists(st.sampled_from(alphabet), max_size=14)))
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out = streamed(fmt, state, pieces)
@@ -107,5 +127,10 @@ def test_the_prompt_end_decides_where_the_answer_starts(prompt, state):
 
 
 def test_unknown_parser_is_one_line():
-    with pytest.raises(ValueError, match="unknown reasoning parser 'qwen9'; known: qwen3, deepseek_r1"):
+    known = "known: qwen3, deepseek_r1, gpt_oss, openai_gptoss"
+    with pytest.raises(ValueError, match=f"unknown reasoning parser 'qwen9'; {known}"):
         reasoning_format("qwen9")
+
+
+def test_vllms_name_for_the_harmony_parser_is_the_same_parser():
+    assert reasoning_format("openai_gptoss") is reasoning_format("gpt_oss") is HARMONY
