@@ -363,7 +363,10 @@ def _as_int(text: str) -> int | None:
 
 def _completion_prompts(prompt) -> list[PromptInput]:
     """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts;
-    [] is one empty prompt, for the input processor to refuse."""
+    [] is one empty prompt, for the input processor to refuse. No prompt: vLLM's words."""
+    if prompt is None:
+        raise APIError("Either prompt or prompt_embeds must be provided and non-empty. This server "
+                       "takes prompt (prompt_embeds is not supported).", param="prompt")
     prompts = prompt_list(prompt) or [prompt]
     if len(prompts) > MAX_PROMPTS_PER_REQUEST:
         raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "

@@ -61,7 +61,7 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     # Other generation features.
     "suffix": ("",),
     "best_of": (1,),
-    "prompt_embeds": (),
+    "prompt_embeds": ([],),  # [] embeds nothing: vLLM's clients send it beside a prompt
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),
     "chat_template": (),  # per request; the server's --chat-template is honoured
@@ -239,7 +239,8 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    # Absent or null: a 400 in vLLM's words (server/api.py), which clients match on.
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: Int | None = bounded("max_tokens", 16)
     logprobs: Int | None = logprob_count("logprobs")
     echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too

@@ -151,3 +151,37 @@ def test_chat_echo_prepends_the_message_the_answer_continues(tiny_server):
     plain_batch = chat_texts(tiny_server, batch, "/v1/chat/completions/batch")
     assert chat_texts(tiny_server, {**batch, "echo": True}, "/v1/chat/completions/batch") == [
         said + plain_batch[0], "Once" + plain_batch[1]]
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("seed, error_type", [(-2**63 - 1, "greater_than_equal"),
+                                              (2**63, "less_than_equal")])
+def test_validation_errors_carry_pydantics_error_type(tiny_server, seed, error_type):
+    """vLLM answers a field out of range with pydantic's own message, and its clients match on
+    the error type (greater_than_equal); ours names the field and ends with that type."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client(tiny_server).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], seed=seed)
+    assert caught.value.body["message"].startswith("invalid request: seed must be")
+    assert caught.value.body["message"].endswith(f"[{error_type}]")
+    assert caught.value.body["param"] == "seed" and caught.value.body["code"] == error_type
+
+
+def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
+    import openai
+
+    client = openai_client(tiny_server)
+    for extra in ({}, {"prompt_embeds": []}):  # an empty prompt_embeds is no prompt either
+        with pytest.raises(openai.BadRequestError, match="Either prompt or prompt_embeds must be "
+                           "provided and non-empty.") as caught:
+            client.completions.create(model=MODEL_NAME, prompt=None, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == "prompt"
+    refused = post(tiny_server, "/v1/completions", {"prompt": "x", "prompt_embeds": [[0.0]]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_embeds"
