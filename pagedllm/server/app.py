@@ -84,9 +84,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     splits chat answers into reasoning and content (pagedllm.text.reasoning); options: how
     answers are written (server/answer_options.py); root_path: the path prefix a proxy serves
     this app under (its routes answer with and without it, as vLLM's --root-path)."""
-    metrics = ServerMetrics(lambda: engine.stats)
+    metrics = ServerMetrics(lambda: engine.stats, engine.core.config.enable_prefix_caching,
+                            engine.ready.max_model_len)
     engine.on_finished = metrics.observe_finished
-    metrics.count_failed_requests(lambda: engine.num_failed_requests)
+    engine.on_added = metrics.observe_added
+    engine.on_report = lambda report: metrics.observe_report(report, engine.output_processor.__contains__)
+    metrics.count_engine_requests(lambda: engine.num_failed_requests, lambda: engine.num_rejected_requests)
     workers = InputWorkers()
     loras = lora_modules(engine)
     api = Api(engine, model_name, chat_template, workers, reasoning_parser, loras, options)
