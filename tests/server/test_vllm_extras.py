@@ -340,7 +340,8 @@ def test_serve_on_a_unix_socket_with_the_flags(tiny_model_dir, tmp_path):
     stderr: list[bytes] = []
     threading.Thread(target=lambda: stderr.append(process.stderr.read()), daemon=True).start()
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://localhost",
+        # the host named is the socket's file, as vLLM's test client names it: any host is answered
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://api.sock",
                           timeout=60) as client:
             deadline = time.monotonic() + 120
             while True:
