@@ -266,7 +266,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's five roles, or any other the chat template takes (vLLM's custom roles): the
+    # template renders it, or refuses it with a 400.
+    role: Annotated[str, Field(min_length=1), _UNICODE]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's

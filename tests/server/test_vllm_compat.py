@@ -185,3 +185,16 @@ def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
         assert caught.value.body["param"] == "prompt"
     refused = post(tiny_server, "/v1/completions", {"prompt": "x", "prompt_embeds": [[0.0]]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_embeds"
+
+
+def test_a_custom_role_reaches_the_template(tiny_server):
+    """vLLM passes any role to the chat template: the prompt names it, and text given as a string
+    or as text parts is the same prompt and the same answer."""
+    as_text = [{"role": "my-custom-role", "content": "1+1?"}]
+    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "1+1?"}]}]
+    tokens = ok(tiny_server, "/tokenize", {"messages": as_text})["tokens"]
+    assert "my-custom-role" in ok(tiny_server, "/detokenize", {"tokens": tokens})["prompt"]
+    assert ok(tiny_server, "/tokenize", {"messages": as_parts})["tokens"] == tokens
+    assert chat_texts(tiny_server, {"messages": as_text}) == chat_texts(tiny_server, {"messages": as_parts})
+    empty = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
