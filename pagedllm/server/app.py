@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
-from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream
+from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream, sagemaker
 from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
@@ -122,6 +122,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     if root_path:  # outermost: every layer sees the prefix
         app.add_middleware(RootPath, root_path=root_path)
 
+    @app.get("/ping", response_class=Response, include_in_schema=False)  # SageMaker's name for it
+    @app.post("/ping", response_class=Response, include_in_schema=False)
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
         503: {**_ERROR, "description": "The engine is dead (restart the server) or not answering"}})
@@ -162,6 +164,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions/batch", responses=_GENERATE_RESPONSES)
     async def chat_completions_batch(body: BatchChatCompletionRequest, raw: Request):
         return await api.chat_batch(body, raw)
+
+    # Not in /openapi.json: each body it takes is one of the endpoints' there, answered by it.
+    @app.post("/invocations", include_in_schema=False)
+    async def invocations(raw: Request):
+        """SageMaker's: the endpoint the body's fields pick answers it (server/sagemaker.py)."""
+        return await sagemaker.invoke(api, raw)
 
     @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
     async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):

@@ -198,3 +198,23 @@ def test_a_custom_role_reaches_the_template(tiny_server):
     assert chat_texts(tiny_server, {"messages": as_text}) == chat_texts(tiny_server, {"messages": as_parts})
     empty = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+def test_sagemaker_invocations_answer_as_the_endpoint_the_body_picks(tiny_server):
+    """/invocations: a chat body answers as /v1/chat/completions, a completion body as
+    /v1/completions (the same choices, streamed too), bad fields as there; /ping is /health."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "temperature": 0}
+    completion = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        direct, invoked = ok(tiny_server, path, body), ok(tiny_server, "/invocations", body)
+        assert invoked["choices"] == direct["choices"] and invoked.keys() == direct.keys()
+        assert invoked["object"] == direct["object"]
+    streamed = post(tiny_server, "/invocations", {**completion, "stream": True})
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    bad = post(tiny_server, "/invocations", {**chat, "seed": 2**63})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+    neither = post(tiny_server, "/invocations", {"max_tokens": 3})
+    assert neither.status_code == 400
+    assert "messages (ChatCompletionRequest)" in neither.json()["error"]["message"]
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{tiny_server.base_url}/ping").status_code == 200

@@ -163,7 +163,7 @@ def test_force_include_usage_puts_running_usage_on_every_chunk(server):
 def test_root_path_serves_both_paths_behind_the_api_key(server):
     for prefix in ("", "/llm"):
         assert post(server, f"{prefix}/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
-        for path in ("/v1/completions", "/tokenize", "/tokenizer_info"):
+        for path in ("/v1/completions", "/tokenize", "/tokenizer_info", "/invocations"):
             refused = httpx.post(f"{server.base_url}{prefix}{path}", json={"prompt": "hi"}, timeout=60)
             assert refused.status_code == 401, (prefix, path)
     assert httpx.get(f"{server.base_url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
