@@ -124,7 +124,8 @@ class InputProcessor:
 
         params None: default_sampling_params(). max_tokens_must_fit (OpenAI's rule, the
         server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
-        the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
+        the room left, or the model's max_new_tokens (generation_config.json) if that is less, as
+        vLLM does. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
         add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds.
         priority: lower first, under --scheduling-policy priority (pagedllm.core.priority)."""
         if self.pooling is not None:
@@ -445,7 +446,8 @@ class InputProcessor:
     def _fit_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
+            model_default = self.sampling_defaults.get("max_tokens")
+            return dataclasses.replace(params, max_tokens=min(room, model_default or room))
         if params.max_tokens > room:
             raise InvalidInput(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "

@@ -103,6 +103,18 @@ def test_when_max_tokens_must_fit_it_defaults_to_the_room_left_and_may_not_excee
         processor.process("r", [1] * 15, params, max_tokens_must_fit=True)
 
 
+def test_the_models_max_new_tokens_caps_the_room_left_when_a_request_gives_none():
+    """vLLM's rule: generation_config.json's max_new_tokens is the default max_tokens, held to
+    the room left; a max_tokens the request gives is its own, checked against the room."""
+    processor = InputProcessor(tokenizer(), VOCAB, MAX_MODEL_LEN, sampling_defaults={"max_tokens": 4})
+    for prompt_len, expected in ((10, 4), (13, 3)):  # room 6 and 3
+        _, request = processor.process("r", [1] * prompt_len, SamplingParams(max_tokens=None),
+                                       max_tokens_must_fit=True)
+        assert request.sampling_params.max_tokens == expected
+    _, request = processor.process("r", [1] * 10, SamplingParams(max_tokens=6), max_tokens_must_fit=True)
+    assert request.sampling_params.max_tokens == 6
+
+
 def test_chat_prompts_go_through_the_template(processor):
     prompt = processor.chat_prompt([{"role": "user", "content": "hi"}])
     assert prompt["prompt"] == "<|bos|><user>hi<|eos|><assistant>"
