@@ -218,3 +218,31 @@ def test_sagemaker_invocations_answer_as_the_endpoint_the_body_picks(tiny_server
     assert "messages (ChatCompletionRequest)" in neither.json()["error"]["message"]
     for method in ("GET", "POST"):
         assert httpx.request(method, f"{tiny_server.base_url}/ping").status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(tiny_server):
+    """vLLM's truncate_prompt_tokens with truncation_side (left: the last tokens, its default);
+    the answer is the one the kept tokens alone give, and echo shows what was kept."""
+    client = openai_client(tiny_server)
+    ids = list(range(60, 68))
+
+    def completion(prompt, **extra):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                         extra_body={"return_token_ids": True, **extra}).choices[0]
+
+    right = completion(ids, truncate_prompt_tokens=4, truncation_side="right")
+    left = completion(ids, truncate_prompt_tokens=4)
+    assert right.prompt_token_ids == ids[:4] and left.prompt_token_ids == ids[-4:]
+    assert left.text == completion(ids[-4:]).text and right.text == completion(ids[:4]).text
+    assert completion("abcdefgh", truncate_prompt_tokens=3, echo=True).text.startswith("fgh")
+    # 200 tokens of text, past the 64-token context: cut to fit rather than refused
+    long = ok(tiny_server, "/v1/completions", {"prompt": "a" * 200, "max_tokens": 1,
+                                               "truncate_prompt_tokens": 60})
+    assert long["usage"]["prompt_tokens"] == 60
+    question = [{"role": "user", "content": "a long question"}]
+    chat = ok(tiny_server, "/v1/chat/completions", {"messages": question, "max_tokens": 1,
+                                                    "truncate_prompt_tokens": 5})
+    assert chat["usage"]["prompt_tokens"] == 5
+    bad = post(tiny_server, "/v1/completions", {"prompt": "hi", "truncation_side": "middle",
+                                                "truncate_prompt_tokens": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"
