@@ -5,10 +5,11 @@ state).
 
 The families vLLM's own metrics test expects are all here, each measuring what its name says on
 this engine:
-- per request, when it finishes: prompt and generation tokens, the time waiting (arrival to first
-  scheduled), running (first scheduled to finished), in prefill (first scheduled to first token)
-  and decode (first token to finished), its preemptions; request_success by finish reason, one
-  per sequence (vLLM runs each of n's sequences as a request of its own);
+- per request, when it finishes: prompt tokens, the time waiting (arrival to first scheduled),
+  running (first scheduled to finished), in prefill (first scheduled to first token) and decode
+  (first token to finished), its preemptions; a generation request's generated tokens and
+  request_success by finish reason, one per sequence (vLLM runs each of n's sequences as a
+  request of its own);
 - per request, when the core takes it: its n and max_tokens (the room left when it gave none);
 - per step report: inter_token_latency, the time since the request's previous step that brought
   it tokens (one interval per step, however many tokens a speculative step brought), and
@@ -29,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pagedllm.engine.core_channel import StepReport
 from pagedllm.engine.messages import EngineCoreRequest, EngineCoreStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.spec_decode.metrics import METRIC_NAMES, SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -181,7 +182,9 @@ class ServerMetrics:
         for request_id in [r for r in last if not is_running(r)]:
             del last[request_id]
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, output: RequestOutput | PoolingRequestOutput) -> None:
+        """A finished request's times and prompt; a generation request's tokens and finish
+        reasons (a pooling request has neither)."""
         self._last_tokens_at.pop(output.request_id, None)
         m = output.metrics
         arrived, scheduled, first, finished = (m.arrival_time, m.first_scheduled_time,
@@ -196,6 +199,8 @@ class ServerMetrics:
             self.tpot.observe((finished - first) / (m.num_output_tokens - 1))
         self.preemptions.observe(m.num_preemptions)
         self.prompt_tokens.observe(len(output.prompt_token_ids))
+        if isinstance(output, PoolingRequestOutput):
+            return
         self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
         for completion in output.outputs:
             self.success.labels(completion.finish_reason or "abort").inc()
