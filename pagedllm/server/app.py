@@ -85,7 +85,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     answers are written (server/answer_options.py); root_path: the path prefix a proxy serves
     this app under (its routes answer with and without it, as vLLM's --root-path)."""
     metrics = ServerMetrics(lambda: engine.stats, engine.core.config.enable_prefix_caching,
-                            engine.ready.max_model_len)
+                            engine.ready.max_model_len, engine.ready.max_concurrency)
     engine.on_finished = metrics.observe_finished
     engine.on_added = metrics.observe_added
     engine.on_report = lambda report: metrics.observe_report(report, engine.output_processor.__contains__)

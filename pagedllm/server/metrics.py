@@ -17,7 +17,9 @@ this engine:
   vLLM counts the prompt tokens scheduled plus the tokens sampled);
 - num_requests_waiting_by_reason: every waiting request under "capacity" (this scheduler defers
   none for other reasons); admission_rejections_total: requests refused by --max-waiting-requests
-  (vLLM's reason max_num_queued_reqs); cache_config_info: the KV cache's settings as labels.
+  (vLLM's reason max_num_queued_reqs); cache_config_info: the KV cache's settings as labels
+  (its token slots, kv_cache_size_tokens, and the requests max_model_len long it holds at once,
+  kv_cache_max_concurrency, among them).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 class _EngineCollector:
     """Reads the engine core's last published figures at scrape time."""
 
-    def __init__(self, stats_fn: Callable[[], EngineCoreStats], prefix_caching: bool) -> None:
+    def __init__(self, stats_fn: Callable[[], EngineCoreStats], prefix_caching: bool,
+                 max_concurrency: int) -> None:
         self.stats_fn = stats_fn
         self.prefix_caching = prefix_caching
+        self.max_concurrency = max_concurrency
 
     def collect(self):
         s = self.stats_fn()
@@ -78,11 +82,12 @@ class _EngineCollector:
                                  labels=["kv_cache_dtype"])
         info.add_metric([s.kv_cache_dtype], 1)
         yield info
+        labels = ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
+                  "kv_cache_size_tokens", "kv_cache_max_concurrency"]
         config = GaugeMetricFamily("pagedllm:cache_config_info", "The KV cache's settings (value always 1)",
-                                   labels=["block_size", "cache_dtype", "enable_prefix_caching",
-                                           "num_gpu_blocks"])
-        config.add_metric([str(kv.block_size), s.kv_cache_dtype, str(self.prefix_caching),
-                           str(kv.num_blocks)], 1)
+                                   labels=labels)
+        config.add_metric([str(kv.block_size), s.kv_cache_dtype, str(self.prefix_caching), str(kv.num_blocks),
+                           str(kv.num_blocks * kv.block_size), str(self.max_concurrency)], 1)
         yield config
         counters = {
             "num_preemptions": ("Requests preempted for recompute", s.num_preemptions),
@@ -119,9 +124,10 @@ def _spec_decode_counters(stats: SpecDecodeStats):
 
 class ServerMetrics:
     def __init__(self, stats_fn: Callable[[], EngineCoreStats], prefix_caching: bool = True,
-                 max_model_len: int = 2**16) -> None:
+                 max_model_len: int = 2**16, max_concurrency: int = 0) -> None:
+        """max_concurrency: requests max_model_len long the KV cache holds at once."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats_fn, prefix_caching))
+        self.registry.register(_EngineCollector(stats_fn, prefix_caching, max_concurrency))
         self.vllm_names = CollectorRegistry()
         self.vllm_names.register(_Renamed(self.registry, PREFIX, VLLM_PREFIX))
         token_buckets = _token_buckets(max_model_len)

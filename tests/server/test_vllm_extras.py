@@ -307,6 +307,10 @@ def test_vllms_metric_families_count_what_they_name(server):
     assert after[("vllm:num_requests_waiting_by_reason", (("reason", "capacity"),))] == 0
     [config] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
     assert config["enable_prefix_caching"] == "True" and int(config["block_size"]) > 0
+    slots = int(config["block_size"]) * int(config["num_gpu_blocks"])
+    assert int(config["kv_cache_size_tokens"]) == slots
+    started = re.search(r"(\d+) token slots.* fits (\d+) requests at once", server.ready.description)
+    assert (int(started.group(1)), started.group(2)) == (slots, config["kv_cache_max_concurrency"])
 
 
 # -- batch -----------------------------------------------------------------------------------------
