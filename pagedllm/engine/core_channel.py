@@ -107,6 +107,7 @@ class Ready(msgspec.Struct, tag="ready"):
     dtype: str
     stats: EngineCoreStats
     pooling: PoolingSetup | None = None  # a pooling engine's (--runner pooling)
+    max_concurrency: int = 0  # requests max_model_len long the KV cache holds at once (KVPlan's)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

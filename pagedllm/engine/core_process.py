@@ -149,7 +149,7 @@ def _start(args: argparse.Namespace, inbox: zmq.Socket, outbox: zmq.Socket) -> C
         startup_s=time.time() - psutil.Process().create_time(), max_model_len=plan.max_model_len,
         vocab_size=loaded.config.vocab_size, num_threads=torch.get_num_threads(),
         device=str(core.device), dtype=str(core.dtype).removeprefix("torch."), stats=core.stats(),
-        pooling=core.facts.pooling)))
+        pooling=core.facts.pooling, max_concurrency=plan.max_concurrency)))
     return loop
 
 

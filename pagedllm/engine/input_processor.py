@@ -119,14 +119,18 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                 *, arrival_time: float | None = None, cache_salt: str | None = None,
                 max_tokens_must_fit: bool = False, lora_request: LoRARequest | None = None,
-                add_special_tokens: bool = True, priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+                add_special_tokens: bool = True, priority: int = 0,
+                truncation: PromptTruncation | None = None) -> tuple[str | None, EngineCoreRequest]:
         """The prompt's text (None if given as ids only) and the core request.
 
         params None: default_sampling_params(). max_tokens_must_fit (OpenAI's rule, the
         server's): prompt + max_tokens must fit in max_model_len, and max_tokens=None means all
-        the room left. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
+        the room left, or the model's max_new_tokens (generation_config.json) if that is less, as
+        vLLM does. Otherwise (vLLM's offline rule) a request just stops at max_model_len.
         add_special_tokens: whether a text prompt gets the BOS/EOS its tokenizer adds.
-        priority: lower first, under --scheduling-policy priority (pagedllm.core.priority)."""
+        priority: lower first, under --scheduling-policy priority (pagedllm.core.priority).
+        truncation: the prompt's tokens cut to at most that many before any check (vLLM's
+        truncate_prompt_tokens); a cut prompt has no text (its text no longer matches)."""
         if self.pooling is not None:
             raise InvalidInput("this model is served with --runner pooling: it returns embeddings and "
                                "scores (/v1/embeddings, /v1/rerank, /score), not generated text", "model")
@@ -136,7 +140,7 @@ class InputProcessor:
             raise InvalidInput(str(exc), param="priority") from None
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
-                                        add_special_tokens=add_special_tokens)
+                                        add_special_tokens=add_special_tokens, truncation=truncation)
         self._check_sampling_token_ids(params)
         if params.top_k >= self.vocab_size:  # every token: the same as no top-k, and cheaper
             params = dataclasses.replace(params, top_k=-1)
@@ -202,14 +206,14 @@ class InputProcessor:
             cache_salt=cache_salt, pooling=pooling)
         return text, request
 
-    def tokenize(self, prompt: PromptInput, room_for_output: bool = False,
-                 add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """The checked token ids of one prompt (and its text, if it has one)."""
+    def tokenize(self, prompt: PromptInput, room_for_output: bool = False, add_special_tokens: bool = True,
+                 truncation: PromptTruncation | None = None) -> tuple[str | None, list[int]]:
+        """The checked token ids of one prompt (and its text, if it has one and it was not cut)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             elif "prompt" in prompt:
-                return self.tokenize(prompt["prompt"], room_for_output, add_special_tokens)
+                return self.tokenize(prompt["prompt"], room_for_output, add_special_tokens, truncation)
             else:
                 raise InvalidInput("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, str):
@@ -221,6 +225,9 @@ class InputProcessor:
         else:
             raise InvalidInput(f"a prompt must be a string, a list of token ids or a dict; got "
                                f"{type(prompt).__name__}")
+        if truncation is not None:
+            kept = truncation.cut(token_ids, self.max_model_len)
+            text, token_ids = (text, token_ids) if len(kept) == len(token_ids) else (None, kept)
         self._check_token_ids(token_ids, room_for_output)
         return text, list(token_ids)
 
@@ -445,7 +452,8 @@ class InputProcessor:
     def _fit_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
+            model_default = self.sampling_defaults.get("max_tokens")
+            return dataclasses.replace(params, max_tokens=min(room, model_default or room))
         if params.max_tokens > room:
             raise InvalidInput(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
@@ -453,6 +461,21 @@ class InputProcessor:
                 f"input tokens ({params.max_tokens} + {num_prompt_tokens} > {self.max_model_len})",
                 "max_tokens")
         return params
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTruncation:
+    """vLLM's truncate_prompt_tokens: keep at most max_tokens of a prompt's tokens (-1: the
+    context's length), the last ones (side "left", vLLM's default for generation) or the first."""
+
+    max_tokens: int
+    side: str = "left"
+
+    def cut(self, token_ids: Sequence[int], max_model_len: int) -> Sequence[int]:
+        keep = max_model_len if self.max_tokens == -1 else self.max_tokens
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[len(token_ids) - keep:] if self.side == "left" else token_ids[:keep]
 
 
 _EMPTY = "the prompt is empty: give at least one character or token id"

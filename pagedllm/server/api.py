@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.input_processor import InvalidInput, PromptInput, prompt_list
+from pagedllm.engine.input_processor import InvalidInput, PromptInput, PromptTruncation, prompt_list
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -256,11 +256,13 @@ class Api:
         """Each prompt through the input processor: checked, tokenized, max_tokens fitted; their
         request ids count from first_index."""
         lora = self._check_model(body)  # again: an unload may have come since the first look
+        truncation = None if body.truncate_prompt_tokens is None else PromptTruncation(
+            body.truncate_prompt_tokens, body.truncation_side or "left")
         try:
             return [self.processor.process(f"{response_id}-{i}", prompt, params,
                                            cache_salt=body.cache_salt, max_tokens_must_fit=True,
                                            add_special_tokens=add_special_tokens, lora_request=lora,
-                                           priority=body.priority)
+                                           priority=body.priority, truncation=truncation)
                     for i, prompt in enumerate(prompts, first_index)]
         except InvalidInput as exc:
             raise APIError(str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
@@ -365,7 +367,10 @@ def _as_int(text: str) -> int | None:
 
 def _completion_prompts(prompt) -> list[PromptInput]:
     """OpenAI's prompt field (text, texts, token ids, lists of token ids) as a list of prompts;
-    [] is one empty prompt, for the input processor to refuse."""
+    [] is one empty prompt, for the input processor to refuse. No prompt: vLLM's words."""
+    if prompt is None:
+        raise APIError("Either prompt or prompt_embeds must be provided and non-empty. This server "
+                       "takes prompt (prompt_embeds is not supported).", param="prompt")
     prompts = prompt_list(prompt) or [prompt]
     if len(prompts) > MAX_PROMPTS_PER_REQUEST:
         raise APIError(f"prompt may list at most {MAX_PROMPTS_PER_REQUEST} prompts; got "

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
-from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream
+from pagedllm.server import anthropic, embeddings, rerank, responses, responses_stream, sagemaker
 from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.api import Api
 from pagedllm.server.async_engine import AsyncEngine
@@ -84,9 +84,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     splits chat answers into reasoning and content (pagedllm.text.reasoning); options: how
     answers are written (server/answer_options.py); root_path: the path prefix a proxy serves
     this app under (its routes answer with and without it, as vLLM's --root-path)."""
-    metrics = ServerMetrics(lambda: engine.stats)
+    metrics = ServerMetrics(lambda: engine.stats, engine.core.config.enable_prefix_caching,
+                            engine.ready.max_model_len, engine.ready.max_concurrency)
     engine.on_finished = metrics.observe_finished
-    metrics.count_failed_requests(lambda: engine.num_failed_requests)
+    engine.on_added = metrics.observe_added
+    engine.on_report = lambda report: metrics.observe_report(report, engine.output_processor.__contains__)
+    metrics.count_engine_requests(lambda: engine.num_failed_requests, lambda: engine.num_rejected_requests)
     workers = InputWorkers()
     loras = lora_modules(engine)
     api = Api(engine, model_name, chat_template, workers, reasoning_parser, loras, options)
@@ -119,6 +122,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     if root_path:  # outermost: every layer sees the prefix
         app.add_middleware(RootPath, root_path=root_path)
 
+    @app.get("/ping", response_class=Response, include_in_schema=False)  # SageMaker's name for it
+    @app.post("/ping", response_class=Response, include_in_schema=False)
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving", "content": {}},
         503: {**_ERROR, "description": "The engine is dead (restart the server) or not answering"}})
@@ -159,6 +164,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions/batch", responses=_GENERATE_RESPONSES)
     async def chat_completions_batch(body: BatchChatCompletionRequest, raw: Request):
         return await api.chat_batch(body, raw)
+
+    # Not in /openapi.json: each body it takes is one of the endpoints' there, answered by it.
+    @app.post("/invocations", include_in_schema=False)
+    async def invocations(raw: Request):
+        """SageMaker's: the endpoint the body's fields pick answers it (server/sagemaker.py)."""
+        return await sagemaker.invoke(api, raw)
 
     @app.post("/v1/messages", responses=_GENERATE_RESPONSES)
     async def anthropic_messages(body: anthropic.MessagesRequest, raw: Request):

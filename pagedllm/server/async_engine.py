@@ -97,6 +97,10 @@ class AsyncEngine:
             pooling=self.ready.pooling, scheduling_policy=core.config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
+        # Called in the event loop with each request the core took, and with each step report
+        # (the metrics: server/metrics.py).
+        self.on_added: Callable[[EngineCoreRequest], None] | None = None
+        self.on_report: Callable[[StepReport], None] | None = None
         self.num_failed_requests = 0  # ended by a failed engine step (/metrics counts them)
         self.on_dead = on_dead  # called once in the event loop with the reason the core died
         self.max_waiting_requests = max_waiting_requests
@@ -209,6 +213,8 @@ class AsyncEngine:
         except BaseException:
             self.abort(request_id)  # cancelled while the core may have taken it: end it there
             raise
+        if self.on_added is not None:
+            self.on_added(request)
         return self._iterate(request_id, stream)
 
     def _check_alive(self) -> None:
@@ -297,6 +303,8 @@ class AsyncEngine:
     def _on_report(self, report: StepReport) -> None:
         self.stats = report.stats
         self.max_batch_requests = max(self.max_batch_requests, report.stats.step_num_requests)
+        if self.on_report is not None:
+            self.on_report(report)
         if report.outputs:
             processed = self.output_processor.process_outputs(report.outputs)
             if processed.sequences_to_abort:

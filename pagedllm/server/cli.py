@@ -74,7 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config, settings = serve_configs(args)
     api_key = settings.resolve_api_key()
-    allowed_hosts = allowed_hosts_for(settings.host, settings.allowed_hosts)
+    allowed_hosts = allowed_hosts_for(settings.host, settings.allowed_hosts,
+                                      unix_socket=settings.uds is not None)
     limits = fit_to_open_files(ConnectionLimits(settings.max_connections, settings.header_timeout_s,
                                                 settings.keep_alive_s))
     chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None

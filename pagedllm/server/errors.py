@@ -1,5 +1,7 @@
 """Errors in OpenAI's shape: the exception handlers, and a validation error told as one line
-naming the field (the most specific of pydantic's errors, the parameter in `param`)."""
+naming the field (the most specific of pydantic's errors, the parameter in `param`). Each problem
+ends with pydantic's error type in brackets (`[greater_than_equal]`), and `code` is the first
+one's: vLLM's messages are pydantic's own, and clients switching from vLLM match on those types."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
-        return error_response(APIError(_describe_validation(exc), 400, param=_first_param(exc)))
+        return error_response(APIError(_describe_validation(exc), 400, param=_first_param(exc),
+                                       code=_first_type(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
@@ -58,6 +61,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
             problem = f"{loc or 'body'} must be {msg.removeprefix('Input should be ')}; got {got}"
         else:
             problem = f"{loc or 'body'}: {msg}"
+        problem += f" [{err.get('type', 'invalid')}]"
         if problem not in problems:
             problems.append(problem)
     return "invalid request: " + "; ".join(problems[:5])
@@ -86,6 +90,12 @@ def _field_path(err: dict) -> list[str]:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _first_type(exc: RequestValidationError) -> str | None:
+    """pydantic's type of the error the message names first (greater_than_equal, int_type, ...)."""
+    specific = _most_specific(exc.errors())
+    return str(specific[0].get("type")) if specific else None
 
 
 def _first_param(exc: RequestValidationError) -> str | None:

@@ -23,16 +23,17 @@ from pagedllm.server.protocol import (
 
 # Paths the API key guards (the dashboard's page itself loads without it, and asks for it).
 GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/score",
-                 "/pooling", EVENTS_PATH)
+                 "/pooling", "/invocations", EVENTS_PATH)
 # Bodies measured by RequestPrecheck before the schema reads them.
 PRECHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/tokenize",
-                    "/detokenize")
+                    "/detokenize", "/invocations")
 
 
 class Guard:
-    """The Host header (pagedllm.server.hosts), the API key (on /v1/*, /v2/*, /tokenize, /detokenize,
-    /rerank, /score, /pooling and the dashboard's events), the body's size and time limits, and the cheap
-    bounds on a JSON body (RequestPrecheck), checked before any endpoint runs.
+    """The Host header (pagedllm.server.hosts), the API key (on GUARDED_PATHS: /v1/*, /v2/*,
+    /tokenize, /detokenize, /rerank, /score, /pooling, /invocations and the dashboard's events), the
+    body's size and time limits, and the cheap bounds on a JSON body (RequestPrecheck), checked
+    before any endpoint runs.
 
     Plain ASGI rather than an http middleware, so that it can count a body sent in chunks
     (no Content-Length) as it arrives and refuse it past the limit without buffering more, and

@@ -5,7 +5,9 @@ name at 127.0.0.1: the browser treats the answers as the page's own, so a key-le
 loopback is readable by any site its user visits. The request still says the attacker's name in
 its Host header: a loopback server answers only Host names that mean loopback (localhost,
 127.0.0.1, [::1], any port) unless told others (--allowed-hosts). A server bound to another
-address accepts any Host unless given a list.
+address accepts any Host unless given a list, and so does one on a unix socket (--uds), which no
+browser can reach: its clients name whatever host they like (vLLM's test client names the socket
+file, `http://vllm.sock/`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 ANY_HOST = "*"
 
 
-def allowed_hosts_for(bind_host: str, given: list[str] | None) -> tuple[str, ...] | None:
-    """The Host names to accept (lowercase, without ports); None: any."""
+def allowed_hosts_for(bind_host: str, given: list[str] | None,
+                      unix_socket: bool = False) -> tuple[str, ...] | None:
+    """The Host names to accept (lowercase, without ports); None: any. unix_socket: the server
+    listens on a unix socket (bind_host unused)."""
     if given is not None:
         names = tuple(_without_port(name.strip().lower()) for name in given if name.strip())
         return None if ANY_HOST in names else names
-    return LOOPBACK_HOSTS if _is_loopback(bind_host) else None
+    return LOOPBACK_HOSTS if _is_loopback(bind_host) and not unix_socket else None
 
 
 def host_allowed(host_header: str | None, allowed: tuple[str, ...]) -> bool:

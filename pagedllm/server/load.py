@@ -18,7 +18,7 @@ from pagedllm.engine.messages import EngineCoreStats
 # The requests /load counts, and that may carry the ORCA header (vLLM's: the model-running ones).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
                               "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/rerank",
-                              "/v2/rerank", "/rerank", "/v1/score", "/score", "/pooling"})
+                              "/v2/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/invocations"})
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
 ORCA_HEADER = "endpoint-load-metrics"
 

@@ -61,8 +61,8 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
     # Other generation features.
     "suffix": ("",),
     "best_of": (1,),
-    "prompt_embeds": (),
-    "truncate_prompt_tokens": (),
+    "prompt_embeds": ([],),  # [] embeds nothing: vLLM's clients send it beside a prompt
+    "truncate_prompt_tokens": (),  # the pooling bodies'; completions and chat declare it
     "logits_processors": ([],),
     "chat_template": (),  # per request; the server's --chat-template is honoured
     "documents": ([],),
@@ -217,6 +217,10 @@ class _SamplingFields(_Body):
     # instead of the likeliest ones; the listed count then follows them, not logprobs/top_logprobs.
     logprob_token_ids: Annotated[list[TokenId], Field(
         min_length=1, max_length=LIST_BOUNDS["logprob_token_ids"])] | None = None
+    # vLLM's: keep only this many of the prompt's tokens (-1: max_model_len), the last ones unless
+    # truncation_side is "right" (pagedllm.engine.input_processor.PromptTruncation).
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1, le=2**63 - 1)
+    truncation_side: Literal["left", "right"] | None = None
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
     prompt_logprobs: Int | None = logprob_count("prompt_logprobs")
     # logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
@@ -239,7 +243,8 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    # Absent or null: a 400 in vLLM's words (server/api.py), which clients match on.
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: Int | None = bounded("max_tokens", 16)
     logprobs: Int | None = logprob_count("logprobs")
     echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too
@@ -265,7 +270,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's five roles, or any other the chat template takes (vLLM's custom roles): the
+    # template renders it, or refuses it with a 400.
+    role: Annotated[str, Field(min_length=1), _UNICODE]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's

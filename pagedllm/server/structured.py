@@ -12,7 +12,9 @@ What constrains the output, by tool_choice (pagedllm.structured.tools has the de
   the function's arguments). A response_format as well is a 400: both would constrain the same
   output, and which one to obey would be a guess (the same rule as two constraint fields).
   "required" ends with finish_reason "tool_calls", a named function with "stop" (as OpenAI and
-  vLLM answer).
+  vLLM answer). A whole answer cut by max_tokens has empty content (the rest of the forced JSON
+  is no text), and a named function's call cut short is no call (OpenAI's and vLLM's answer);
+  "required" keeps the calls it finished. A stream has sent the pieces by then.
 """
 
 from __future__ import annotations
@@ -126,8 +128,13 @@ class ToolCallReader:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole answer as an assistant message, and the choice's finish_reason."""
         parsed = ParsedMessage.from_deltas([self._parser.feed(text), self._parser.finish()])
+        if finish_reason == "length" and self._mode == "named":  # the arguments were cut short
+            return {"role": "assistant", "content": ""}, finish_reason
         self._num_calls += len(parsed.tool_calls)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        content = parsed.content
+        if finish_reason == "length" and self._mode == "required":  # what is left is no text
+            content = ""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         return message, self.finish_reason(finish_reason)

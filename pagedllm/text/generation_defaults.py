@@ -1,5 +1,7 @@
 """The sampling defaults a model ships in its generation_config.json (Llama 3 Instruct: temperature
-0.6, top_p 0.9), used wherever a request leaves a field unset, as vLLM does by default.
+0.6, top_p 0.9), used wherever a request leaves a field unset, as vLLM does by default. Its
+max_new_tokens becomes the default max_tokens: a server request that gives none gets the room left
+in the context or that, whichever is less (InputProcessor.process).
 
 `generation_config` (EngineConfig, `--generation-config`) says where they come from: "auto" (the
 model folder's generation_config.json), "vllm" or "none" (no model defaults: SamplingParams' own),
@@ -19,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 # generation_config.json's sampling fields that become defaults (the same names in SamplingParams).
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's names for SamplingParams fields named otherwise.
+RENAMED_FIELDS = {"max_new_tokens": "max_tokens"}
 NO_MODEL_DEFAULTS = ("vllm", "none")
 
 
@@ -42,6 +46,8 @@ def read_generation_defaults(setting: str, model_path: Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{file}: expected a JSON object")
     defaults = {name: config[name] for name in GENERATION_CONFIG_FIELDS if config.get(name) is not None}
+    defaults.update({ours: config[theirs] for theirs, ours in RENAMED_FIELDS.items()
+                     if config.get(theirs) is not None})
     try:
         SamplingParams(**defaults)
     except ValueError as exc:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pagedllm.engine.input_processor import InputProcessor, InvalidInput, prompt_list
+from pagedllm.engine.input_processor import InputProcessor, InvalidInput, PromptTruncation, prompt_list
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.text.tokenizer import Tokenizer
 from tests.model.tiny import BOS, CHAT_TEMPLATE, EOS, tokenizer_backend
@@ -101,6 +101,33 @@ def test_when_max_tokens_must_fit_it_defaults_to_the_room_left_and_may_not_excee
         processor.process("r", [1] * 16, SamplingParams(max_tokens=None), max_tokens_must_fit=True)
     with pytest.raises(ValueError, match="min_tokens must be at most max_tokens \\(1\\)"):
         processor.process("r", [1] * 15, params, max_tokens_must_fit=True)
+
+
+def test_the_models_max_new_tokens_caps_the_room_left_when_a_request_gives_none():
+    """vLLM's rule: generation_config.json's max_new_tokens is the default max_tokens, held to
+    the room left; a max_tokens the request gives is its own, checked against the room."""
+    processor = InputProcessor(tokenizer(), VOCAB, MAX_MODEL_LEN, sampling_defaults={"max_tokens": 4})
+    for prompt_len, expected in ((10, 4), (13, 3)):  # room 6 and 3
+        _, request = processor.process("r", [1] * prompt_len, SamplingParams(max_tokens=None),
+                                       max_tokens_must_fit=True)
+        assert request.sampling_params.max_tokens == expected
+    _, request = processor.process("r", [1] * 10, SamplingParams(max_tokens=6), max_tokens_must_fit=True)
+    assert request.sampling_params.max_tokens == 6
+
+
+def test_truncation_keeps_the_last_or_first_tokens_before_the_length_check(processor):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is cut to fit (-1: the
+    context's length) rather than refused; a cut text prompt has no text any more."""
+    left, right = PromptTruncation(4), PromptTruncation(4, "right")
+    assert processor.tokenize(list(range(8)), truncation=left) == (None, [4, 5, 6, 7])
+    assert processor.tokenize(list(range(8)), truncation=right) == (None, [0, 1, 2, 3])
+    assert processor.tokenize("hi", truncation=left) == ("hi", [104, 105])  # short enough: as it was
+    assert processor.tokenize("abcdef", truncation=left) == (None, list(b"cdef"))
+    _, request = processor.process("r", list(range(40)), SamplingParams(max_tokens=None),
+                                   max_tokens_must_fit=False, truncation=PromptTruncation(-1))
+    assert request.prompt_token_ids == list(range(40 - MAX_MODEL_LEN, 40))
+    with pytest.raises(InvalidInput, match="the prompt is empty"):
+        processor.tokenize("abc", truncation=PromptTruncation(0))
 
 
 def test_chat_prompts_go_through_the_template(processor):

@@ -187,7 +187,7 @@ def test_bad_completion_input(server, body, status, words):
 
 @pytest.mark.parametrize("body,words", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "role"),  # any other role goes to the template
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True},
      "top_logprobs"),

@@ -5,6 +5,8 @@ computation in transformers; and requests the engine cannot run get 400s naming 
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -75,6 +77,19 @@ def test_vllms_pooling_endpoint_gives_a_causal_lms_embedding(pooling_server, cli
     pooled = httpx.post(f"{pooling_server.base_url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
     assert [d["data"] for d in pooled["data"]] == [d.embedding for d in embedded.data]
+
+
+def test_metrics_count_pooling_requests_without_generation_figures(pooling_server, client):
+    """A pooling request's prompt and times are measured; it generates nothing, so no tokens or
+    finish reasons (the metrics once failed on its output, and with them the answer)."""
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{pooling_server.base_url}/metrics", timeout=60).text
+        prompts = float(re.search(r"^vllm:request_prompt_tokens_count (\S+)$", text, re.M).group(1))
+        return prompts, float("request_success_total{" in text)
+
+    before = counts()
+    client.embeddings.create(model=MODEL_NAME, input=TEXTS[:2])
+    assert counts() == (before[0] + 2, 0.0)
 
 
 def test_dimensions_cut_then_normalize(client):

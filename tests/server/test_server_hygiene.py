@@ -121,6 +121,8 @@ def test_allowed_hosts_default_only_for_loopback_binds():
     assert allowed_hosts_for("::1", None) == LOOPBACK_HOSTS
     assert allowed_hosts_for("localhost", None) == LOOPBACK_HOSTS
     assert allowed_hosts_for("0.0.0.0", None) is None
+    assert allowed_hosts_for("127.0.0.1", None, unix_socket=True) is None  # no browser reaches it
+    assert allowed_hosts_for("127.0.0.1", ["a.example"], unix_socket=True) == ("a.example",)
     assert allowed_hosts_for("127.0.0.1", ["*"]) is None
     assert allowed_hosts_for("0.0.0.0", ["api.example:443", "Other.Example"]) == ("api.example",
                                                                                   "other.example")

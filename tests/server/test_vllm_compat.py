@@ -151,3 +151,98 @@ def test_chat_echo_prepends_the_message_the_answer_continues(tiny_server):
     plain_batch = chat_texts(tiny_server, batch, "/v1/chat/completions/batch")
     assert chat_texts(tiny_server, {**batch, "echo": True}, "/v1/chat/completions/batch") == [
         said + plain_batch[0], "Once" + plain_batch[1]]
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("seed, error_type", [(-2**63 - 1, "greater_than_equal"),
+                                              (2**63, "less_than_equal")])
+def test_validation_errors_carry_pydantics_error_type(tiny_server, seed, error_type):
+    """vLLM answers a field out of range with pydantic's own message, and its clients match on
+    the error type (greater_than_equal); ours names the field and ends with that type."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client(tiny_server).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], seed=seed)
+    assert caught.value.body["message"].startswith("invalid request: seed must be")
+    assert caught.value.body["message"].endswith(f"[{error_type}]")
+    assert caught.value.body["param"] == "seed" and caught.value.body["code"] == error_type
+
+
+def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
+    import openai
+
+    client = openai_client(tiny_server)
+    for extra in ({}, {"prompt_embeds": []}):  # an empty prompt_embeds is no prompt either
+        with pytest.raises(openai.BadRequestError, match="Either prompt or prompt_embeds must be "
+                           "provided and non-empty.") as caught:
+            client.completions.create(model=MODEL_NAME, prompt=None, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == "prompt"
+    refused = post(tiny_server, "/v1/completions", {"prompt": "x", "prompt_embeds": [[0.0]]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_embeds"
+
+
+def test_a_custom_role_reaches_the_template(tiny_server):
+    """vLLM passes any role to the chat template: the prompt names it, and text given as a string
+    or as text parts is the same prompt and the same answer."""
+    as_text = [{"role": "my-custom-role", "content": "1+1?"}]
+    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "1+1?"}]}]
+    tokens = ok(tiny_server, "/tokenize", {"messages": as_text})["tokens"]
+    assert "my-custom-role" in ok(tiny_server, "/detokenize", {"tokens": tokens})["prompt"]
+    assert ok(tiny_server, "/tokenize", {"messages": as_parts})["tokens"] == tokens
+    assert chat_texts(tiny_server, {"messages": as_text}) == chat_texts(tiny_server, {"messages": as_parts})
+    empty = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+def test_sagemaker_invocations_answer_as_the_endpoint_the_body_picks(tiny_server):
+    """/invocations: a chat body answers as /v1/chat/completions, a completion body as
+    /v1/completions (the same choices, streamed too), bad fields as there; /ping is /health."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "temperature": 0}
+    completion = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        direct, invoked = ok(tiny_server, path, body), ok(tiny_server, "/invocations", body)
+        assert invoked["choices"] == direct["choices"] and invoked.keys() == direct.keys()
+        assert invoked["object"] == direct["object"]
+    streamed = post(tiny_server, "/invocations", {**completion, "stream": True})
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    bad = post(tiny_server, "/invocations", {**chat, "seed": 2**63})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+    neither = post(tiny_server, "/invocations", {"max_tokens": 3})
+    assert neither.status_code == 400
+    assert "messages (ChatCompletionRequest)" in neither.json()["error"]["message"]
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{tiny_server.base_url}/ping").status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(tiny_server):
+    """vLLM's truncate_prompt_tokens with truncation_side (left: the last tokens, its default);
+    the answer is the one the kept tokens alone give, and echo shows what was kept."""
+    client = openai_client(tiny_server)
+    ids = list(range(60, 68))
+
+    def completion(prompt, **extra):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                         extra_body={"return_token_ids": True, **extra}).choices[0]
+
+    right = completion(ids, truncate_prompt_tokens=4, truncation_side="right")
+    left = completion(ids, truncate_prompt_tokens=4)
+    assert right.prompt_token_ids == ids[:4] and left.prompt_token_ids == ids[-4:]
+    assert left.text == completion(ids[-4:]).text and right.text == completion(ids[:4]).text
+    assert completion("abcdefgh", truncate_prompt_tokens=3, echo=True).text.startswith("fgh")
+    # 200 tokens of text, past the 64-token context: cut to fit rather than refused
+    long = ok(tiny_server, "/v1/completions", {"prompt": "a" * 200, "max_tokens": 1,
+                                               "truncate_prompt_tokens": 60})
+    assert long["usage"]["prompt_tokens"] == 60
+    question = [{"role": "user", "content": "a long question"}]
+    chat = ok(tiny_server, "/v1/chat/completions", {"messages": question, "max_tokens": 1,
+                                                    "truncate_prompt_tokens": 5})
+    assert chat["usage"]["prompt_tokens"] == 5
+    bad = post(tiny_server, "/v1/completions", {"prompt": "hi", "truncation_side": "middle",
+                                                "truncate_prompt_tokens": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"

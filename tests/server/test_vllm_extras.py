@@ -163,7 +163,7 @@ def test_force_include_usage_puts_running_usage_on_every_chunk(server):
 def test_root_path_serves_both_paths_behind_the_api_key(server):
     for prefix in ("", "/llm"):
         assert post(server, f"{prefix}/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
-        for path in ("/v1/completions", "/tokenize", "/tokenizer_info"):
+        for path in ("/v1/completions", "/tokenize", "/tokenizer_info", "/invocations"):
             refused = httpx.post(f"{server.base_url}{prefix}{path}", json={"prompt": "hi"}, timeout=60)
             assert refused.status_code == 401, (prefix, path)
     assert httpx.get(f"{server.base_url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
@@ -251,6 +251,68 @@ def test_metrics_also_under_vllm_names(server):
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
 
 
+def samples(server) -> dict[tuple[str, tuple], float]:
+    """/metrics' vllm: samples by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("vllm:")
+            for s in family.samples}
+
+
+# The families vLLM 0.32's own metrics test expects of a text model.
+VLLM_FAMILIES = {"num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
+                 "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                 "admission_rejections", "prompt_tokens", "generation_tokens", "iteration_tokens_total",
+                 "cache_config_info", "request_success", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_num_preemptions"}
+
+
+def test_vllms_metric_families_count_what_they_name(server):
+    """Each family vLLM's test expects is there, and the per-request ones count K requests of P
+    prompt tokens and M generated ones: M - 1 inter-token intervals each, the tokens the model
+    computed (the prompt less its cached tokens, then M - 1 decodes) over M steps each."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    names = {family.name.removeprefix("vllm:") for family in text_string_to_metric_families(text)}
+    assert VLLM_FAMILIES <= names
+    before = samples(server)
+    k, m, prompt = 3, 5, [5, 6, 7, 8]
+    answers = [ok(server, "/v1/completions", {"prompt": prompt, "max_tokens": m, "ignore_eos": True,
+                                              "temperature": 0}) for _ in range(k)]
+    cached = sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    after = samples(server)
+
+    def grew(name: str, **labels) -> float:
+        key = (f"vllm:{name}", tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("request_prompt_tokens_sum") == k * len(prompt) and grew("request_prompt_tokens_count") == k
+    assert grew("request_generation_tokens_sum") == k * m
+    assert grew("request_params_max_tokens_sum") == k * m and grew("request_params_n_sum") == k
+    assert grew("inter_token_latency_seconds_count") == k * (m - 1)
+    assert grew("iteration_tokens_total_sum") == k * (len(prompt) + m - 1) - cached
+    assert grew("iteration_tokens_total_count") == k * m
+    assert grew("request_success_total", finished_reason="length") == k
+    for name in ("request_queue_time_seconds", "request_inference_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_num_preemptions"):
+        assert grew(f"{name}_count") == k, name
+    assert after[("vllm:admission_rejections_total", (("reason", "max_num_queued_reqs"),))] == 0
+    assert after[("vllm:num_requests_waiting_by_reason", (("reason", "capacity"),))] == 0
+    [config] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
+    assert config["enable_prefix_caching"] == "True" and int(config["block_size"]) > 0
+    slots = int(config["block_size"]) * int(config["num_gpu_blocks"])
+    assert int(config["kv_cache_size_tokens"]) == slots
+    started = re.search(r"(\d+) token slots.* fits (\d+) requests at once", server.ready.description)
+    assert (int(started.group(1)), started.group(2)) == (slots, config["kv_cache_max_concurrency"])
+
+
 # -- batch -----------------------------------------------------------------------------------------
 
 def test_chat_completions_batch_answers_each_conversation_as_alone(server):
@@ -282,7 +344,8 @@ def test_serve_on_a_unix_socket_with_the_flags(tiny_model_dir, tmp_path):
     stderr: list[bytes] = []
     threading.Thread(target=lambda: stderr.append(process.stderr.read()), daemon=True).start()
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://localhost",
+        # the host named is the socket's file, as vLLM's test client names it: any host is answered
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://api.sock",
                           timeout=60) as client:
             deadline = time.monotonic() + 120
             while True:

@@ -21,7 +21,9 @@ def write(folder, config) -> None:
 
 def test_auto_reads_the_sampling_fields_of_the_models_file(tmp_path):
     write(tmp_path, GENERATION_CONFIG)
-    assert read_generation_defaults("auto", tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 0}
+    # max_new_tokens is SamplingParams' max_tokens (vLLM's default for a request that gives none)
+    assert read_generation_defaults("auto", tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 0,
+                                                          "max_tokens": 7}
     assert read_generation_defaults("auto", tmp_path / "model.gguf") == {}  # a GGUF file: none
     assert read_generation_defaults("auto", tmp_path / "elsewhere") == {}
 

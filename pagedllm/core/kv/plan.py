@@ -52,6 +52,11 @@ class KVPlan:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def max_concurrency(self) -> int:
+        """How many requests max_model_len long the cache holds at once."""
+        return self.num_blocks // self.blocks_per_request
+
 
 def plan_kv_cache(config: EngineConfig, bytes_per_block: int, model_max_len: int,
                   sliding_window: int | None = None,
@@ -146,4 +151,4 @@ def describe_plan(plan: KVPlan, kv_dtype_name: str, kv_layout: str, draft_bytes_
     return (f"KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens, "
             f"{per_block}, {plan.num_slots} token slots "
             f"({plan.kv_cache_bytes / 2**20:.1f} MiB, KV dtype {kv_dtype_name}, {kv_layout} layout); "
-            f"{length} fits {plan.num_blocks // plan.blocks_per_request} requests at once")
+            f"{length} fits {plan.max_concurrency} requests at once")
