@@ -63,8 +63,8 @@ def huge_pages_available() -> bool:
 def move_weights_to_huge_pages(model: torch.nn.Module) -> Moved | None:
     """Copy the model's CPU tensors into one huge-page-advised mapping (the module docstring);
     None where nothing was moved."""
-    if not envs.PAGEDLLM_HUGE_PAGES or not huge_pages_available():
-        return None
+    if not isinstance(model, torch.nn.Module) or not envs.PAGEDLLM_HUGE_PAGES or not huge_pages_available():
+        return None  # (a bench's stand-in runner model holds no weights)
     by_storage = _tensors_by_storage(model)
     if not by_storage:
         return None
