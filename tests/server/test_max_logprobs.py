@@ -152,3 +152,21 @@ def test_max_logprobs_flag_and_its_default():
         assert engine_config_from_args(args).max_logprobs == want
     with pytest.raises(ValueError, match="max_logprobs must be a non-negative integer or -1"):
         EngineConfig(max_logprobs=-2)
+
+
+def test_beam_width_follows_a_lower_cap_and_keeps_the_default_bound_above_it():
+    from types import SimpleNamespace
+
+    from pagedllm.server.beam_search import beam_settings
+    from pagedllm.server.protocol import APIError
+
+    def body(n):
+        return SimpleNamespace(n=n, length_penalty=1.0, early_stopping=False, skip_special_tokens=True,
+                               ignore_eos=False)
+
+    assert beam_settings(body(10), logprobs_cap=VOCAB).width == 10  # a raised cap: still 10
+    with pytest.raises(APIError, match="at most 10 .* at most 20"):
+        beam_settings(body(11), logprobs_cap=VOCAB)
+    assert beam_settings(body(2), logprobs_cap=5).width == 2  # each beam asks for 2n alternatives
+    with pytest.raises(APIError, match="at most 2 .* at most 5"):
+        beam_settings(body(3), logprobs_cap=5)
