@@ -25,6 +25,8 @@ import typing
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 
+from pagedllm.sampling_bounds import INT32_MAX, MAX_LOGPROBS, WHOLE_VOCABULARY
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -190,6 +192,13 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
+def _max_logprobs(name: str, value) -> None:
+    """A count of alternatives per token, or -1: the whole vocabulary."""
+    if isinstance(value, bool) or not isinstance(value, int) or not WHOLE_VOCABULARY <= value <= INT32_MAX:
+        raise ValueError(f"{name} must be a non-negative integer or -1 (the whole vocabulary); "
+                         f"got {value!r}")
+
+
 def check_positive_seconds(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
@@ -327,6 +336,10 @@ class EngineConfig:
         "takes at most their tokens plus this many, so their time between tokens grows by a bounded "
         "share (default: measured as the engine runs, half the tokens a step computes in the time "
         "it reads its weights: about 1.5x at most; 0: no such cap)")
+    # pagedllm.sampling_bounds.logprobs_cap: every alternative is an entry per token in an output.
+    max_logprobs: int = setting(
+        MAX_LOGPROBS, "the most log-probability alternatives per token a request may ask for "
+        "(logprobs, prompt_logprobs, top_logprobs); -1: the whole vocabulary", check=_max_logprobs)
     kv_layout: str = setting(
         "paged", "paged: blocks taken as tokens come; contiguous: the traditional reservation "
         "per request, for side-by-side measurement", choices=KV_LAYOUTS)

@@ -15,6 +15,12 @@ Why each bound:
 - lists are bounded because each entry costs work in every step (stop strings and bad words are
   matched after every token, logit_bias and allowed_token_ids become masks): a request's work
   per step is bounded by what the table lets it ask for.
+- logprobs counts (logprobs, prompt_logprobs; the server's top_logprobs) are the one bound the
+  engine sets: its max_logprobs (vLLM's --max-logprobs, default MAX_LOGPROBS; -1 the whole
+  vocabulary), held to the model's vocabulary (torch.topk takes no more), so logprobs_cap needs
+  both. Each alternative is an entry per token in the output, so the operator chooses the cost.
+  The table itself only says "an int32, or -1": -1 (vLLM's "the whole vocabulary") is resolved
+  by the input processor, which knows the vocabulary, and the core takes no -1.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default: EngineConfig.max_logprobs's
+WHOLE_VOCABULARY = -1  # as a logprobs count or max_logprobs: every token of the model's vocabulary
 MAX_N = 64
 MAX_TOP_K = INT32_MAX  # above any vocabulary: a larger top_k means the same, and is clamped to this
 MAX_TOKENS = INT32_MAX  # max_tokens and min_tokens (positions are int32 in the kernels)
@@ -93,8 +100,9 @@ NUMBER_BOUNDS: dict[str, NumberBound] = {
     "seed": _int(INT64_MIN, INT64_MAX),
     "max_tokens": _int(1, MAX_TOKENS),
     "min_tokens": _int(0, MAX_TOKENS),
-    "logprobs": _int(0, MAX_LOGPROBS),
-    "prompt_logprobs": _int(0, MAX_LOGPROBS),
+    # the engine's cap (logprobs_cap) bounds them further
+    "logprobs": _int(WHOLE_VOCABULARY, INT32_MAX),
+    "prompt_logprobs": _int(WHOLE_VOCABULARY, INT32_MAX),
 }
 
 # List fields: the most entries each may have.
@@ -120,10 +128,35 @@ def check_list_length(name: str, length: int) -> None:
         raise ValueError(f"{name} must have at most {LIST_BOUNDS[name]} entries; got {length}")
 
 
-def check_runnable(params, vocab_size: int | None = None) -> None:
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """The most alternatives per token an engine with this max_logprobs lists for this model."""
+    return vocab_size if max_logprobs == WHOLE_VOCABULARY else min(max_logprobs, vocab_size)
+
+
+def check_logprob_counts(params, max_logprobs: int, vocab_size: int) -> None:
+    """ValueError naming the field unless params' logprobs counts are within the engine's cap
+    (a -1 must have been resolved to the vocabulary's size before: the input processor's)."""
+    cap = logprobs_cap(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, name)
+        if count is not None and not 0 <= count <= cap:
+            raise ValueError(f"{name} must be at most {cap} {cap_reason(max_logprobs, vocab_size)}; "
+                             f"got {_short(count)}")
+
+
+def cap_reason(max_logprobs: int, vocab_size: int) -> str:
+    """Where logprobs_cap's number comes from, and how to raise it, for an error message."""
+    if logprobs_cap(max_logprobs, vocab_size) == vocab_size:
+        return f"(the model's vocabulary: {vocab_size} tokens)"
+    return (f"(the engine's --max-logprobs; start it with a larger --max-logprobs, or -1 for the "
+            f"whole vocabulary of {vocab_size} tokens, to list more)")
+
+
+def check_runnable(params, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
     """ValueError naming the field unless params (a SamplingParams, possibly decoded from another
     process without its checks) holds only what a step can run: the table's bounds, and, given
-    vocab_size, token ids in the vocabulary. The core's check on arrival."""
+    vocab_size, token ids in the vocabulary and logprobs counts within max_logprobs's cap
+    (default MAX_LOGPROBS). The core's check on arrival."""
     for name in NUMBER_BOUNDS:
         value = getattr(params, name)
         if value is not None or name not in _MAY_BE_NONE:
@@ -142,6 +175,7 @@ def check_runnable(params, vocab_size: int | None = None) -> None:
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab_size}) (the vocabulary); "
                              f"got {bad[:10]}")
+        check_logprob_counts(params, MAX_LOGPROBS if max_logprobs is None else max_logprobs, vocab_size)
 
 
 _MAY_BE_NONE = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs"})

@@ -73,7 +73,8 @@ class EngineCore(StepIsolation):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if "#" in request.request_id:  # "<id>#<i>" names a request's forks (RequestGroup)
             raise ValueError(f"request_id {request.request_id!r}: '#' is kept for forks' ids")
-        check_runnable(request.sampling_params, self.facts.vocab_size or None)  # it may come decoded
+        # it may come decoded
+        check_runnable(request.sampling_params, self.facts.vocab_size or None, self.facts.max_logprobs)
         check_pooling_request(request, self.facts.pooling is not None)
         (first,) = RequestGroup.start(request, self.device).seqs
         has_lora_slot = self.lora.assign(request, first)  # else it waits for one

@@ -40,6 +40,7 @@ from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.model.recurrent_state import pages_per_request
 from pagedllm.pooling_params import PoolingSetup
+from pagedllm.sampling_bounds import MAX_LOGPROBS
 from pagedllm.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
 from pagedllm.spec_decode.draft import DraftModelProposer
 from pagedllm.structured.compiler import GrammarCompiler
@@ -67,6 +68,7 @@ class CoreFacts:
     vocab_size: int = 0  # the whole vocabulary's (token ids a request names must be below it)
     pooling: PoolingSetup | None = None  # a pooling engine's (EngineConfig.runner); None: it generates
     draft_kv_bytes_per_block: int = 0  # a draft model's share of each KV block's bytes
+    max_logprobs: int = MAX_LOGPROBS  # EngineConfig.max_logprobs: the core's check on arrival
 
     def describe(self, weights_note: str) -> str:
         """The start-up line: every choice that changes which code runs. The KV cache's blocks,
@@ -164,7 +166,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                       config.kv_layout, config.describe_choices(), model.weight_bytes(),
                       model_config.vocab_size,
                       PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels),
-                      draft_bytes)
+                      draft_bytes, config.max_logprobs)
     release_freed_memory()  # what loading and prepacking the weights freed
     keep_freed_memory_for_reuse()  # from here on, what a step frees serves the next
     lora = _lora_slots(config, executor, model_config) if config.enable_lora else None

@@ -29,7 +29,13 @@ from pagedllm.core.priority import check_priority
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams, PoolingSetup
-from pagedllm.sampling_bounds import LIST_BOUNDS
+from pagedllm.sampling_bounds import (
+    LIST_BOUNDS,
+    MAX_LOGPROBS,
+    WHOLE_VOCABULARY,
+    check_logprob_counts,
+    logprobs_cap,
+)
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.spec import GrammarSpec
@@ -79,11 +85,11 @@ class InputProcessor:
                  sampling_defaults: dict | None = None,
                  grammar_compiler: GrammarCompiler | None = None,
                  chat_template: str | None = None, pooling: PoolingSetup | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", max_logprobs: int = MAX_LOGPROBS) -> None:
         """chat_template: the template every chat renders with unless a call names another (the
         server's --chat-template); None: the model's. pooling: a pooling engine's setup (None: the
         engine generates tokens). scheduling_policy: the engine's (a request's priority must be
-        one it runs)."""
+        one it runs). max_logprobs: the engine's (-1: the whole vocabulary)."""
         # Checked at start: either would make every request fail later as if its prompt were bad.
         if tokenizer.vocab_size == 0:
             raise ValueError("the model's tokenizer has no tokens: its tokenizer.json (or GGUF "
@@ -98,6 +104,9 @@ class InputProcessor:
         self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        # The most logprobs alternatives a request may ask for (sampling_bounds.logprobs_cap).
+        self.logprobs_cap = logprobs_cap(max_logprobs, vocab_size)
         # The model's defaults for SamplingParams fields a request leaves unset.
         self.sampling_defaults: dict = dict(sampling_defaults or {})
         # Free to make (it builds its tokenizer view on the first grammar); shared with a core
@@ -142,6 +151,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt, room_for_output=max_tokens_must_fit,
                                         add_special_tokens=add_special_tokens, truncation=truncation)
         self._check_sampling_token_ids(params)
+        params = self._resolve_logprob_counts(params)
         if params.top_k >= self.vocab_size:  # every token: the same as no top-k, and cheaper
             params = dataclasses.replace(params, top_k=-1)
         self.check_grammar(params.structured_outputs)
@@ -426,6 +436,20 @@ class InputProcessor:
             raise InvalidInput(f"this model's maximum context length is {self.max_model_len} tokens "
                                f"(max_model_len) and the prompt has {num_tokens}{leaves}: "
                                "shorten it")
+
+    def _resolve_logprob_counts(self, params: SamplingParams) -> SamplingParams:
+        """params with -1 counts made the vocabulary's size, checked against the engine's cap
+        (InvalidInput naming the field)."""
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                 if getattr(params, name) == WHOLE_VOCABULARY}
+        resolved = dataclasses.replace(params, **whole) if whole else params
+        try:
+            check_logprob_counts(resolved, self.max_logprobs, self.vocab_size)
+        except ValueError as exc:
+            name = "logprobs" if str(exc).startswith("logprobs") else "prompt_logprobs"
+            asked = f" ({name}=-1: the whole vocabulary)" if name in whole else ""
+            raise InvalidInput(f"{exc}{asked}", param=name) from None
+        return resolved
 
     def _check_sampling_token_ids(self, params: SamplingParams) -> None:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")

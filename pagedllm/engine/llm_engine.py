@@ -54,7 +54,7 @@ class LLMEngine:
             self.tokenizer, loaded.config.vocab_size, plan.max_model_len,
             sampling_defaults=read_generation_defaults(self.config.generation_config, loaded.path),
             grammar_compiler=self.grammar_compiler, pooling=self.engine_core.facts.pooling,
-            scheduling_policy=self.config.scheduling_policy)
+            scheduling_policy=self.config.scheduling_policy, max_logprobs=self.config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_s = time.monotonic() - started
         logger.info("%s; start-up %.2fs", self.engine_core.facts.describe(self.weights_note), self.startup_s)

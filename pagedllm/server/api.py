@@ -87,7 +87,7 @@ class Api:
         prompts = _completion_prompts(body.prompt)
         _check_sequences(len(prompts), body.n)
         if body.use_beam_search:
-            settings = beam_settings(body)
+            settings = beam_settings(body, self.processor.logprobs_cap)
             requests = await self.workers.run(self._process, response_id, body, prompts,
                                               self._beam_prompt_params(body.max_tokens), "prompt",
                                               add_special_tokens=body.add_special_tokens)
@@ -110,7 +110,7 @@ class Api:
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
         if body.use_beam_search:
-            settings = beam_settings(body)
+            settings = beam_settings(body, self.processor.logprobs_cap)
             prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
             requests = await self.workers.run(self._process, response_id, body, [prompt],
                                               self._beam_prompt_params(_chat_max_tokens(body)), "messages")
@@ -201,7 +201,7 @@ class Api:
 
     # -- checks --------------------------------------------------------------------------------
     def _logprob_count(self, name: str, requested: int | None) -> int | None:
-        return resolve_count(name, requested, self.processor.vocab_size)
+        return resolve_count(name, requested, self.processor.vocab_size, self.processor.max_logprobs)
 
     def _check_model(self, body) -> LoRARequest | None:
         """The LoRA adapter body.model names (None: the base model); a 404 if it names neither."""

@@ -94,7 +94,8 @@ class AsyncEngine:
             tokenizer, self.ready.vocab_size, self.ready.max_model_len,
             sampling_defaults=read_generation_defaults(core.config.generation_config,
                                                        Path(self.ready.model_path)),
-            pooling=self.ready.pooling, scheduling_policy=core.config.scheduling_policy)
+            pooling=self.ready.pooling, scheduling_policy=core.config.scheduling_policy,
+            max_logprobs=core.config.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer)
         self.on_finished = on_finished  # called in the event loop with each final RequestOutput
         # Called in the event loop with each request the core took, and with each step report

@@ -35,8 +35,6 @@ from pagedllm.server.async_engine import AsyncEngine, QueueFullError, RequestFai
 from pagedllm.server.protocol import APIError
 from pagedllm.server.streams import last_output
 
-# Each beam asks for its 2W best next tokens as logprobs, which are capped.
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 # Body fields a beam search cannot honour, with the values that mean "not asked for".
 _NOT_WITH_BEAMS: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None,), "prompt_logprobs": (None,), "echo": (False,),
@@ -60,16 +58,22 @@ class BeamSettings:
     ignore_eos: bool  # beams end only at max_tokens
 
 
-def beam_settings(body) -> BeamSettings:
-    """The body's beam search, checked: a 400 naming the first field it cannot honour."""
+def beam_settings(body, logprobs_cap: int = MAX_LOGPROBS) -> BeamSettings:
+    """The body's beam search, checked: a 400 naming the first field it cannot honour.
+    logprobs_cap: the most alternatives the server lists (InputProcessor.logprobs_cap)."""
     for name, off in _NOT_WITH_BEAMS.items():
         if hasattr(body, name) and getattr(body, name) not in off:
             raise APIError(f"{name} is not available with use_beam_search (a beam search scores the "
                            "model's own log-probabilities and returns whole beams); leave it out",
                            param=name)
-    if body.n > MAX_BEAM_WIDTH:
-        raise APIError(f"n is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH} (each beam "
-                       f"asks for its 2n best next tokens, at most {MAX_LOGPROBS}); got {body.n}", param="n")
+    # Each beam asks for its 2W best next tokens as logprobs, which are capped: by the server's
+    # --max-logprobs, and by the default cap even where that is raised (a width of 10 is past any
+    # beam search's use, and each beam's request lists its 2W alternatives at every step).
+    alternatives = min(MAX_LOGPROBS, logprobs_cap)
+    if body.n > alternatives // 2:
+        raise APIError(f"n is the beam width with use_beam_search: at most {alternatives // 2} (each "
+                       f"beam asks for its 2n best next tokens, at most {alternatives}); got {body.n}",
+                       param="n")
     return BeamSettings(body.n, body.length_penalty, body.early_stopping, body.skip_special_tokens,
                         body.ignore_eos)
 

@@ -167,13 +167,10 @@ def bounded(name: str, default=None):
     return Field(default, **NUMBER_BOUNDS[name].pydantic())
 
 
-# vLLM's count of logprobs alternatives meaning "the whole vocabulary" (server/logprob_counts.py).
-WHOLE_VOCABULARY = -1
-
-
 def logprob_count(name: str):
-    """A logprobs count's Field: the table's range, and -1 (the whole vocabulary)."""
-    return Field(None, ge=WHOLE_VOCABULARY, le=NUMBER_BOUNDS[name].high)
+    """A logprobs count's Field: the table's range, -1 (the whole vocabulary) included; the
+    engine's --max-logprobs is checked by server/logprob_counts.py."""
+    return bounded(name)
 
 
 class StreamOptions(_Body):

@@ -112,10 +112,18 @@ def test_minus_one_is_the_whole_vocabulary_held_to_the_cap(server, path, field, 
 
 
 def test_minus_one_resolves_to_a_vocabulary_within_the_cap():
-    assert resolve_count("logprobs", -1, MAX_LOGPROBS) == MAX_LOGPROBS
-    assert resolve_count("logprobs", 3, 50_000) == 3 and resolve_count("logprobs", None, 5) is None
-    with pytest.raises(APIError, match="49152 tokens"):
-        resolve_count("top_logprobs", -1, 49152)
+    assert resolve_count("logprobs", -1, MAX_LOGPROBS, MAX_LOGPROBS) == MAX_LOGPROBS
+    assert resolve_count("logprobs", 3, 50_000, MAX_LOGPROBS) == 3
+    assert resolve_count("logprobs", None, 5, MAX_LOGPROBS) is None
+    with pytest.raises(APIError, match="49152 tokens.*at most 20 .*--max-logprobs"):
+        resolve_count("top_logprobs", -1, 49152, MAX_LOGPROBS)
+    # --max-logprobs -1: the whole vocabulary; N: N, never past the vocabulary (topk takes no more)
+    assert resolve_count("top_logprobs", -1, 49152, -1) == 49152
+    assert resolve_count("logprobs", 100, 300, 1000) == 100
+    with pytest.raises(APIError, match=r"logprobs=301 .* at most 300 \(the model's vocabulary"):
+        resolve_count("logprobs", 301, 300, 1000)
+    with pytest.raises(APIError, match="prompt_logprobs=6 .* at most 5 .*--max-logprobs"):
+        resolve_count("prompt_logprobs", 6, 300, 5)
 
 
 # -- logprob_token_ids -----------------------------------------------------------------------------
