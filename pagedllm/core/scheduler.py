@@ -186,12 +186,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         self._step += 1
+        # The token share from the demand as the step found it: a sequence the row share preempts
+        # just below waits for a seat, so its recomputation must not widen another group's share.
+        self._token_share = shares.token_share(self.running, self.waiting, self.step_cost.share_tokens(),
+                                               budget)
         self._preempt_for_share(preempted)
         num_share_preempted = len(preempted)
         # Each request group's share of the step's sequence slots (pagedllm.core.shares' rule).
         row_share = shares.row_share(self.running, self.waiting, self.config.max_num_seqs)
-        self._token_share = shares.token_share(self.running, self.waiting, self.step_cost.share_tokens(),
-                                               budget)
         budget = self._schedule_running(budget, scheduled, preempted, row_share)
         # A step short of blocks has none to give, but to a request that outranks a running one.
         budget = self._schedule_waiting(budget, scheduled, preempted, row_share,
