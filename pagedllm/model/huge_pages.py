@@ -19,8 +19,9 @@ taken into a list elsewhere) keep the old memory: call it before such views are 
 calls it before DecodeLayers packs the layers).
 
 Off with PAGEDLLM_HUGE_PAGES=0; nothing is done off Linux, where transparent huge pages are
-"never", or for a model with no CPU tensors. The KV cache is not moved (it is allocated after).
-Measured in docs/benchmarks-notebook.md ("huge pages").
+"never", for a model with no CPU tensors, or where the weights are more than half the memory
+still available (the copy is made before the old pages go back; available_memory). The KV cache
+is not moved (it is allocated after). Measured: docs/cpu-tiers.md, "Weights in huge pages".
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> Moved | None:
     for ptr, (start, end) in spans.items():
         offsets[ptr] = total
         total += -(-(end - start) // ALIGN) * ALIGN
+    available = available_memory()
+    if available is not None and total > available // 2:
+        logger.info("weights left in 4 KiB pages: moving %.0f MiB needs as much free memory again "
+                    "(%.0f MiB available)", total / 2**20, available / 2**20)
+        return None
     arena = _huge_page_arena(total)
     storage = arena.untyped_storage()
     with torch.no_grad():
@@ -88,6 +94,19 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> Moved | None:
     moved = Moved(total, len(by_storage), sum(len(t) for t in by_storage.values()))
     logger.debug("weights moved to huge pages: %s", moved)
     return moved
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still give (MemAvailable), None where unknown. Each storage's old
+    pages go back as soon as its copy is made, but a holder this module does not find would keep
+    both: the move needs the weights' size free, with room to spare."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _tensors_by_storage(model: torch.nn.Module) -> dict[int, list[torch.Tensor]]:

@@ -78,6 +78,18 @@ def test_the_switch_leaves_the_weights_where_they_are(monkeypatch):
     assert move_weights_to_huge_pages(model) is None and model.weight.data_ptr() == ptr
 
 
+def test_weights_too_large_for_the_memory_left_stay(monkeypatch):
+    import pagedllm.model.huge_pages as huge_pages
+
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    model = torch.nn.Linear(64, 64)  # 16.6 KB of weights
+    ptr = model.weight.data_ptr()
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: 30_000)
+    assert move_weights_to_huge_pages(model) is None and model.weight.data_ptr() == ptr
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: 40_000)
+    assert move_weights_to_huge_pages(model) is not None and model.weight.data_ptr() != ptr
+
+
 def test_engine_tokens_are_the_same_with_the_weights_moved(tmp_path, monkeypatch):
     """Through the engine (the runner moves the weights before packing the layers for the one-call
     decode): greedy tokens and logprobs equal with PAGEDLLM_HUGE_PAGES on and off, and with it on
