@@ -26,16 +26,17 @@ is not moved (it is allocated after). Measured: docs/cpu-tiers.md, "Weights in h
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from pagedllm import envs
+from pagedllm.utils import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> Moved | None:
         offsets[ptr] = total
         total += -(-(end - start) // ALIGN) * ALIGN
     available = available_memory()
-    if available is not None and total > available // 2:
+    if total > available // 2:
         logger.info("weights left in 4 KiB pages: moving %.0f MiB needs as much free memory again "
                     "(%.0f MiB available)", total / 2**20, available / 2**20)
         return None
@@ -90,23 +91,17 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> Moved | None:
             for t in tensors:
                 size = t.element_size()
                 t.set_(storage, (at + t.storage_offset() * size - start) // size, t.size(), t.stride())
-    _give_freed_pages_back()
+    release_freed_memory()  # the old weights' pages: glibc keeps freed heap memory mapped
     moved = Moved(total, len(by_storage), sum(len(t) for t in by_storage.values()))
     logger.debug("weights moved to huge pages: %s", moved)
     return moved
 
 
-def available_memory() -> int | None:
-    """Bytes the system can still give (MemAvailable), None where unknown. Each storage's old
-    pages go back as soon as its copy is made, but a holder this module does not find would keep
-    both: the move needs the weights' size free, with room to spare."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def available_memory() -> int:
+    """Bytes the system can still give. Each storage's old pages go back as soon as its copy is
+    made, but a holder this module does not find would keep both: the move needs the weights'
+    size free, with room to spare."""
+    return psutil.virtual_memory().available
 
 
 def _tensors_by_storage(model: torch.nn.Module) -> dict[int, list[torch.Tensor]]:
@@ -166,11 +161,3 @@ def _huge_page_arena(nbytes: int) -> torch.Tensor:
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
 
-
-def _give_freed_pages_back() -> None:
-    """The old weights' pages back to the system: glibc keeps freed heap memory mapped (most
-    weights were under its mmap threshold) until malloc_trim."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

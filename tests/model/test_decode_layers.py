@@ -164,9 +164,9 @@ def test_attention_sinks_alone_keep_a_model_out(tier, tmp_path, tiny_checkpoint)
     assert DecodeLayers.build(model, caches) is None
 
 
-def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):
-    """Through the engine (the runner builds the packed layers): greedy text and logprobs equal
-    with PAGEDLLM_DECODE_LAYERS=0."""
+def greedy_with_switch_on_and_off(tmp_path, monkeypatch, variable: str, check_model) -> list:
+    """The tiny GGUF's greedy tokens and logprobs through the engine with the switch `variable`
+    set to 1, then 0; check_model(model, on) looks at the runner's model first."""
     from pagedllm import LLM, SamplingParams
 
     path = _gguf(tmp_path)
@@ -174,10 +174,19 @@ def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
     results = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("PAGEDLLM_DECODE_LAYERS", switch)
+        monkeypatch.setenv(variable, switch)
         llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False)
-        packed = llm.engine.engine_core.executor.runner.model.decode_layers
-        assert (packed is not None) == (switch == "1" and tier_runs_it())
+        check_model(llm.engine.engine_core.executor.runner.model, switch == "1")
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
                         for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert results[0] == results[1]
+    return results
+
+
+def test_engine_text_is_the_same_with_the_switch_off(tmp_path, monkeypatch):
+    """Through the engine (the runner builds the packed layers): greedy text and logprobs equal
+    with PAGEDLLM_DECODE_LAYERS=0."""
+    def packed_where_on(model, on):
+        assert (model.decode_layers is not None) == (on and tier_runs_it())
+
+    on, off = greedy_with_switch_on_and_off(tmp_path, monkeypatch, "PAGEDLLM_DECODE_LAYERS", packed_where_on)
+    assert on == off

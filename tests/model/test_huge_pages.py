@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.model.huge_pages import huge_pages_available, move_weights_to_huge_pages
-from tests.model.test_decode_layers import PROMPTS, _gguf
+from tests.model.test_decode_layers import greedy_with_switch_on_and_off
 
 pytestmark = pytest.mark.skipif(not huge_pages_available(),
                                 reason="no transparent huge pages here (not Linux, or set to never)")
@@ -94,18 +94,11 @@ def test_engine_tokens_are_the_same_with_the_weights_moved(tmp_path, monkeypatch
     """Through the engine (the runner moves the weights before packing the layers for the one-call
     decode): greedy tokens and logprobs equal with PAGEDLLM_HUGE_PAGES on and off, and with it on
     every weight the model holds lies in one mapping."""
-    from pagedllm import LLM, SamplingParams
     from pagedllm.model.huge_pages import _tensors_by_storage
 
-    path = _gguf(tmp_path)
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
-    results = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", switch)
-        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False)
-        storages = _tensors_by_storage(llm.engine.engine_core.executor.runner.model)
-        assert (len(storages) == 1) == (switch == "1")
-        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
-                        for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert results[0] == results[1]
+    def one_mapping_where_on(model, on):
+        assert (len(_tensors_by_storage(model)) == 1) == on
+
+    on, off = greedy_with_switch_on_and_off(tmp_path, monkeypatch, "PAGEDLLM_HUGE_PAGES",
+                                            one_mapping_where_on)
+    assert on == off
