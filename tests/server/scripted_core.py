@@ -37,12 +37,12 @@ def text_of(token_ids: list[int]) -> str:
     return "".join(chr(t) if t < 256 else _HARMONY_TEXT.get(t, "") for t in token_ids)
 
 
-def tokens_of(text: str) -> list[int]:
-    """The script's tokens: each Harmony marker one token, every other character its byte."""
+def tokens_of(text: str, markers: dict[str, int] = HARMONY_TOKENS) -> list[int]:
+    """The script's tokens: each marker (Harmony's) one token, every other character its byte."""
     tokens, at = [], 0
     while at < len(text):
-        marker = next((m for m in HARMONY_TOKENS if text.startswith(m, at)), None)
-        tokens.append(HARMONY_TOKENS[marker] if marker else ord(text[at]))
+        marker = next((m for m in markers if text.startswith(m, at)), None)
+        tokens.append(markers[marker] if marker else ord(text[at]))
         at += len(marker) if marker else 1
     return tokens
 

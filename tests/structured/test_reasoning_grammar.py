@@ -17,6 +17,7 @@ from pagedllm.engine.core_channel import AddRequest
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.spec import GrammarSpec, ReasoningPrefix
+from tests.server.scripted_core import tokens_of
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 JSON = GrammarSpec.json_schema(SCHEMA)
@@ -225,12 +226,7 @@ def harmony_compiler():
 
 def harmony_tokens(text: str) -> list[int]:
     """Each marker its special token, every other character its byte."""
-    tokens, at = [], 0
-    while at < len(text):
-        marker = next((m for m in HARMONY if text.startswith(m, at)), None)
-        tokens.append(HARMONY[marker] if marker else ord(text[at]))
-        at += len(marker) if marker else 1
-    return tokens
+    return tokens_of(text, HARMONY)
 
 
 def harmony_walk(compiler, spec: GrammarSpec, text: str):
