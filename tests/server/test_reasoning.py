@@ -120,6 +120,17 @@ def streamed(client, script: str, **kwargs) -> tuple[list[str], list[str], list,
     return reasoning, content, calls, finish
 
 
+def reasoning_and_content(client, script: str, stream: bool, **kwargs):
+    """The answer's reasoning and content, whole or joined from its stream, and the whole response
+    (None when streamed)."""
+    if stream:
+        reasoning, content, _, _ = streamed(client, script, **kwargs)
+        return "".join(reasoning), "".join(content), None
+    response = ask(client, script, **kwargs)
+    message = response.choices[0].message
+    return message.reasoning_content, message.content, response
+
+
 THOUGHT = "<think>\nLet me think {about} it, \"carefully\".\n</think>\n\nHello there!"
 
 
@@ -153,12 +164,7 @@ def test_a_json_schema_applies_to_the_content_after_the_reasoning(qwen3, stream)
     the schema's."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     script = '<think>The {answer} is "42".</think>\n\n{"answer": 42}'
-    if stream:
-        reasoning, content, _, _ = streamed(qwen3, script, response_format=fmt)
-        reasoning, content = "".join(reasoning), "".join(content)
-    else:
-        message = ask(qwen3, script, response_format=fmt).choices[0].message
-        reasoning, content = message.reasoning_content, message.content
+    reasoning, content, _ = reasoning_and_content(qwen3, script, stream, response_format=fmt)
     assert reasoning == 'The {answer} is "42".'
     assert json.loads(content) == {"answer": 42}
 
@@ -201,13 +207,8 @@ def test_the_thinking_budget_caps_the_reasoning(qwen3, stream):
     """Byte tokens: a budget of 10 is 10 characters of reasoning, then </think> is forced and the
     model goes on to its answer."""
     kwargs = {"extra_body": {"thinking_token_budget": 10}}
-    if stream:
-        reasoning, content, _, _ = streamed(qwen3, LONG_THOUGHT, **kwargs)
-        reasoning, content = "".join(reasoning), "".join(content)
-    else:
-        response = ask(qwen3, LONG_THOUGHT, **kwargs)
-        message = response.choices[0].message
-        reasoning, content = message.reasoning_content, message.content
+    reasoning, content, response = reasoning_and_content(qwen3, LONG_THOUGHT, stream, **kwargs)
+    if response is not None:
         # <think>, 10 of reasoning, </think> forced, \n\nDone., EOS
         assert response.usage.completion_tokens == 7 + 10 + 8 + 7 + 1
     assert reasoning == "a long cha"
@@ -323,13 +324,8 @@ def test_gpt_oss_thinking_budget_caps_the_analysis_channel(gpt_oss, stream):
     """Special tokens counted as any: 10 tokens of analysis, then <|end|> is forced and the model
     goes on to its final channel."""
     kwargs = {"extra_body": {"thinking_token_budget": 10}}
-    if stream:
-        reasoning, content, _, _ = streamed(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
-        reasoning, content = "".join(reasoning), "".join(content)
-    else:
-        response = ask(gpt_oss, HARMONY_LONG_THOUGHT, **kwargs)
-        message = response.choices[0].message
-        reasoning, content = message.reasoning_content, message.content
+    reasoning, content, response = reasoning_and_content(gpt_oss, HARMONY_LONG_THOUGHT, stream, **kwargs)
+    if response is not None:
         # <|channel|>analysis<|message|>, 10 of analysis, <|end|> forced,
         # <|start|>assistant<|channel|>final<|message|>, Done., EOS
         assert response.usage.completion_tokens == 10 + 10 + 1 + 17 + 5 + 1
@@ -343,12 +339,7 @@ def test_gpt_oss_json_schema_applies_to_the_final_channel(gpt_oss, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     for script, expected in [(HARMONY_THOUGHT.replace("Hello there!", '{"answer": 42}'), {"answer": 42}),
                              (HARMONY_THOUGHT, None)]:
-        if stream:
-            reasoning, content, _, _ = streamed(gpt_oss, script, response_format=fmt)
-            reasoning, content = "".join(reasoning), "".join(content)
-        else:
-            message = ask(gpt_oss, script, response_format=fmt).choices[0].message
-            reasoning, content = message.reasoning_content, message.content
+        reasoning, content, _ = reasoning_and_content(gpt_oss, script, stream, response_format=fmt)
         assert reasoning == 'The user greets me; {"reply"} in kind.'
         answer = json.loads(content)
         assert answer == expected if expected else isinstance(answer["answer"], int)
