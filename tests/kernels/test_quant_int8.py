@@ -146,6 +146,19 @@ def test_interleaved_group_sizes(tier, bits, group_size, cols, rows):
     check(tier, weight, activations(rows, cols, cols + rows))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+def test_interleaved_groups_alone_or_in_pairs_agree(tier, bits, rows):
+    """Groups of 16 weight rows taken two at a time (AVX-512: each broadcast of x feeds both) give
+    bit for bit what each group gives alone: 48 rows (a pair, then one) against 16 at a time."""
+    plain = quantize(torch.randn(48, COLS) * 0.1, bits, 32)
+    interleaved(tier, plain)  # skips where the tier reads the plain layout alone
+    x = activations(rows, COLS, 7 * rows)
+    bias = torch.randn(48)
+    alone = [kernel(x, plain.rows(lo, lo + 16).interleave(), bias[lo:lo + 16]) for lo in (0, 16, 32)]
+    assert torch.equal(kernel(x, plain.interleave(), bias), torch.cat(alone, dim=1))
+
+
 def test_float32_activations_stay_exact(tier, gguf_weights):
     weight = gguf_weights["Q4_1"]
     x = activations(3, COLS, 0).float()

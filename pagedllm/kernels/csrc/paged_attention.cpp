@@ -45,7 +45,10 @@ template <typename T, typename C, int D>
 void run(const Problem<T, C>& p, int64_t num_seqs, bool use_amx) {
   using K = Kernel<T, C, D>;
   const bool amx = K::kAmx && use_amx && !p.row_invariant && amx_ready();
-  const std::vector<WorkItem> items = plan(p, num_seqs, amx);
+  // Off the tile unit every head is computed alike in any item, so fewer decode items than
+  // threads (one stream) split per kv head and run on every thread; the tile unit's decode
+  // takes all of a token's heads at once.
+  const std::vector<WorkItem> items = plan(p, num_seqs, amx, amx ? 0 : at::get_num_threads());
   const int64_t group = p.num_heads / p.num_kv_heads;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());

@@ -276,7 +276,8 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
   for_each_interleaved_group(w, bits, scales, mins, out, [&](auto is_u4, auto with_min, const uint8_t* codes,
-                                                             const auto* s, const auto* mn, auto* op, int64_t n0) {
+                                                             const auto* s, const auto* mn, auto* op, int64_t n0,
+                                                             int64_t /*count: 1, the default step*/) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     for (int half = 0; half < 2; ++half) {
       const int64_t n = n0 + 8 * half;  // the half's first output column
