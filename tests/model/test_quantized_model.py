@@ -170,3 +170,16 @@ def test_prepacking_keeps_a_quantized_head_and_packs_a_float_one_once(tiny_check
     else:
         assert isinstance(model._packed_lm_head, QuantLinear) and model._packed_lm_head is model.lm_head
         assert torch.equal(model.compute_logits(hidden), before)
+
+
+def test_greedy_tokens_of_a_quantized_head_are_the_logits_argmax(tiny_checkpoint):
+    """greedy_tokens takes the maximum of the quantized head's bf16 output itself (no float32 copy):
+    the same tokens as compute_logits' argmax, ties (rows of equal logits) to the first index."""
+    folder = tiny_checkpoint("llama_gqa_untied").folder
+    model = load_model(folder, dtype="bfloat16", quantization="int8").model
+    model.prepack_for_cpu(16)
+    assert isinstance(model._packed_lm_head, QuantLinear)
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    hidden[3] = 0  # every logit 0: a tie across the whole vocabulary
+    assert torch.equal(model.greedy_tokens(hidden), model.compute_logits(hidden).max(dim=-1).indices)
+    assert model.greedy_tokens(hidden)[3] == 0
