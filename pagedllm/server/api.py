@@ -105,19 +105,22 @@ class Api:
                                           "prompt", add_special_tokens=body.add_special_tokens)
         return await self._respond(body, raw, response_id, requests, CompletionFormat(self, body))
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    async def chat(self, body: ChatCompletionRequest, raw: Request,
+                   prompt_tokens_details: bool | None = None):
+        """prompt_tokens_details: whether usage counts the cached prompt tokens (None: as the
+        server's flag says; the Responses API, which always reports them, asks for them)."""
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        answer = ChatFormat(self, body, constraint, prompt_tokens_details)
         if body.use_beam_search:
             settings = beam_settings(body, self.processor.logprobs_cap)
             prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
             requests = await self.workers.run(self._process, response_id, body, [prompt],
                                               self._beam_prompt_params(_chat_max_tokens(body)), "messages")
-            return await self._beam_search(body, raw, response_id, requests, settings,
-                                           ChatFormat(self, body, constraint))
+            return await self._beam_search(body, raw, response_id, requests, settings, answer)
         requests = await self._chat_requests(body, response_id, [body.messages], constraint)
-        return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
+        return await self._respond(body, raw, response_id, requests, answer)
 
     async def chat_batch(self, body: BatchChatCompletionRequest, raw: Request):
         """vLLM's batch of conversations: each its own prompt, one answer with all the choices."""

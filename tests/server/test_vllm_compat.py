@@ -187,6 +187,26 @@ def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_embeds"
 
 
+def test_usage_has_no_prompt_tokens_details_unless_the_flag_asks_as_vllm(tiny_server):
+    """vLLM writes usage.prompt_tokens_details null unless --enable-prompt-tokens-details (its tests
+    compare the whole usage object), whole or streamed, on both endpoints, even where the prefix
+    cache served part of the prompt; the Responses API counts the cached tokens either way."""
+    prompt = "A prompt of more than sixteen tokens"  # a byte each: one full block to cache
+    for _ in range(2):
+        usage = ok(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})["usage"]
+        assert usage["prompt_tokens_details"] is None and usage["prompt_tokens"] == len(prompt)
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    assert ok(tiny_server, "/v1/chat/completions", chat)["usage"]["prompt_tokens_details"] is None
+    body = {"model": MODEL_NAME, **chat, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{tiny_server.base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] is None
+    responses = [ok(tiny_server, "/v1/responses", {"input": prompt, "max_output_tokens": 2})["usage"]
+                 for _ in range(2)]
+    assert responses[1]["input_tokens_details"]["cached_tokens"] >= 16
+
+
 def test_a_custom_role_reaches_the_template(tiny_server):
     """vLLM passes any role to the chat template: the prompt names it, and text given as a string
     or as text parts is the same prompt and the same answer."""
