@@ -20,10 +20,12 @@ from pagedllm.core.priority import MAX_PRIORITY, MIN_PRIORITY
 from pagedllm.sampling_bounds import (
     LIST_BOUNDS,
     MAX_BAD_WORDS,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     NUMBER_BOUNDS,
+    WHOLE_VOCABULARY,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,12 @@ MAX_SEQUENCES_PER_REQUEST = 256
 # summed over its prompts (vLLM bounds k alone, with --max-logprobs). 65,536 entries are about
 # 4 MB of JSON; the probe's 16-32 prompts x 20 alternatives built 23-46 MB over minutes.
 MAX_PROMPT_LOGPROB_ENTRIES = 2**16
+# Where the operator raised --max-logprobs past vLLM's default (to -1, say: the whole vocabulary),
+# the budget is this: whole-vocabulary rows for 42 prompt tokens of SmolLM2's 49,152 (vLLM's
+# test_chat_echo asks it of 29), about 700 MB in the server while it is answered (measured:
+# 1.38 million entries, +476 MB offline, 5 s on 2 cores). Unbounded, one 4,000-token prompt
+# would build 200 million entries, some 70 GB.
+MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP = 2**21
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
@@ -77,6 +85,12 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
 # Names of ignored fields the log has mentioned (the log says each once); bounded, so that
 # clients sending ever new names cannot grow it.
 MAX_LOGGED_FIELD_NAMES = 1024
+
+
+def prompt_logprob_budget(max_logprobs: int) -> int:
+    """The prompt logprob entries one request may build under this --max-logprobs."""
+    raised = max_logprobs == WHOLE_VOCABULARY or max_logprobs > MAX_LOGPROBS
+    return MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP if raised else MAX_PROMPT_LOGPROB_ENTRIES
 
 
 class _Body(BaseModel):
