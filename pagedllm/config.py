@@ -488,9 +488,10 @@ class EngineConfig:
         skip tokens through the prefix cache, whose hits give no hidden states."""
         return self.runner == "pooling" and self.pooling_type != "last"
 
-    def describe_choices(self) -> str:
+    def describe_choices(self, dtype=None) -> str:
         """For the start-up line, the choices that change which code runs and that the device,
-        dtype, KV plan and weights do not already say."""
+        dtype, KV plan and weights do not already say (the CPU kernels: for a model in dtype, the
+        torch dtype it loaded in)."""
         parts = [f"prefix caching {'on' if self.enable_prefix_caching else 'off'}",
                  f"tensor_parallel_size {self.tensor_parallel_size}"]
         if self.tensor_parallel_size > 1:
@@ -506,8 +507,8 @@ class EngineConfig:
         from pagedllm.kernels import tiers  # the choice tiers.select made when the model loaded
 
         choice = tiers.chosen()
-        if choice is not None and choice.describe():
-            parts.append(choice.describe())
+        if choice is not None and choice.describe(dtype):
+            parts.append(choice.describe(dtype))
         return ", ".join(parts)
 
 

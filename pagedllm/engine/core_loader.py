@@ -163,7 +163,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
         make_kv_manager(config, kv_plan))
     executor = _make_executor(config, model, kv_plan, dtype, device, driver)
     facts = CoreFacts(device, dtype, kv_plan, stored_dtype_name(config.kv_cache_dtype, dtype),
-                      config.kv_layout, config.describe_choices(), model.weight_bytes(),
+                      config.kv_layout, config.describe_choices(dtype), model.weight_bytes(),
                       model_config.vocab_size,
                       PoolingSetup.of(config, model_config.hidden_size, model_config.num_labels),
                       draft_bytes, config.max_logprobs)

@@ -126,8 +126,11 @@ class KernelChoice:
         """Whether every family runs a compiled kernel."""
         return all(family in self.kernel_families for family in FAMILIES)
 
-    def families(self) -> dict[str, str]:
-        """The kernel each family runs, by family name (the start-up line's words)."""
+    def families(self, dtype=None) -> dict[str, str]:
+        """The kernel each family runs, by family name (the start-up line's words), for a model in
+        dtype (a torch dtype; None: one the compiled kernels take). The compiled layer kernels take
+        float32 and bfloat16 (compiled.KERNEL_DTYPES) and only bfloat16 weights are packed for the
+        dense matmuls: a float16 model runs torch for all of them, its matmuls unpacked."""
         isa = "avx512" if self.tier == "amx" else self.tier
         kernels = {"attention": f"{isa} + amx prefill" if self.attention_amx else isa,
                    "dense matmul": "amx" if self.dense_amx else "torch (oneDNN)",
@@ -136,16 +139,29 @@ class KernelChoice:
         portable = {"attention": "torch", "dense matmul": "torch (oneDNN)",
                     "quantized matmul": "torch (int4 kernel in bf16, float32 tiles)", "norms/rotary": "torch",
                     "sampling": "torch"}
-        return {family: kernels[family] if self.has(family) else portable[family] for family in portable}
+        chosen = {family: kernels[family] if self.has(family) else portable[family] for family in portable}
+        if not _kernels_take(dtype):
+            no_kernel = f"torch (no {str(dtype).removeprefix('torch.')} kernel)"
+            chosen.update({family: no_kernel for family in (*LAYER_FAMILIES, "dense matmul")})
+        return chosen
 
-    def describe(self) -> str:
-        """For the start-up line ("" off the CPU, where these kernels do not run)."""
+    def describe(self, dtype=None) -> str:
+        """For the start-up line ("" off the CPU, where these kernels do not run), for a model in
+        dtype (as families())."""
         if self.device_type != "cpu":
             return ""
         tier = self.tier if self.why_portable is None else f"portable ({self.tier} did not build)"
-        kernels = ", ".join(f"{family} {kernel}" for family, kernel in self.families().items())
-        fused = "; decode steps run the layers in one call" if self.decode_layers else ""
+        kernels = ", ".join(f"{family} {kernel}" for family, kernel in self.families(dtype).items())
+        fused = ("; decode steps run the layers in one call" if self.decode_layers and _kernels_take(dtype)
+                 else "")
         return f"CPU tier {tier} (CPU's best: {self.detected}): {kernels}{fused}"
+
+
+def _kernels_take(dtype) -> bool:
+    """Whether the compiled layer kernels take a model in dtype (None: unknown, taken to be so)."""
+    from pagedllm.kernels import compiled
+
+    return dtype is None or dtype in compiled.KERNEL_DTYPES
 
 
 _lock = threading.Lock()

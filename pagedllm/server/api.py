@@ -25,7 +25,6 @@ from pagedllm.server.limits import InputWorkers
 from pagedllm.server.logprob_counts import resolve_count
 from pagedllm.server.lora_modules import LoRAModules
 from pagedllm.server.protocol import (
-    MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_PROMPTS_PER_REQUEST,
     MAX_SEQUENCES_PER_REQUEST,
     APIError,
@@ -36,6 +35,7 @@ from pagedllm.server.protocol import (
     ExtraFields,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    prompt_logprob_budget,
 )
 from pagedllm.server.reasoning import constraint_after_reasoning
 from pagedllm.server.streams import close_all, collect_or_abort
@@ -105,19 +105,22 @@ class Api:
                                           "prompt", add_special_tokens=body.add_special_tokens)
         return await self._respond(body, raw, response_id, requests, CompletionFormat(self, body))
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    async def chat(self, body: ChatCompletionRequest, raw: Request,
+                   prompt_tokens_details: bool | None = None):
+        """prompt_tokens_details: whether usage counts the cached prompt tokens (None: as the
+        server's flag says; the Responses API, which always reports them, asks for them)."""
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._check_common(body, response_id)
         constraint = await read_constraint_async(body, self.processor, self.chat_template)
+        answer = ChatFormat(self, body, constraint, prompt_tokens_details)
         if body.use_beam_search:
             settings = beam_settings(body, self.processor.logprobs_cap)
             prompt = await self.workers.run(self._chat_prompt, body, constraint.tools)
             requests = await self.workers.run(self._process, response_id, body, [prompt],
                                               self._beam_prompt_params(_chat_max_tokens(body)), "messages")
-            return await self._beam_search(body, raw, response_id, requests, settings,
-                                           ChatFormat(self, body, constraint))
+            return await self._beam_search(body, raw, response_id, requests, settings, answer)
         requests = await self._chat_requests(body, response_id, [body.messages], constraint)
-        return await self._respond(body, raw, response_id, requests, ChatFormat(self, body, constraint))
+        return await self._respond(body, raw, response_id, requests, answer)
 
     async def chat_batch(self, body: BatchChatCompletionRequest, raw: Request):
         """vLLM's batch of conversations: each its own prompt, one answer with all the choices."""
@@ -292,7 +295,7 @@ class Api:
 
     async def _respond(self, body, raw: Request, response_id: str,
                        requests: list[tuple[str | None, EngineCoreRequest]], fmt):
-        _check_prompt_logprobs_work([request for _, request in requests])
+        _check_prompt_logprobs_work([request for _, request in requests], self.processor.max_logprobs)
         streams = await self._start(requests)
         prompts = [(text, request.prompt_token_ids) for text, request in requests]
         if body.stream:
@@ -331,17 +334,18 @@ def _check_sequences(num_prompts: int, n: int) -> None:
                        "split it into several requests", param="n")
 
 
-def _check_prompt_logprobs_work(requests: Sequence[EngineCoreRequest]) -> None:
-    """A 400 for prompt logprobs past MAX_PROMPT_LOGPROB_ENTRIES (prompt tokens x (k + 1), summed
-    over the request's prompts), before any of it runs."""
+def _check_prompt_logprobs_work(requests: Sequence[EngineCoreRequest], max_logprobs: int) -> None:
+    """A 400 for prompt logprobs past the budget of entries (prompt tokens x (k + 1), summed over
+    the request's prompts) that the engine's --max-logprobs allows, before any of it runs."""
     k = requests[0].sampling_params.prompt_logprobs if requests else None
     if k is None:
         return
     num_tokens = sum(len(request.prompt_token_ids) for request in requests)
-    if num_tokens * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+    budget = prompt_logprob_budget(max_logprobs)
+    if num_tokens * (k + 1) > budget:
         raise APIError(f"prompt logprobs for {num_tokens} prompt tokens with {k} alternatives each "
                        f"would build {num_tokens * (k + 1)} entries; one request may ask for at most "
-                       f"{MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (k + 1)): ask for fewer "
+                       f"{budget} (prompt tokens x (k + 1)): ask for fewer "
                        "alternatives, or send fewer or shorter prompts", param="prompt_logprobs")
 
 

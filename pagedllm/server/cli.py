@@ -112,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         chat_template=chat_template, cors=cors, body_timeout_s=settings.body_timeout_s,
                         allowed_hosts=allowed_hosts, reasoning_parser=settings.reasoning_parser,
                         options=AnswerOptions(settings.return_tokens_as_token_ids,
-                                              settings.enable_force_include_usage),
+                                              settings.enable_force_include_usage,
+                                              settings.enable_prompt_tokens_details),
                         root_path=settings.root_path,
                         enable_tokenizer_info_endpoint=settings.enable_tokenizer_info_endpoint)
         limit_repeated_log_lines()

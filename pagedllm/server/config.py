@@ -86,6 +86,9 @@ class ServerConfig:
     enable_force_include_usage: bool = setting(
         False, "every stream carries the usage so far on every chunk and in a last chunk, "
         "whatever its stream_options")
+    enable_prompt_tokens_details: bool = setting(
+        False, "usage carries prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
+        "cache served (off: null, as vLLM)")
     enable_tokenizer_info_endpoint: bool = setting(
         False, "serve /tokenizer_info: the tokenizer's settings and the chat template "
         "(tokenizer_config.json's shape), for clients that tokenize on their side")

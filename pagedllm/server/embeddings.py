@@ -14,13 +14,13 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import Request
-from pydantic import Field, StrictBool
+from pydantic import Field
 
 from pagedllm.engine.input_processor import InvalidInput, PromptInput
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.server.protocol import APIError, Int, Text, TokenId, _Body
+from pagedllm.server.protocol import APIError, Bool, Int, Text, TokenId, _Body
 from pagedllm.server.streams import collect_or_abort
 
 # OpenAI's bound on the inputs of one request.
@@ -35,8 +35,8 @@ class EmbeddingRequest(_Body):
     user: Text | None = None  # accepted and ignored, as on the other endpoints
     # extras (vLLM's): whether to scale to unit length (null: the engine's --pooling-normalize);
     # whether a text input gets the tokenizer's BOS/EOS
-    normalize: StrictBool | None = None
-    add_special_tokens: StrictBool = True
+    normalize: Bool | None = None
+    add_special_tokens: Bool = True
     # pagedllm's: text put before each text input as it is (an embedder's query prefix)
     instruction: Annotated[str, Field(min_length=1)] | None = None
 
@@ -47,7 +47,7 @@ class PoolingRequest(_Body):
     model: Text | None = None
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    add_special_tokens: StrictBool = True
+    add_special_tokens: Bool = True
 
 
 def embedding_inputs(value) -> list[PromptInput]:

@@ -84,7 +84,9 @@ class Format:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, api: Api, body) -> None:
+    def __init__(self, api: Api, body, prompt_tokens_details: bool | None = None) -> None:
+        """prompt_tokens_details: whether usage counts the cached prompt tokens (None: as the
+        server's --enable-prompt-tokens-details says)."""
         self.api = api
         self.body = body
         self.n = body.n
@@ -94,6 +96,8 @@ class Format:
         # The name the request asked for (a LoRA adapter's, checked by the endpoint), as vLLM
         # answers; the base model's name where the request left it out.
         self.model = body.model or api.model_name
+        self.prompt_tokens_details = (api.options.prompt_tokens_details if prompt_tokens_details is None
+                                      else prompt_tokens_details)
 
     def token_text(self, token_id: int, lp: Logprob | None = None) -> str:
         """How logprobs name a token: its text, or "token_id:N" if the body asks (vLLM's
@@ -108,7 +112,8 @@ class Format:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": cached_tokens} if self.prompt_tokens_details
+                else None}
 
     def full(self, response_id: str, finals: list[RequestOutput], prompts) -> dict:
         choices, generated = [], 0
@@ -283,8 +288,9 @@ class ChatFormat(Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, api: Api, body, constraint: OutputConstraint) -> None:
-        super().__init__(api, body)
+    def __init__(self, api: Api, body, constraint: OutputConstraint,
+                 prompt_tokens_details: bool | None = None) -> None:
+        super().__init__(api, body, prompt_tokens_details)
         self.constraint = constraint
         self._readers: dict[int, ToolCallReader | ReasoningReader | None] = {}  # by choice index
         conversations = body.messages if body.messages and isinstance(body.messages[0], list) \

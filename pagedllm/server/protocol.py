@@ -13,17 +13,19 @@ import logging
 import reprlib
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from pagedllm.core.priority import MAX_PRIORITY, MIN_PRIORITY
 from pagedllm.sampling_bounds import (
     LIST_BOUNDS,
     MAX_BAD_WORDS,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     NUMBER_BOUNDS,
+    WHOLE_VOCABULARY,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,12 @@ MAX_SEQUENCES_PER_REQUEST = 256
 # summed over its prompts (vLLM bounds k alone, with --max-logprobs). 65,536 entries are about
 # 4 MB of JSON; the probe's 16-32 prompts x 20 alternatives built 23-46 MB over minutes.
 MAX_PROMPT_LOGPROB_ENTRIES = 2**16
+# Where the operator raised --max-logprobs past vLLM's default (to -1, say: the whole vocabulary),
+# the budget is this: whole-vocabulary rows for 42 prompt tokens of SmolLM2's 49,152 (vLLM's
+# test_chat_echo asks it of 29), about 700 MB in the server while it is answered (measured:
+# 1.38 million entries, +476 MB offline, 5 s on 2 cores). Unbounded, one 4,000-token prompt
+# would build 200 million entries, some 70 GB.
+MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP = 2**21
 # Requests waiting for the engine past this many get a fast 503 (see AsyncEngine).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger bodies get a 413
@@ -77,6 +85,12 @@ NOT_IMPLEMENTED_FIELDS: dict[str, tuple] = {
 # Names of ignored fields the log has mentioned (the log says each once); bounded, so that
 # clients sending ever new names cannot grow it.
 MAX_LOGGED_FIELD_NAMES = 1024
+
+
+def prompt_logprob_budget(max_logprobs: int) -> int:
+    """The prompt logprob entries one request may build under this --max-logprobs."""
+    raised = max_logprobs == WHOLE_VOCABULARY or max_logprobs > MAX_LOGPROBS
+    return MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP if raised else MAX_PROMPT_LOGPROB_ENTRIES
 
 
 class _Body(BaseModel):
@@ -138,6 +152,28 @@ def _json_number(kind: str) -> BeforeValidator:
 Int = Annotated[int, _json_number("int")]
 Float = Annotated[float, _json_number("float")]
 
+# The strings pydantic's lax mode reads as booleans (any case, nothing around them): vLLM's bodies
+# are lax, and its clients send `"logprobs": "true"`. Other strings, numbers and null stay refused.
+BOOL_WORDS = {word: True for word in ("1", "on", "t", "true", "y", "yes")} | \
+    {word: False for word in ("0", "off", "f", "false", "n", "no")}
+
+
+def _bool_word(value):
+    if isinstance(value, str) and value.isascii():
+        return BOOL_WORDS.get(value.lower(), value)
+    return value
+
+
+def _bool_schema() -> dict:
+    """What /openapi.json says a boolean field takes: true/false or a BOOL_WORDS string, in any
+    case (JSON Schema's patterns have no case-insensitive flag: each letter is a class)."""
+    spellings = ("".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in word) for word in BOOL_WORDS)
+    return {"anyOf": [{"type": "boolean"}, {"type": "string", "pattern": f"^({'|'.join(spellings)})$"}]}
+
+
+# Every boolean field of a request body: true/false, or one of BOOL_WORDS.
+Bool = Annotated[StrictBool, BeforeValidator(_bool_word), WithJsonSchema(_bool_schema())]
+
 
 def _unicode(value: str) -> str:
     """JSON may spell a lone UTF-16 surrogate ("\\udbee"), which no tokenizer (nor UTF-8) can
@@ -174,10 +210,10 @@ def logprob_count(name: str):
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool = False
+    include_usage: Bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far (running counts that end
     # at the final usage chunk's).
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: Bool = False
 
 
 class _SamplingFields(_Body):
@@ -190,7 +226,7 @@ class _SamplingFields(_Body):
     presence_penalty: Float = bounded("presence_penalty", 0.0)
     frequency_penalty: Float = bounded("frequency_penalty", 0.0)
     user: Text | None = None
-    stream: StrictBool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     # Token ids (as JSON keys are, strings) -> a bias in [-100, 100] added to their logits.
     logit_bias: Annotated[dict[Text, Float], Field(max_length=LIST_BOUNDS["logit_bias"])] | None = None
@@ -198,11 +234,11 @@ class _SamplingFields(_Body):
     top_k: Int | None = bounded("top_k")  # above the vocabulary: every token
     min_p: Float | None = bounded("min_p")
     repetition_penalty: Float | None = bounded("repetition_penalty")
-    ignore_eos: StrictBool = False
+    ignore_eos: Bool = False
     min_tokens: Int = bounded("min_tokens", 0)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    skip_special_tokens: StrictBool = True
-    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     cache_salt: Annotated[str, Field(min_length=1), _UNICODE] | None = None
     # vLLM's: lower first, under --scheduling-policy priority (a 400 naming it under fcfs).
     priority: Int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
@@ -221,13 +257,13 @@ class _SamplingFields(_Body):
     # Log-probabilities of the prompt's tokens, this many alternatives each (not when streaming).
     prompt_logprobs: Int | None = logprob_count("prompt_logprobs")
     # logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
-    return_tokens_as_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: Bool | None = None
     # vLLM's: the prompt's token ids and each choice's generated ones in the answer
-    return_token_ids: StrictBool = False
+    return_token_ids: Bool = False
     # vLLM's beam search (server/beam_search.py): n beams, scored cum_logprob / len ** length_penalty
-    use_beam_search: StrictBool = False
+    use_beam_search: Bool = False
     length_penalty: Float = Field(1.0, ge=-10.0, le=10.0)
-    early_stopping: StrictBool = False
+    early_stopping: Bool = False
     # Structured outputs: one constraint, in any of these spellings (OpenAI's, vLLM's, vLLM's
     # older ones). Their insides are checked by pagedllm.structured.spec, whose messages name
     # the field and what is wrong (a 400 either way).
@@ -244,8 +280,8 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: Int | None = bounded("max_tokens", 16)
     logprobs: Int | None = logprob_count("logprobs")
-    echo: StrictBool = False  # with logprobs: the prompt tokens' logprobs too
-    add_special_tokens: StrictBool = True  # the tokenizer's BOS/EOS around a text prompt
+    echo: Bool = False  # with logprobs: the prompt tokens' logprobs too
+    add_special_tokens: Bool = True  # the tokenizer's BOS/EOS around a text prompt
 
 
 class ContentPart(_Body):
@@ -302,14 +338,14 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Int | None = bounded("max_tokens")
     max_completion_tokens: Int | None = bounded("max_tokens")
-    logprobs: StrictBool = False
+    logprobs: Bool = False
     top_logprobs: Int | None = logprob_count("logprobs")
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False  # the prompt ends inside the last message
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False  # the prompt ends inside the last message
     # vLLM's: the answer's content starts with the last message's text where the answer continues
     # that message (an assistant's last message, or any last message without a generation prompt)
-    echo: StrictBool = False
-    add_special_tokens: StrictBool = False  # the template writes BOS itself
+    echo: Bool = False
+    add_special_tokens: Bool = False  # the template writes BOS itself
     chat_template_kwargs: dict[Text, Any] | None = None  # more variables for the chat template
     # vLLM's: at most this many tokens of reasoning, then its end marker is forced (needs the
     # server's --reasoning-parser; pagedllm.server.reasoning).
@@ -317,7 +353,7 @@ class ChatCompletionRequest(_SamplingFields):
     # Checked by pagedllm.structured.tools, whose messages name the tool and what is wrong.
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: Bool = True
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
@@ -332,8 +368,8 @@ class TokenizeCompletionRequest(_Body):
 
     model: Text | None = None
     prompt: Text
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
 
 
 class TokenizeChatRequest(_Body):
@@ -341,11 +377,11 @@ class TokenizeChatRequest(_Body):
 
     model: Text | None = None
     messages: list[ChatMessage]
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    add_special_tokens: StrictBool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
-    return_token_strs: StrictBool = False
+    return_token_strs: Bool = False
     tools: list[Any] | None = None  # in the prompt, as a chat request's tools are
 
 

@@ -12,12 +12,12 @@ import uuid
 from typing import Annotated
 
 from fastapi import Request
-from pydantic import Field, StrictBool
+from pydantic import Field
 
 from pagedllm.engine.input_processor import InvalidInput
 from pagedllm.pooling_score import similarity_scores, texts_to_embed
 from pagedllm.server.embeddings import check_request, pooling_params, process_pooling, run_pooling
-from pagedllm.server.protocol import APIError, Int, Text, _Body
+from pagedllm.server.protocol import APIError, Bool, Int, Text, _Body
 
 # Documents scored in one request (each is a prompt of its own).
 MAX_DOCUMENTS = 1024
@@ -35,7 +35,7 @@ class RerankRequest(_Body):
     query: Text
     documents: Annotated[list[Document], Field(max_length=MAX_DOCUMENTS)]
     top_n: Annotated[Int, Field(ge=1)] | None = None  # null: every document
-    return_documents: StrictBool = True
+    return_documents: Bool = True
     # pagedllm's: the reranker's task instruction (null: its model card's default)
     instruction: Annotated[str, Field(min_length=1)] | None = None
 

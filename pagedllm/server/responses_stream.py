@@ -145,7 +145,7 @@ async def respond(api, raw: Request, body: shapes.ResponsesRequest, store: shape
     response_id = f"resp_{uuid.uuid4().hex}"
     api.extra_fields.check(body, response_id)
     messages = shapes.chat_messages(body, store)
-    result = await api.chat(shapes.chat_body(body, messages), raw)
+    result = await api.chat(shapes.chat_body(body, messages), raw, prompt_tokens_details=True)
 
     def keep(response: dict) -> None:
         if body.store:

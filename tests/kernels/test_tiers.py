@@ -77,6 +77,20 @@ def test_each_compiled_tier_names_itself_for_every_family(tier):
     assert "torch" not in line.split("quantized matmul")[1].split(",")[0], line
 
 
+def test_a_float16_model_is_described_as_running_torch(tier):
+    """The compiled layer kernels take float32 and bfloat16 only (and only bfloat16 weights are
+    packed): the start-up line of a float16 model says its attention, norms and matmuls run torch
+    (SmolLM2, 16 tokens on a busy 2-core AVX-512 CPU without AVX512-FP16: 6.2 s against 0.38 s)."""
+    choice = tiers.current()
+    line = choice.describe(torch.float16)
+    for family in ("attention", "dense matmul", "quantized matmul", "norms/rotary"):
+        assert f"{family} torch (no float16 kernel)" in line, line
+    assert "in one call" not in line
+    for dtype in (None, torch.bfloat16, torch.float32):
+        assert "no float16" not in choice.describe(dtype)
+    assert choice.describe(torch.bfloat16) == choice.describe()
+
+
 def test_layers_keep_the_choice_they_were_built_under(tier):
     """A layer reads the tier when it is built, not per call: one built under the portable tier
     runs torch even while a compiled tier is current (and gives the same result)."""

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.app import Cors
 from pagedllm.server.protocol import NOT_IMPLEMENTED_FIELDS
 from tests.conftest import wait_until_healthy
@@ -83,7 +84,8 @@ def reference(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir):
     config = tiny_config(model_dir, block_size=4, enable_prefix_caching=True)
-    with RunningServer(config, chat_template=SERVER_TEMPLATE) as running:
+    with RunningServer(config, chat_template=SERVER_TEMPLATE,
+                       options=AnswerOptions(prompt_tokens_details=True)) as running:
         yield running
 
 

@@ -15,6 +15,11 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_bounds import MAX_LOGPROBS
+from pagedllm.server.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP,
+    prompt_logprob_budget,
+)
 from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -91,6 +96,21 @@ def test_a_count_past_the_vocabulary_is_refused_naming_the_field(client, kind, f
     error = caught.value.body
     assert error["param"] == param, error
     assert f"at most {VOCAB}" in error["message"] and "vocabulary" in error["message"]
+
+
+def test_a_raised_cap_raises_the_prompt_logprobs_budget_of_a_request(client):
+    """vLLM's test_chat_echo asks a server started with a raised --max-logprobs for the whole
+    vocabulary at each prompt token: past the default cap's budget of entries a request gets the
+    larger one (still bounded: an unbounded one would let one long prompt take tens of GB)."""
+    prompts = [list(range(1, 61))] * 4  # 4 x 60 tokens x (300 + 1) entries: past 65,536
+    assert 4 * 60 * (VOCAB + 1) > MAX_PROMPT_LOGPROB_ENTRIES
+    done = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=1,
+                                     extra_body={"prompt_logprobs": -1})
+    for choice in done.choices:
+        entries = choice.model_extra["prompt_logprobs"]
+        assert entries[0] is None and all(len(entry) == VOCAB for entry in entries[1:])
+    assert [prompt_logprob_budget(cap) for cap in (1, MAX_LOGPROBS, MAX_LOGPROBS + 1, -1)] == \
+        [MAX_PROMPT_LOGPROB_ENTRIES] * 2 + [MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP] * 2
 
 
 def test_a_raised_cap_below_the_vocabulary_is_the_servers_bound(tiny_model_dir):

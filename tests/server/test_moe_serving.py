@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.server.answer_options import AnswerOptions
 from tests.model.test_llama_equivalence import token_ids
 from tests.model.test_moe import hf_greedy
 from tests.model.tiny import GGUF_OVERRIDES, make_hf_model, save_checkpoint, write_gguf
@@ -58,7 +59,7 @@ def test_served_moe_gives_transformers_tokens_through_cache_hits_preemption_and_
     config = tiny_config(model, block_size=4, num_kv_blocks=10, max_model_len=32, max_num_batched_tokens=16,
                          enable_prefix_caching=True)
     extra = {"ignore_eos": True, "return_token_ids": True}
-    with RunningServer(config) as server:
+    with RunningServer(config, options=AnswerOptions(prompt_tokens_details=True)) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         first = client.completions.create(model=MODEL_NAME, prompt=prompts[0], max_tokens=10, temperature=0,
                                           extra_body=extra)

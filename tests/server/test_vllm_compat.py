@@ -6,6 +6,8 @@ forced call needs more room than the tiny model's 64 positions."""
 from __future__ import annotations
 
 import json
+import re
+from typing import Annotated
 
 import httpx
 import jsonschema
@@ -174,6 +176,76 @@ def test_validation_errors_carry_pydantics_error_type(tiny_server, seed, error_t
     assert caught.value.body["param"] == "seed" and caught.value.body["code"] == error_type
 
 
+def _bool_fields():
+    """(body, field, its type) for every boolean field of every request body the server reads."""
+    import inspect
+    import typing
+
+    from pydantic import BaseModel
+
+    from pagedllm.server import anthropic, embeddings, protocol, rerank, responses
+
+    def has_bool(annotation) -> bool:
+        return annotation is bool or any(has_bool(arg) for arg in typing.get_args(annotation))
+
+    for module in (protocol, embeddings, rerank, responses, anthropic):
+        for name, body in inspect.getmembers(module, inspect.isclass):
+            if issubclass(body, BaseModel) and body.__module__ == module.__name__:
+                for field_name, field in body.model_fields.items():
+                    if has_bool(field.annotation):
+                        yield name, field_name, (Annotated[field.annotation, *field.metadata]
+                                                 if field.metadata else field.annotation)
+
+
+def test_boolean_fields_take_exactly_the_strings_pydantic_reads_as_booleans():
+    """vLLM's bodies are pydantic's lax mode: `"logprobs": "true"` is true. Every boolean field of
+    every body takes exactly the strings that mode takes, as it reads them, and refuses the rest."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from pagedllm.server.protocol import BOOL_WORDS, ChatCompletionRequest
+
+    lax = TypeAdapter(bool)
+    words = [*BOOL_WORDS, "TRUE", "Yes", "oN", "F", "No", "True"]
+    not_words = ["", " true", "true ", "2", "1.0", "maybe", "nope", "tru", "\u0130"]
+    fields = list(_bool_fields())
+    assert {("ChatCompletionRequest", "logprobs"), ("CompletionRequest", "echo"),
+            ("StreamOptions", "include_usage"), ("EmbeddingRequest", "normalize")} <= \
+        {(body, field) for body, field, _ in fields}
+    for body, field, annotation in fields:
+        adapter = TypeAdapter(annotation)
+        for word in words:
+            assert adapter.validate_python(word) is lax.validate_python(word), (body, field, word)
+        for word in not_words:
+            with pytest.raises(ValidationError):
+                lax.validate_python(word)
+            with pytest.raises(ValidationError):
+                adapter.validate_python(word)
+    # /openapi.json says the same (schemathesis's negative cases rely on it)
+    pattern = ChatCompletionRequest.model_json_schema()["properties"]["logprobs"]["anyOf"][1]["pattern"]
+    assert all(re.fullmatch(pattern, word) for word in words)
+    assert not any(re.fullmatch(pattern, word) for word in not_words)
+
+
+def test_a_boolean_sent_as_a_string_is_read_as_vllm_reads_it(tiny_server):
+    """vLLM's test_chat_echo sends logprobs as the string "true"; other strings, and numbers, are
+    still a 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0,
+            "top_logprobs": 2}
+    content = ok(tiny_server, "/v1/chat/completions", {**body, "logprobs": "true"})["choices"][0]["logprobs"]
+    assert len(content["content"]) == 3 and all(len(e["top_logprobs"]) == 2 for e in content["content"])
+    off = ok(tiny_server, "/v1/chat/completions", {**body, "logprobs": "off"})
+    assert off["choices"][0]["logprobs"] is None
+    streamed = {"prompt": PROMPT, "max_tokens": 2, "stream": "yes"}
+    assert post(tiny_server, "/v1/completions", streamed).text.endswith("data: [DONE]\n\n")
+    for value in ("maybe", 1, [True]):
+        refused = post(tiny_server, "/v1/chat/completions", {**body, "logprobs": value})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "logprobs" and error["code"] == "bool_type"
+        assert error["message"] == \
+            f"invalid request: logprobs must be a valid boolean; got {value!r} [bool_type]"
+
+
 def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
     import openai
 
@@ -185,6 +257,26 @@ def test_completion_without_a_prompt_is_refused_in_vllms_words(tiny_server):
         assert caught.value.body["param"] == "prompt"
     refused = post(tiny_server, "/v1/completions", {"prompt": "x", "prompt_embeds": [[0.0]]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_embeds"
+
+
+def test_usage_has_no_prompt_tokens_details_unless_the_flag_asks_as_vllm(tiny_server):
+    """vLLM writes usage.prompt_tokens_details null unless --enable-prompt-tokens-details (its tests
+    compare the whole usage object), whole or streamed, on both endpoints, even where the prefix
+    cache served part of the prompt; the Responses API counts the cached tokens either way."""
+    prompt = "A prompt of more than sixteen tokens"  # a byte each: one full block to cache
+    for _ in range(2):
+        usage = ok(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})["usage"]
+        assert usage["prompt_tokens_details"] is None and usage["prompt_tokens"] == len(prompt)
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    assert ok(tiny_server, "/v1/chat/completions", chat)["usage"]["prompt_tokens_details"] is None
+    body = {"model": MODEL_NAME, **chat, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{tiny_server.base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] is None
+    responses = [ok(tiny_server, "/v1/responses", {"input": prompt, "max_output_tokens": 2})["usage"]
+                 for _ in range(2)]
+    assert responses[1]["input_tokens_details"]["cached_tokens"] >= 16
 
 
 def test_a_custom_role_reaches_the_template(tiny_server):

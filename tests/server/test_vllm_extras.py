@@ -33,9 +33,11 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    """The flags on: logprobs by token id, usage on every stream, /tokenizer_info, a root path."""
+    """The flags on: logprobs by token id, usage on every stream with the cached prompt tokens,
+    /tokenizer_info, a root path."""
     with RunningServer(tiny_config(tiny_model_dir), api_key=API_KEY,
-                       options=AnswerOptions(return_tokens_as_token_ids=True, force_include_usage=True),
+                       options=AnswerOptions(return_tokens_as_token_ids=True, force_include_usage=True,
+                                             prompt_tokens_details=True),
                        root_path="/llm", enable_tokenizer_info_endpoint=True) as running:
         yield running
 
