@@ -12,6 +12,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from tests.hf_logprobs import forward_logprobs
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens: blocks of 4 hold 4 + 4 + 2
 
@@ -209,12 +210,9 @@ def test_every_eos_id_stops_and_min_tokens_bans_them_whatever_ignore_eos_says(co
 
 
 def test_prompt_logprobs_under_chunked_prefill_match_transformers_and_skip_the_prefix_cache(engine):
-    transformers = pytest.importorskip("transformers")
+    expected = forward_logprobs(engine.model_path)(PROMPT)
     chunked = LLMEngine(model=engine.model_path, dtype="float32", block_size=4, num_kv_blocks=64,
                         max_num_batched_tokens=4, enable_prefix_caching=True).engine_core
-    hf = transformers.AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32)
-    with torch.no_grad():
-        expected = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
     chunked.add_request(request("warm", max_tokens=1))  # fills the prefix cache with PROMPT
     run(chunked)
     for name in ("a", "b"):  # the second would hit the cache, but must not read it

@@ -19,13 +19,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.server.answer_options import AnswerOptions
 from pagedllm.server.app import Cors
 from pagedllm.server.protocol import NOT_IMPLEMENTED_FIELDS
 from tests.conftest import wait_until_healthy
+from tests.hf_logprobs import forward_logprobs as transformers_logprobs
 from tests.model.tiny import CHAT_TEMPLATE
 from tests.server.conftest import API_KEY, MODEL_NAME, RunningServer, free_port, tiny_config
 
@@ -191,14 +191,7 @@ def test_unknown_fields_are_logged_once_per_name_with_the_request_id(server, cap
 @pytest.fixture(scope="module")
 def forward_logprobs(model_dir):
     """log_softmax of transformers' forward pass over a prompt: [positions, vocab]."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-    def run(token_ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(hf(torch.tensor([token_ids])).logits[0].float(), dim=-1)
-
-    return run
+    return transformers_logprobs(model_dir)
 
 
 PROMPT_IDS = [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116, 32, 111, 110]  # "The cat sat on"

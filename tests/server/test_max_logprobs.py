@@ -20,6 +20,7 @@ from pagedllm.server.protocol import (
     MAX_PROMPT_LOGPROB_ENTRIES_RAISED_CAP,
     prompt_logprob_budget,
 )
+from tests.hf_logprobs import forward_logprobs as transformers_logprobs
 from tests.server.conftest import MODEL_NAME, RunningServer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,14 +32,7 @@ PROMPT_IDS = [84, 104, 101, 32, 99, 97, 116]  # "The cat"
 @pytest.fixture(scope="module")
 def forward_logprobs(tiny_model_dir):
     """log_softmax of transformers' forward pass over a prompt: [positions, vocab]."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-
-    def run(token_ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(hf(torch.tensor([token_ids])).logits[0].float(), dim=-1)
-
-    return run
+    return transformers_logprobs(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
