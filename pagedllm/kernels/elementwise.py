@@ -34,6 +34,13 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     tiers.current().ops.add_rms_norm_(x, residual, weight, eps)
 
 
+def rms_norm_heads_(rows: torch.Tensor, first: int, count: int, head_dim: int, weight: torch.Tensor,
+                    eps: float) -> None:
+    """In place: heads first .. first + count of each row of rows [T, width], each normalized over
+    its head_dim by weight (the same values as rms_norm over those heads as rows)."""
+    tiers.current().ops.rms_norm_heads_(rows, first, count, head_dim, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [T, I]."""
     return tiers.current().ops.silu_and_mul(gate_up)

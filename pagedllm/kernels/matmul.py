@@ -52,6 +52,12 @@ def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
     return tiers.current().ops.quant_dequantize.default(*weight.kernel_args, dtype)
 
 
+def quant_embedding(weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids (int64 [n]) of a QuantizedWeight table, plain or row-interleaved, dequantized to
+    dtype: [n, K], the same values as quant_dequantize of those rows, in one call."""
+    return tiers.current().ops.quant_embedding.default(*weight.kernel_args, ids, dtype)
+
+
 def dense_amx_available() -> bool:
     """Whether the dense_amx ops run under the chosen tier (amx, the OS lets us use it, and not
     PAGEDLLM_DENSE_AMX=0); the model calls the tier's `dense_amx_mm` itself (packed_linear.py: one call per

@@ -136,12 +136,10 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm)
         if any(n.weight.dtype != qkv.dtype for n in norms):
             return False
-        start = 0
-        for norm, size in zip(norms, (self.q_size, self.kv_size), strict=True):
-            part = qkv[:, start:start + size]
-            part.copy_(elementwise.rms_norm(part.reshape(-1, self.head_dim), norm.weight, norm.eps)
-                       .view(qkv.shape[0], size))
-            start += size
+        q_norm, k_norm = norms
+        elementwise.rms_norm_heads_(qkv, 0, self.num_heads, self.head_dim, q_norm.weight, q_norm.eps)
+        elementwise.rms_norm_heads_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, k_norm.weight,
+                                    k_norm.eps)
         return True
 
 

@@ -170,11 +170,12 @@ class QuantEmbedding(nn.Module):
         self.cpu_kernel = tiers.current().has("quantized matmul")  # chosen at load (tiers.py)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        picked = self.weight_q.select_rows(input_ids.reshape(-1))
-        if self.cpu_kernel and picked.codes.device.type == "cpu" and self.dtype in compiled.KERNEL_DTYPES:
-            rows = matmul.quant_dequantize(picked, self.dtype)
+        ids = input_ids.reshape(-1)
+        if (self.cpu_kernel and self.weight_q.codes.device.type == "cpu"
+                and self.dtype in compiled.KERNEL_DTYPES):  # gathered and dequantized in one call
+            rows = matmul.quant_embedding(self.weight_q, ids.to(torch.int64).contiguous(), self.dtype)
         else:
-            rows = picked.dequantize(self.dtype)
+            rows = self.weight_q.select_rows(ids).dequantize(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 

@@ -46,6 +46,28 @@ def test_add_rms_norm_in_place(tier, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,first,count,head_dim", [(1, 0, 12, 64), (1, 12, 4, 64), (7, 2, 3, 16),
+                                                         (40, 0, 1, 128), (3, 5, 0, 8)])
+def test_rms_norm_heads_in_place_equals_rms_norm_over_the_heads(tier, dtype, tokens, first, count, head_dim):
+    """Qwen3's q/k norms on the fused q/k/v rows: exactly rms_norm over the heads taken as rows,
+    written back in place; the columns around them untouched."""
+    width = (first + count + 2) * head_dim
+    rows = (torch.randn(tokens, width) * 3).to(dtype)
+    weight = torch.randn(head_dim).to(dtype)
+    start, end = first * head_dim, (first + count) * head_dim
+    expected = rows.clone()
+    heads = rows[:, start:end].reshape(-1, head_dim)
+    expected[:, start:end] = elementwise.rms_norm(heads, weight, 1e-6).view(tokens, end - start)
+    elementwise.rms_norm_heads_(rows, first, count, head_dim, weight, 1e-6)
+    torch.testing.assert_close(rows, expected, atol=0, rtol=0)
+
+
+def test_rms_norm_heads_refuses_heads_past_the_row(tier):
+    with pytest.raises(RuntimeError, match="past the rows"):
+        elementwise.rms_norm_heads_(torch.randn(2, 128), 1, 2, 64, torch.randn(64), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 40), (200, 64)])
 def test_silu_and_mul(tier, dtype, rows, inter):
     gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)

@@ -35,6 +35,7 @@
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -126,14 +127,20 @@ struct GatedMLP {
   }
 };
 
-// Qwen3's q/k norms: each head of q and k normalized by its norm's weight, written back into the
-// q/k/v rows, as model/llama.py's Attention does before rotating them in place.
-void norm_heads_(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, double eps) {
-  const int64_t T = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-  q.copy_(rms_norm(q.reshape({T * num_heads, head_dim}), q_norm, eps).view({T, q_size}));
-  k.copy_(rms_norm(k.reshape({T * num_kv_heads, head_dim}), k_norm, eps).view({T, kv_size}));
+// The rows of x [tokens, H] an expert takes, one per (token, pick) pair of it (pair / top_k is its
+// token): x itself where that is every token in order (a one-token step's), else copied.
+at::Tensor expert_rows(const at::Tensor& x, const std::vector<int64_t>& pairs, int64_t top_k) {
+  TORCH_CHECK(x.is_contiguous(), "decode_layers: the experts' input must be contiguous");
+  const int64_t n = static_cast<int64_t>(pairs.size()), tokens = x.size(0);
+  bool all_in_order = n == tokens;
+  for (int64_t i = 0; i < n && all_in_order; ++i) all_in_order = pairs[i] / top_k == i;
+  if (all_in_order) return x;
+  at::Tensor rows = at::empty({n, x.size(1)}, x.options());
+  const size_t row_bytes = x.size(1) * x.element_size();
+  const char* src = static_cast<const char*>(x.const_data_ptr());
+  char* dst = static_cast<char*>(rows.mutable_data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row_bytes, src + (pairs[i] / top_k) * row_bytes, row_bytes);
+  return rows;
 }
 
 // model/moe.py's SparseMoE.forward with greedy softmax routing, and no shared expert or a gated one
@@ -142,7 +149,7 @@ void norm_heads_(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_
 at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t top_k, bool normalize,
                    bool gated_shared, const at::Tensor& lora_slots) {
   const at::Tensor& router = r.tensor();
-  const double scale = r.tensor().item<double>();
+  const double scale = *r.tensor().const_data_ptr<double>();  // float64 [1], read without a torch call
   const at::Tensor* shared_gate = gated_shared ? &r.tensor() : nullptr;
   std::vector<GatedMLP> experts;
   experts.reserve(num_experts);
@@ -166,10 +173,7 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
     for (int64_t e = 0; e < num_experts; ++e) {
       const std::vector<int64_t>& pairs = pairs_of[e];
       if (pairs.empty()) continue;
-      std::vector<int64_t> token_of(pairs.size());
-      for (size_t i = 0; i < pairs.size(); ++i) token_of[i] = pairs[i] / top_k;
-      const at::Tensor rows = x.index_select(0, at::tensor(token_of, x.options().dtype(at::kLong)));
-      const at::Tensor expert_out = experts[e](rows, lora_slots).contiguous();
+      const at::Tensor expert_out = experts[e](expert_rows(x, pairs, top_k), lora_slots).contiguous();
       const scalar_t* eo = expert_out.const_data_ptr<scalar_t>();
       for (size_t i = 0; i < pairs.size(); ++i) {
         const float weight = static_cast<float>(w[pairs[i]]);
@@ -225,7 +229,10 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
       h = x;
     }
     at::Tensor qkv = Projection(r)(h, lora_slots);
-    if (qk_norm) norm_heads_(qkv, *q_norm, *k_norm, num_heads, num_kv_heads, head_dim, eps);
+    if (qk_norm) {  // Qwen3's q/k norms on each head, in place, as model/llama.py's Attention does
+      rms_norm_heads_(qkv, 0, num_heads, head_dim, *q_norm, eps);
+      rms_norm_heads_(qkv, num_heads, num_kv_heads, head_dim, *k_norm, eps);
+    }
     rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});

@@ -88,6 +88,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// Heads first .. first + count of each row of rows [T, width], each normalized over its head_dim
+// by weight [head_dim] in place (Qwen3's q/k norms on the fused q/k/v rows): the same values as
+// rms_norm over those heads as rows, with no copies.
+void rms_norm_heads_(at::Tensor& rows, int64_t first, int64_t count, int64_t head_dim, const at::Tensor& weight,
+                     double eps) {
+  check_rows(rows, "rms_norm_heads_");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == head_dim && weight.scalar_type() == rows.scalar_type(),
+              "rms_norm_heads_: weight must be [head_dim] of the rows' dtype");
+  TORCH_CHECK(first >= 0 && count >= 0 && (first + count) * head_dim <= rows.size(1),
+              "rms_norm_heads_: heads ", first, "..", first + count, " of ", head_dim, " past the rows' ", rows.size(1));
+  dispatch_float_types(rows, "rms_norm_heads_", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* base = rows.mutable_data_ptr<T>() + first * head_dim;
+    const T* wp = weight.const_data_ptr<T>();
+    const int64_t stride = rows.stride(0);
+    at::parallel_for(0, rows.size(0) * count, grain_rows(head_dim), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        T* head = base + (i / count) * stride + (i % count) * head_dim;
+        norm_row(head, wp, head, head_dim, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
 // residual = round(residual + x); x = rms_norm(residual). In place on both.
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 && x.sizes() == residual.sizes(),
@@ -189,6 +213,7 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm_heads_(Tensor(a!) rows, int first, int count, int head_dim, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
 }
@@ -196,6 +221,7 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("rms_norm", &pagedllm_ops::rms_norm);
   m.impl("add_rms_norm_", &pagedllm_ops::add_rms_norm_);
+  m.impl("rms_norm_heads_", &pagedllm_ops::rms_norm_heads_);
   m.impl("silu_and_mul", &pagedllm_ops::silu_and_mul);
   m.impl("rotary_", &pagedllm_ops::rotary_);
 }

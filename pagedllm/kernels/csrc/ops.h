@@ -16,6 +16,8 @@ namespace pagedllm_ops {
 // fused_ops.cpp; generic_fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rms_norm_heads_(at::Tensor& rows, int64_t first, int64_t count, int64_t head_dim, const at::Tensor& weight,
+                     double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);
 
@@ -23,6 +25,14 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook, int64_t bits,
                   int64_t group_size, const std::optional<at::Tensor>& bias, at::Tensor& out);
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                            const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
+                            at::ScalarType dtype);
+
+// quant_embedding.cpp (both)
+at::Tensor quant_embedding(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
+                           const at::Tensor& ids, at::ScalarType dtype);
 
 // moe_route.cpp (both)
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,

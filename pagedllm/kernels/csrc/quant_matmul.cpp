@@ -339,6 +339,19 @@ int64_t row_grain(int64_t K, int64_t M) {
   return std::max<int64_t>(16, (int64_t{1} << 17) / std::max<int64_t>(K * std::min<int64_t>(M, kMaxRows), 1));
 }
 
+// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
+bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
+#ifdef __AVX512VNNI__
+  return pagedllm_int8::int8_layout(bits, group_size, codebook);
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace pagedllm_ops {
+
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, at::ScalarType dtype) {
   const Weights t{qweight, scales, mins, codebook, bits, group_size};
@@ -359,18 +372,6 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   return out;
 }
 
-// Whether quant_linear takes bf16 activations of this weight layout as int8 (quant_int8_rows.h).
-bool quant_int8_takes(const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size) {
-#ifdef __AVX512VNNI__
-  return pagedllm_int8::int8_layout(bits, group_size, codebook);
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
-namespace pagedllm_ops {
 
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                   const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias,
@@ -437,5 +438,5 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) {
   m.impl("quant_linear", &pagedllm_ops::quant_linear);
-  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_dequantize", &pagedllm_ops::quant_dequantize);
 }
