@@ -52,6 +52,11 @@ def quant_dequantize(weight, dtype: torch.dtype) -> torch.Tensor:
     return tiers.current().ops.quant_dequantize.default(*weight.kernel_args, dtype)
 
 
+def quant_linear_argmax(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """(x @ weight^T (+ bias)).max(-1).indices, int64 [M], by quant_linear's kernel in one call."""
+    return tiers.current().ops.quant_linear_argmax.default(x, *weight.kernel_args, bias)
+
+
 def quant_embedding(weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ids (int64 [n]) of a QuantizedWeight table, plain or row-interleaved, dequantized to
     dtype: [n, K], the same values as quant_dequantize of those rows, in one call."""

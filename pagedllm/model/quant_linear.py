@@ -89,6 +89,15 @@ class QuantLinear(nn.Module):
             out = self._dequantized_tiles(rows)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x [M, in_features]).max(-1).indices: in one compiled call where forward would run
+        the few-rows kernel over one part (a greedy decode step's LM head), else forward's own."""
+        if (len(self.parts) == 1 and x.dim() == 2 and not on_gpu(x) and self.cpu_kernel
+                and x.dtype in compiled.KERNEL_DTYPES and x.stride(-1) == 1
+                and (x.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant)):
+            return matmul.quant_linear_argmax(x, self.parts[0], self._float_bias())
+        return self(x).max(dim=-1).indices
+
     def _gpu_forward(self, rows: torch.Tensor) -> torch.Tensor:
         from pagedllm.kernels import triton_quant_matmul  # Triton only where a GPU runs
 

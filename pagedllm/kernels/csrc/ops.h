@@ -29,11 +29,6 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
                             at::ScalarType dtype);
 
-// quant_embedding.cpp (both)
-at::Tensor quant_embedding(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
-                           const at::Tensor& ids, at::ScalarType dtype);
-
 // moe_route.cpp (both)
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
                                              bool normalize, double scale);
