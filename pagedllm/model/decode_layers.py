@@ -5,9 +5,9 @@ some ten module calls, checks and views around its kernels, about as long as its
 Where a model is Llama-shaped with weights kept quantized (the GGUF case: Llama, Mistral, Qwen2,
 SmolLM ...) and the chosen tier compiles the families it runs (tiers.LAYER_FAMILIES: avx2
 and up), DecodeLayers packs each layer's tensors once
-into two flat lists, and a step of a few rows runs all layers in one call of the same kernels in
-the same order as LlamaForCausalLM's layers: the results are bit for bit theirs (tested), the
-Python between kernels gone.
+into two flat lists, and a step of a few rows runs all layers and the final norm in one call of
+the same kernels in the same order as LlamaForCausalLM's layers: the results are bit for bit
+theirs (tested), the Python between kernels gone.
 
 Which models qualify (`DecodeLayers.build`; anything else keeps the layer-by-layer path): every
 layer a plain DecoderLayer (no latent attention, no sandwich norms, no attention sinks: the
@@ -98,6 +98,9 @@ class DecodeLayers:
             for projection in layer_projections[2:]:
                 _pack_projection(projection, tensors, meta)
             projections += layer_projections
+        if type(model.norm) is not RMSNorm or model.norm.weight.dtype != dtype:
+            return None
+        tensors.append(model.norm.weight)  # the final norm, after the layers
         bases = [_base(p) for p in projections]
         # Above these rows a bf16 QuantLinear takes the AMX kernel, or dequantized tiles (the
         # layers' path then runs).
@@ -113,15 +116,14 @@ class DecodeLayers:
                 and not attn_metadata.batch_invariant)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer over the embeddings x [T, hidden]: (the last MLP output, the residual
-        stream), as the layers' loop gives them."""
-        x, residual = self.op(
+            attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Every layer and the final norm over the embeddings x [T, hidden]: the hidden states,
+        as the layers' loop and the model's norm give them."""
+        return self.op(
             x.contiguous(), self.tensors, self.meta, cos.contiguous(), sin.contiguous(),
             attn_metadata.slot_mapping, attn_metadata.block_tables, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, self.eps, self.scale, self.softcap, self.use_amx,
             self._lora_slots(x.shape[0]))
-        return x, residual
 
     def _lora_slots(self, tokens: int) -> torch.Tensor:
         """Each token's adapter slot (-1: none) for the wrapped projections (none: empty)."""

@@ -272,8 +272,7 @@ class LlamaForCausalLM(nn.Module):
                       if self.local_rotary is not None else rope)
         fused = self.decode_layers
         if fused is not None and fused.takes(x, kv_caches, attn_metadata):
-            x, residual = fused.run(x, *rope, attn_metadata)
-            return self.norm(x, residual)[0]
+            return fused.run(x, *rope, attn_metadata)
         residual = None  # the residual add is folded into the next RMSNorm
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.uses_local_rope else rope

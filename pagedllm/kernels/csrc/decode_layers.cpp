@@ -17,15 +17,16 @@
 //            if it has one, its LoRA A, B and part columns if it has them (lora/layers.py: every
 //            token's own adapter's update is added by lora_add_, over lora_slots), and per part:
 //            codes, scales, mins, codebook (empty: none)
-// after a header in meta: num_layers, num_heads, num_kv_heads, head_dim.
+// after a header in meta: num_layers, num_heads, num_kv_heads, head_dim; and after the layers'
+// tensors, the final norm's weight.
 //
 // Per layer, as model/llama.py's DecoderLayer with the compiled kernels: (add +) RMSNorm, the fused
 // q/k/v projection (Qwen3: each head of q and k normalized in place), rotary in place on q and k,
 // the K/V written to the paged cache, paged attention, the output projection, add + RMSNorm, then
 // gate/up, SiLU-and-mul, down; or a mixture of experts as model/moe.py's SparseMoE runs it (the
 // compiled router, each expert once over its tokens, the same torch operations in the same order
-// around them; Qwen2-MoE's shared expert scaled by its sigmoid gate and added, as shared_output). Returns [x, residual]: the last layer's MLP output and the residual stream (the
-// final norm adds them, in Python).
+// around them; Qwen2-MoE's shared expert scaled by its sigmoid gate and added, as shared_output).
+// Then the final norm, as the model's (add + RMSNorm): returns the hidden states.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -196,7 +197,7 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
   return out + at::sigmoid(gate).to(x.scalar_type()) * (*shared)(x, lora_slots);
 }
 
-std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
                                       const std::vector<int64_t>& meta, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double eps,
@@ -246,9 +247,10 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
     x = num_experts > 0 ? mixture(o, r, num_experts, top_k, normalize, gated_shared, lora_slots)
                         : GatedMLP(r)(o, lora_slots);
   }
+  add_rms_norm_(x, residual, r.tensor(), eps);  // the model's final norm
   TORCH_CHECK(r.next_tensor == tensors.size() && r.next_int == meta.size(),
               "decode_layers: tensors or meta left over: they do not describe the layers");
-  return {x, residual};
+  return x;
 }
 
 }  // namespace
@@ -257,7 +259,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {
   m.def("decode_layers(Tensor x, Tensor(a!)[] tensors, int[] meta, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float eps, float scale, float softcap, "
-        "bool use_amx, Tensor lora_slots) -> Tensor[]");
+        "bool use_amx, Tensor lora_slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_NS, CPU, m) { m.impl("decode_layers", &pagedllm_ops::decode_layers); }
