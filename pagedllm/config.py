@@ -387,6 +387,10 @@ class EngineConfig:
         None, "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\" | \"suffix\" | "
         "\"draft_model\", \"num_speculative_tokens\": k, ...} (pagedllm.spec_decode.config says every "
         "key; default: off)", parse=str, check=_speculative_config)
+    decode_burst: int = setting(
+        8, "decode steps a few greedy streams (up to 4 running, none waiting) run back to back in "
+        "one engine step, sharing its Python (pagedllm.engine.decode_burst; 1: off)",
+        check=check_positive_int)
     # LoRA adapters (pagedllm.lora, docs/lora.md): several fine-tunes of the base served at once.
     enable_lora: bool = setting(
         False, "serve LoRA adapters (PEFT's format) beside the base model, mixed in one batch")

@@ -100,7 +100,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
-    engine = LLMEngine(engine_config(args))
+    # Constrained steps take no decode bursts; free ones would (pagedllm.engine.decode_burst): off,
+    # so that both runs step alike and the ratio is the masks' cost alone.
+    engine = LLMEngine(engine_config(args, decode_burst=1))
     serve_one(engine)
     started = time.perf_counter()
     engine.grammar_compiler.compile(CONSTRAINT)

@@ -443,15 +443,18 @@ class Scheduler:
 
     def _append(self, request: Request, tokens: list[int], num_spec: int) -> RequestStatus | None:
         """Append tokens (at most num_spec + 1) one by one, each stop-checked; the status of the
-        one that stops the request, if one does. All but the last have computed K/V."""
+        one that stops the request, if one does. All but the last appended have computed K/V (a
+        request that stops inside its run counts them too: its blocks full of them are cached
+        when it is freed)."""
         if not 1 <= len(tokens) <= num_spec + 1:
             raise ValueError(f"{len(tokens)} new tokens for {request.request_id}, which ran "
                              f"{num_spec} proposed ones")
         request.spec_token_ids.clear()
-        for token in tokens:
+        for appended, token in enumerate(tokens, 1):
             request.append_token(token)
             status = self.stop_status(request, token)
             if status is not None:
+                request.num_computed_tokens += appended - 1
                 return status
         request.num_computed_tokens += len(tokens) - 1
         return None

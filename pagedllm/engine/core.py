@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 
@@ -32,6 +33,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.core_loader import CoreParts, load_core_parts
 from pagedllm.engine.core_requests import CoreRequests
+from pagedllm.engine.decode_burst import plan_burst
 from pagedllm.engine.lora_admission import LoRAAdmission
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
@@ -56,6 +58,7 @@ class EngineCore(StepIsolation):
         self.facts, self.kv_manager = parts.facts, parts.scheduler.kv_manager
         self.device, self.dtype, self.kv_plan = parts.facts.device, parts.facts.dtype, parts.facts.kv_plan
         self.speculator = parts.speculator  # None: no speculative decoding
+        self.decode_burst = parts.decode_burst  # decode steps a burst runs (pagedllm.engine.decode_burst)
         self.requests = CoreRequests()
         self.lora = LoRAAdmission(parts.lora, self.requests)
         self._counts = dict(prompt=0, generation=0, computed=0, step_requests=0, step_blocks=0)
@@ -133,6 +136,8 @@ class EngineCore(StepIsolation):
             refused += self._admit_lora_waiting()
         if self.speculator is not None and choose is None:
             self.speculator.propose(self.scheduler.running, self.requests.seqs)
+        burst = choose is None and self._bursts_now() and plan_burst(
+            self.decode_burst, self.scheduler.running, self.requests.seqs, self.kv_plan.max_model_len)
         out = self.scheduler.schedule()
         if self.speculator is not None:  # a draft model proposes into the slots just given
             self.speculator.fill(out, self.requests.seqs)
@@ -141,11 +146,13 @@ class EngineCore(StepIsolation):
                       computed=counts["computed"] + out.num_batched_tokens)
         started = time.perf_counter()
         try:
-            outputs, failed, failure = self._run(out, choose), [], ""
-            # What the step cost sizes the next steps' token share (pagedllm.core.step_cost).
-            self.scheduler.step_cost.observe(out.num_batched_tokens, time.perf_counter() - started)
+            outputs, failed, failure = (self._run_burst(out) if burst else self._run(out, choose)), [], ""
+            if not burst:  # a burst's tokens ran as several steps: not one step's cost
+                # What the step cost sizes the next steps' token share (pagedllm.core.step_cost).
+                self.scheduler.step_cost.observe(out.num_batched_tokens, time.perf_counter() - started)
         except Exception as exc:
-            outputs, failed, failure = self._run_without_culprits(out, choose, exc)
+            run = self._run_burst if burst else partial(self._run, choose=choose)
+            outputs, failed, failure = self._run_without_culprits(out, run, exc)
         if not out.scheduled:
             self.structured.wait(_GRAMMAR_WAIT_S)  # at once unless grammars compile
         return EngineCoreOutputs(refused + outputs, self.stats(), failed, failure)
@@ -178,6 +185,27 @@ class EngineCore(StepIsolation):
         spec_seqs, spec_counts, spec_logits = speculating
         runs = self.speculator.verify(spec_seqs, spec_counts, spec_logits, argmax_only)
         return self._update(out, plain[0], choices, list(zip(spec_seqs, spec_counts, runs)))
+
+    def _bursts_now(self) -> bool:
+        """Whether this core may run a decode burst now (pagedllm.engine.decode_burst): on, and
+        nothing waits to be scheduled or read."""
+        return (self.decode_burst > 1 and self.speculator is None and self.facts.pooling is None
+                and self.executor.runs_bursts and not self.scheduler.num_waiting
+                and not self.structured.num_compiling and not self.lora.waiting
+                and not self.requests.num_collecting)
+
+    def _run_burst(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """A decode burst's step: each sequence's tokens taken as an accepted speculative run."""
+        for s in out.scheduled:  # plan_burst's: decodes only, with their placeholders
+            if s.num_new_tokens != 1 + s.num_spec_tokens or s.num_computed_tokens != s.request.num_tokens - 1:
+                raise RuntimeError(f"decode burst: {s.request.request_id} is not a decode")
+        tokens, indices = self.executor.execute_burst(out)
+        seqs_by_id = self.requests.seqs
+        runs = []
+        for i, run in zip(indices, tokens, strict=True):
+            s = out.scheduled[i]
+            runs.append((seqs_by_id[s.request.request_id], 1 + s.num_spec_tokens, (run, [None] * len(run))))
+        return self._update(out, [], [], runs)
 
     @staticmethod
     def _split_rows(seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor):
@@ -241,7 +269,8 @@ class EngineCore(StepIsolation):
         stop; it appended them after num_tokens), its grammar advanced by each (a completed
         grammar ends it there)."""
         tokens, logprobs = run
-        self.speculator.observe(seq.request.request_id, num_proposed, len(tokens) - 1)
+        if self.speculator is not None:  # else a decode burst's (pagedllm.engine.decode_burst)
+            self.speculator.observe(seq.request.request_id, num_proposed, len(tokens) - 1)
         kept = seq.request.token_ids[num_tokens:]
         finished: list[Request] = []
         for i, token in enumerate(kept):

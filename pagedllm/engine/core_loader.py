@@ -91,6 +91,7 @@ class CoreParts:
     facts: CoreFacts
     lora: LoRASlots | None = None  # with enable_lora
     speculator: Speculator | None = None  # speculative decoding's, where it is on
+    decode_burst: int = 1  # EngineConfig.decode_burst (pagedllm.engine.decode_burst)
 
 
 def load_core_parts(config: EngineConfig) -> tuple[CoreParts, LoadedModel]:
@@ -180,7 +181,7 @@ def build_core_parts(config: EngineConfig, model: torch.nn.Module, model_config:
                              "(load_draft_model)")
         speculator = Speculator(spec_config, sampler, kv_plan.max_model_len, proposer)
     return CoreParts(scheduler, executor, sampler, StructuredOutputManager(grammar_compiler),
-                     grammar_compiler, facts, lora, speculator)
+                     grammar_compiler, facts, lora, speculator, config.decode_burst)
 
 
 def plan_model_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,

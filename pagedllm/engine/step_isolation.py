@@ -36,10 +36,12 @@ class StepError(RuntimeError):
 class StepIsolation:
     """EngineCore's failure path (the core's own requests, executor and step: self is the core)."""
 
-    def _run_without_culprits(self, out: SchedulerOutput, choose, exc: Exception):
-        """(outputs, culprits, error) of the step run again without the requests that fail the
-        model alone (they end here; the caller reports them); StepError, the step's requests
-        ended, where none can be pinned or the second run fails too."""
+    def _run_without_culprits(self, out: SchedulerOutput, run: Callable[[SchedulerOutput], list],
+                              exc: Exception):
+        """(outputs, culprits, error) of the step run again by run (the core's step as it was
+        tried: plain or a decode burst) without the requests that fail the model alone (they end
+        here; the caller reports them); StepError, the step's requests ended, where none can be
+        pinned or the second run fails too."""
         seqs = self.requests.seqs
         if getattr(self.executor.runner, "recurrent", False):  # a re-run would advance states twice
             raise StepError(self._fail(out), exc) from exc
@@ -50,7 +52,7 @@ class StepIsolation:
         self.abort_requests(culprits)
         rest = without(out, {s.request.request_id for s in out.scheduled if s.request.is_finished})
         try:
-            return self._run(rest, choose), culprits, repr(exc)
+            return run(rest), culprits, repr(exc)
         except Exception as again:
             raise StepError(self._fail(rest) + culprits, again) from again
 

@@ -80,6 +80,21 @@ class LocalExecutor:
         pooled = self._pool(out, step, result.hidden, pooling) if pooling else {}
         return ExecutorOutput(result.logits, result.sample_indices, found, pooled)
 
+    @property
+    def runs_bursts(self) -> bool:
+        """Whether execute_burst may run (a generating engine's runner that runs bursts)."""
+        return self.pooler is None and self.runner.runs_bursts
+
+    def execute_burst(self, out: SchedulerOutput) -> tuple[list[list[int]], list[int]]:
+        """Run a scheduled decode burst (pagedllm.engine.decode_burst): each sampling sequence's
+        tokens, and the sequences' indices in the scheduled list."""
+        self.runner.drop_requests(out.finished + out.preempted)
+        if not out.scheduled:
+            return [], []
+        self.runner.copy_blocks(out.block_copies)
+        step = self.runner.prepare_inputs(out.scheduled, out.block_copies)
+        return self.runner.run_burst(step), step.sample_indices
+
     def close(self) -> None:
         """Nothing to stop in this process (the tensor-parallel executor stops its workers)."""
 

@@ -177,6 +177,45 @@ class ModelRunner:
         logits = self.model.greedy_tokens(rows) if argmax_only else self.model.compute_logits(rows)
         return StepOutput(logits, step.sample_indices, hidden)
 
+    @property
+    def runs_bursts(self) -> bool:
+        """Whether run_burst may run here: one process on the CPU, without LoRA slots, recurrent
+        states or graphs (whose steps need more than the burst's inputs)."""
+        return (self.device.type == "cpu" and not self.mirrored and self.lora_manager is None
+                and not self.recurrent and self.decode_graphs is None)
+
+    @torch.inference_mode()
+    def run_burst(self, step: StepInputs) -> list[list[int]]:
+        """A decode burst (pagedllm.engine.decode_burst): a prepared step of decodes whose
+        proposals are placeholders run as that many decode steps one after another, each step's
+        argmax tokens the next one's inputs, written into the slots the placeholders took. Each
+        sequence's tokens, in row order (sample_indices')."""
+        meta = step.attn_metadata
+        starts = meta.query_start_loc_cpu
+        n = len(starts) - 1
+        counts = [starts[i + 1] - starts[i] for i in range(n)]
+        context = [meta.seq_lens_cpu[i] - counts[i] for i in range(n)]  # tokens before the burst
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        known = step.input_ids.tolist()
+        current = [known[s] for s in starts[:-1]]  # each sequence's known next token
+        for j in range(max(counts)):
+            active = [i for i in range(n) if counts[i] > j]
+            rows = torch.tensor([starts[i] + j for i in active])
+            lens = [context[i] + j + 1 for i in active]
+            sub = AttentionMetadata(
+                slot_mapping=step.attn_metadata.slot_mapping.index_select(0, rows),
+                block_tables=meta.block_tables if len(active) == n else meta.block_tables[active],
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32),
+                seq_lens_cpu=lens, query_start_loc_cpu=list(range(len(active) + 1)),
+                batch_invariant=self.batch_invariant)
+            ids = torch.tensor([current[i] for i in active])
+            hidden = self.model(ids, step.positions.index_select(0, rows), self.kv_caches, sub)
+            for i, token in zip(active, self.model.greedy_tokens(hidden).tolist(), strict=True):
+                tokens[i].append(token)
+                current[i] = token
+        return tokens
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Float32 logits [end - start, vocab] of rows start..end of the hidden states the last

@@ -15,7 +15,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     torch.set_num_threads(1)
-    return LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    # No decode bursts, as the bench's own engine (constrained steps take none).
+    return LLMEngine(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, decode_burst=1)
 
 
 def test_free_and_constrained_runs_do_the_same_work(engine):

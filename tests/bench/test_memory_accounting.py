@@ -82,7 +82,8 @@ def test_simulation_matches_a_real_engine_run_step_by_step(default_model, monkey
     for layout in ("paged", "contiguous"):
         engine = LLMEngine(EngineConfig(dtype="float32", block_size=4, max_model_len=64,
                                         num_kv_blocks=32, kv_layout=layout,
-                                        enable_prefix_caching=False))
+                                        enable_prefix_caching=False,
+                                        decode_burst=1))  # the simulation steps a token at a time
         real = run_workload(engine, requests, record_steps=True)
         sim = simulate_workload(simulated_scheduler(_sim_args(), layout, 64, 32), requests)
 

@@ -2,9 +2,10 @@
 (pagedllm/engine/core_process.py, `--extension tests.server.core_hooks`, which RunningServer
 passes when it starts the core; HookClient, below, calls them from the test process).
 
-They wrap the core's model step (executor.execute) to fail, slow down or stall it, the way the
-in-process tests used to monkeypatch it: the step still runs in the core, so a fault takes the
-same path through the core, the channel and the server as a real one would.
+They wrap the core's model step (executor.execute, and execute_burst: a decode burst's) to fail,
+slow down or stall it, the way the in-process tests used to monkeypatch it: the step still runs in
+the core, so a fault takes the same path through the core, the channel and the server as a real
+one would.
 
 A call goes as a HookCall through the API process's own channel to the core (so it is applied
 between two steps, in order with the requests sent before and after it); the answer comes back
@@ -70,8 +71,8 @@ def extend(loop) -> None:
 def _wrap(core, before) -> None:
     """Run before(scheduled) ahead of every model step (it may raise or wait)."""
     restore(core)
-    real_execute = core.executor.execute
-    _state.update(failed=0, steps=0, real_execute=real_execute)
+    real_execute, real_burst = core.executor.execute, core.executor.execute_burst
+    _state.update(failed=0, steps=0, real_execute=real_execute, real_burst=real_burst)
 
     def execute(out, argmax_only=False, prompt_logprobs=None):
         if out.scheduled:
@@ -79,14 +80,20 @@ def _wrap(core, before) -> None:
             before(out.scheduled)
         return real_execute(out, argmax_only, prompt_logprobs)
 
-    core.executor.execute = execute
+    def execute_burst(out):  # a decode burst's step (pagedllm.engine.decode_burst)
+        if out.scheduled:
+            _state["steps"] += 1
+            before(out.scheduled)
+        return real_burst(out)
+
+    core.executor.execute, core.executor.execute_burst = execute, execute_burst
 
 
 def restore(core) -> dict:
     """Back to the real step; how many steps the last hook failed."""
-    real_execute = _state.pop("real_execute", None)
+    real_execute, real_burst = _state.pop("real_execute", None), _state.pop("real_burst", None)
     if real_execute is not None:
-        core.executor.execute = real_execute
+        core.executor.execute, core.executor.execute_burst = real_execute, real_burst
     return {"failed": _state["failed"], "steps": _state["steps"]}
 
 

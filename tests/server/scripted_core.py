@@ -76,6 +76,7 @@ def extend(loop) -> None:
     """Called by the core process once the core is loaded: script the model's step."""
     executor = loop.core.executor
     real_execute = executor.execute
+    loop.core.decode_burst = 1  # a burst's steps run inside the runner, past this script
 
     def execute(out, argmax_only=False, prompt_logprobs=None):
         result = real_execute(out, argmax_only, prompt_logprobs)

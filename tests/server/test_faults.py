@@ -99,8 +99,8 @@ def test_a_failing_request_fails_alone_and_the_others_in_its_steps_go_on(fault_s
 
 
 def test_failed_step_mid_stream_sends_an_error_event(fault_server):
-    # Fail on the request's 8th step, after some tokens have gone out.
-    with failing_steps(fault_server, "nth", nth=8), httpx.stream(
+    # Fail on the request's 3rd step, after some tokens have gone out (one or a decode burst's a step).
+    with failing_steps(fault_server, "nth", nth=3), httpx.stream(
             "POST", f"{fault_server.base_url}/v1/completions", timeout=60,
             json={"prompt": NORMAL, "max_tokens": 20, "temperature": 0, "stream": True,
                   "ignore_eos": True}) as response:

@@ -285,9 +285,13 @@ VLLM_FAMILIES = {"num_requests_running", "num_requests_waiting", "num_requests_w
 
 def test_vllms_metric_families_count_what_they_name(server):
     """Each family vLLM's test expects is there, and the per-request ones count K requests of P
-    prompt tokens and M generated ones: M - 1 inter-token intervals each, the tokens the model
-    computed (the prompt less its cached tokens, then M - 1 decodes) over M steps each."""
+    prompt tokens and M generated ones: the tokens the model computed (the prompt less its cached
+    tokens, then M - 1 decodes) over 1 + S steps each, S the decode steps (one per decode burst of
+    B tokens: pagedllm.engine.decode_burst), and S inter-token intervals (as vLLM, one per step
+    that gives a request tokens)."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedllm.config import EngineConfig
 
     text = httpx.get(f"{server.base_url}/metrics").text
     names = {family.name.removeprefix("vllm:") for family in text_string_to_metric_families(text)}
@@ -306,9 +310,10 @@ def test_vllms_metric_families_count_what_they_name(server):
     assert grew("request_prompt_tokens_sum") == k * len(prompt) and grew("request_prompt_tokens_count") == k
     assert grew("request_generation_tokens_sum") == k * m
     assert grew("request_params_max_tokens_sum") == k * m and grew("request_params_n_sum") == k
-    assert grew("inter_token_latency_seconds_count") == k * (m - 1)
+    decode_steps = -(-(m - 1) // EngineConfig().decode_burst)  # the server runs the default
+    assert grew("inter_token_latency_seconds_count") == k * decode_steps
     assert grew("iteration_tokens_total_sum") == k * (len(prompt) + m - 1) - cached
-    assert grew("iteration_tokens_total_count") == k * m
+    assert grew("iteration_tokens_total_count") == k * (1 + decode_steps)
     assert grew("request_success_total", finished_reason="length") == k
     for name in ("request_queue_time_seconds", "request_inference_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_num_preemptions"):

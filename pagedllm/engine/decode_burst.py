@@ -1,0 +1,52 @@
+"""Decode bursts: a few greedy streams decode several tokens per engine step, each token still
+its own decode step of the model, but one schedule, one input preparation and one update of the
+requests for all of them (vLLM V0's multi-step scheduling, for the CPU).
+
+Why: a one-stream decode step of a small model spends a fifth of its time in the step's Python
+(the scheduler, the batch's inputs, the outputs), which the weights' stream pushes out of cache
+every token. A burst of B steps pays it once.
+
+How: before the schedule, plan_burst gives each running sequence B - 1 placeholder proposals (as
+a draft model's are, pagedllm.engine.speculation), so the scheduler gives them slots; the runner
+runs the step as B decode steps, each step's argmax the next one's input (ModelRunner.run_burst);
+the tokens come back as an accepted speculative run, so stops inside it, max_tokens, the KV trim
+after a stop and the outputs are the speculative path's. The tokens are those of B plain decode
+steps: the same kernels over the same rows.
+
+When (all of it, else a plain step): --decode-burst above 1; no speculative decoding; at most
+BURST_MAX_SEQS sequences running, nothing waiting (a newcomer waits at most one burst); each
+running sequence decoding next, its token the argmax alone (greedy, no logprobs, penalties or
+grammar: CoreSequence.takes_argmax); the runner one CPU process (ModelRunner.runs_bursts). A
+burst never runs a sequence past max_tokens or max_model_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.request_group import CoreSequence
+from pagedllm.spec_decode.draft import PLACEHOLDER_TOKEN
+
+# Above this many running sequences a step's Python is shared by them already.
+BURST_MAX_SEQS = 4
+
+
+def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreSequence],
+               max_model_len: int) -> bool:
+    """Whether this step is a burst of `length` decode steps: if so, each running sequence has
+    its placeholder proposals (fewer near its max_tokens or max_model_len)."""
+    if length < 2 or not 1 <= len(running) <= BURST_MAX_SEQS:
+        return False
+    for request in running:
+        seq = seqs.get(request.request_id)
+        if (seq is None or request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != request.num_tokens - 1 or not seq.takes_argmax):
+            return False
+    for request in running:
+        params = request.sampling_params
+        k = min(length - 1, max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - request.num_output_tokens - 1)
+        request.spec_token_ids = [PLACEHOLDER_TOKEN] * max(k, 0)
+    return True
