@@ -54,9 +54,10 @@ def generate_tracking_blocks(engine: LLMEngine, prompt: list[int]) -> tuple[list
 def test_a_sliding_window_model_holds_five_blocks_over_2000_tokens_and_generates_the_same(
         mistral_window_32, monkeypatch):
     prompt = list(range(40, 60))
-    # Six blocks hold any length, in steps of at most 8 tokens: 8 new + 31 older keys span 6.
+    # Six blocks hold any length, in steps of at most 8 tokens: 8 new + 31 older keys span 6. A
+    # decode step of one token holds 5 (no decode bursts here: a burst's step takes 8 slots).
     freeing = LLMEngine(model=str(mistral_window_32), dtype="float32", block_size=BLOCK_SIZE,
-                        num_kv_blocks=6, max_num_batched_tokens=8)
+                        num_kv_blocks=6, max_num_batched_tokens=8, decode_burst=1)
     assert freeing.kv_plan.sliding_window == WINDOW
     assert freeing.kv_plan.max_model_len == 4096
     tokens, used = generate_tracking_blocks(freeing, prompt)
@@ -64,6 +65,12 @@ def test_a_sliding_window_model_holds_five_blocks_over_2000_tokens_and_generates
     decode_steps = used[cdiv(len(prompt), 8):]
     assert max(decode_steps) == cdiv(WINDOW, BLOCK_SIZE) + 1 == 5
     assert used[-1] <= 5 and freeing.memory_stats()["num_used_blocks"] == 0
+    # Decode bursts of 8 (pagedllm.engine.decode_burst) in the same six blocks: the same tokens.
+    bursting = LLMEngine(model=str(mistral_window_32), dtype="float32", block_size=BLOCK_SIZE,
+                         num_kv_blocks=6, max_num_batched_tokens=8, decode_burst=8)
+    burst_tokens, burst_used = generate_tracking_blocks(bursting, prompt)
+    assert burst_tokens == tokens and max(burst_used) == 6 and len(burst_used) < len(used) // 4
+    assert bursting.memory_stats()["num_used_blocks"] == 0
 
     # The same model with every block kept to the end.
     monkeypatch.setattr(ModelConfig, "kv_window", property(lambda self: None))
