@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.engine.test_llm_engine import assert_all_blocks_free
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 10, 11, 12], list(range(20, 50)), [3, 4] * 8]
 
@@ -33,12 +34,6 @@ def count_steps(llm: LLM, prompt: list[int], params: SamplingParams) -> int:
         llm.engine.step()
         steps += 1
     return steps
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    stats = llm.memory_stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"], stats
-    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

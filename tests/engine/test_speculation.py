@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.engine.test_llm_engine import assert_all_blocks_free
 
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
@@ -45,12 +46,6 @@ def spec_stats(llm: LLM) -> dict:
 def assert_both_paths_ran(llm: LLM) -> None:
     stats = spec_stats(llm)
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    stats = llm.memory_stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"], stats
-    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
