@@ -205,7 +205,10 @@ class EngineCore(StepIsolation):
         for i, run in zip(indices, tokens, strict=True):
             s = out.scheduled[i]
             runs.append((seqs_by_id[s.request.request_id], 1 + s.num_spec_tokens, (run, [None] * len(run))))
-        return self._update(out, [], [], runs)
+        outputs = self._update(out, [], [], runs)
+        for request in self.scheduler.running:  # one the schedule left out keeps no placeholders
+            request.spec_token_ids.clear()
+        return outputs
 
     @staticmethod
     def _split_rows(seqs: list[CoreSequence], counts: list[int], logits: torch.Tensor):
