@@ -12,6 +12,8 @@ the start-up line: EngineCore.facts). Each part's own:
   rows masked by their grammars first).
 - a failed step: the requests that fail the model alone end, the others run again without them
   (pagedllm.engine.step_isolation).
+- a decode burst: a few greedy streams, nothing waiting, decode several tokens in one step, one
+  model step each (pagedllm.engine.decode_burst).
 - update: a sequence's Choice continues it, forks children (RequestGroup.branch, sharing the
   prompt's blocks) or ends it; a grammar that completes or refuses a token finishes it. A request
   whose grammar still compiles waits outside the scheduler until it is ready.
