@@ -11,7 +11,9 @@ a draft model's are, pagedllm.engine.speculation), so the scheduler gives them s
 runs the step as B decode steps, each step's argmax the next one's input (ModelRunner.run_burst);
 the tokens come back as an accepted speculative run, so stops inside it, max_tokens, the KV trim
 after a stop and the outputs are the speculative path's. The tokens are those of B plain decode
-steps: the same kernels over the same rows.
+steps: the same kernels over the same rows. Where the model's steps run in one compiled call
+(model/decode_layers.py), the whole burst is one call too (DecodeLayers.burst), so not even the
+model's Python runs between its steps.
 
 When (all of it, else a plain step): --decode-burst above 1; no speculative decoding; at most
 BURST_MAX_SEQS sequences running, nothing waiting (a newcomer waits at most one burst); each

@@ -49,7 +49,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _AVX512_SOURCES = ("attention_entry.cpp", "paged_attention.cpp", "write_kv.cpp", "attention_registration.cpp",
                    "fused_ops.cpp", "quant_matmul.cpp", "quant_int8_avx512.cpp", "quant_amx.cpp",
                    "dense_amx.cpp", "sample.cpp", "decode_layers.cpp", "lora.cpp", "moe_route.cpp",
-                   "quant_embedding.cpp", "quant_argmax.cpp")
+                   "quant_embedding.cpp", "quant_argmax.cpp", "decode_burst.cpp")
 _HEADERS = ("ops.h", "attention_plan.h", "vec.h", "quant_packed.h", "quant_int8_rows.h",
             "generic_quant_layout.h", "amx.h", "dispatch.h", "attention_common.h", "attention_kernel.h",
             "attention_amx_prefill.h", "attention_amx_decode.h", "vec_avx2.h")
@@ -59,7 +59,7 @@ _HEADERS = ("ops.h", "attention_plan.h", "vec.h", "quant_packed.h", "quant_int8_
 _GENERIC_SOURCES = ("generic_fused_ops.cpp", "generic_quant.cpp", "quant_int8_avx2.cpp",
                     "attention_entry.cpp", "attention_avx2.cpp", "write_kv.cpp", "attention_registration.cpp",
                     "decode_layers.cpp", "lora.cpp", "moe_route.cpp", "quant_embedding.cpp",
-                    "quant_argmax.cpp")
+                    "quant_argmax.cpp", "decode_burst.cpp")
 # The avx2 tier's sources with no x86 intrinsics outside `#ifdef __AVX2__`: what an aarch64 build
 # compiles as they are (attention_avx2.cpp has no ARM counterpart yet, so an aarch64 tier would
 # have no attention kernel). tests/kernels/test_aarch64_sources.py builds each with Debian's cross

@@ -22,19 +22,43 @@ whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor parall
 batch-invariant); the KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
 matmul is the one the layers would run), and not batch-invariant ones.
+
+A decode burst (engine/decode_burst.py) runs in one call too (`DecodeLayers.burst`,
+csrc/decode_burst.cpp) where its Python loop (worker/runner.py's run_burst) would make only calls
+the burst call makes in C++: the embedding table one lookup (quantized or plain, no scale, no
+adapters), the rotary embedding's frequencies the same at every step of the burst (no length
+past which its rope type changes them), and the greedy head one QuantLinear argmax call
+(`_burst_parts` and `bursts` say which). Its tokens are the loop's, bit for bit (tested).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import AttentionMetadata, KVCache, QuantizedKV
 from pagedllm.lora.layers import LoRALinear, LoRAState
-from pagedllm.model.quant_linear import MAX_KERNEL_ROWS_BEFORE_AMX, QuantLinear
+from pagedllm.model.quant_linear import MAX_KERNEL_ROWS_BEFORE_AMX, QuantEmbedding, QuantLinear
+from pagedllm.model.rope import RotaryEmbedding
 
 _NONE = torch.empty(0)  # an absent tensor in the flat list
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # no projection wrapped for LoRA
+
+
+@dataclass(frozen=True)
+class BurstParts:
+    """What a burst in one call takes beside the layers: the embedding table ([weight], or a
+    quantized one's [codes, scales, mins, codebook] and bits, group size: 0, 0 for a plain one),
+    the LM head (its argmax is the call's), and the rotary embedding whose cos/sin the call
+    computes as rope.py does."""
+    embedding: list[torch.Tensor]
+    embedding_bits: int
+    embedding_group_size: int
+    head: QuantLinear
+    rotary: RotaryEmbedding
+    dtype: torch.dtype
 
 
 class DecodeLayers:
@@ -47,6 +71,7 @@ class DecodeLayers:
         self.max_rows = max_rows
         self.eps, self.scale, self.softcap, self.use_amx = eps, scale, softcap, use_amx
         self.op = tiers.current().ops.decode_layers
+        self.burst_parts: BurstParts | None = None  # set by build where a burst qualifies
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: list[KVCache]) -> DecodeLayers | None:
@@ -107,8 +132,10 @@ class DecodeLayers:
         amx = any(p.amx_kernel for p in bases)
         max_rows = (MAX_KERNEL_ROWS_BEFORE_AMX if amx and dtype == torch.bfloat16 else
                     min(p.max_kernel_rows for p in bases))
-        return cls(tensors, meta, kv_caches, max_rows, model.norm.eps, first.scale,
-                   first.softcap or 0.0, tiers.current().attention_amx, lora_state)
+        packed = cls(tensors, meta, kv_caches, max_rows, model.norm.eps, first.scale,
+                     first.softcap or 0.0, tiers.current().attention_amx, lora_state)
+        packed.burst_parts = _burst_parts(model, dtype)
+        return packed
 
     def takes(self, x: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> bool:
         """Whether this step runs here: a few rows, over the caches packed in, not batch-invariant."""
@@ -125,6 +152,36 @@ class DecodeLayers:
             attn_metadata.query_start_loc, self.eps, self.scale, self.softcap, self.use_amx,
             self._lora_slots(x.shape[0]))
 
+    def bursts(self, model: torch.nn.Module, kv_caches: list[KVCache],
+               attn_metadata: AttentionMetadata) -> bool:
+        """Whether a burst over this prepared step (a row per sequence and step) runs in one call:
+        the burst qualifies, its sequences fit the few-rows kernels, its rotary frequencies stay
+        those of its first step, and nothing set since the build (adapters) adds to its calls."""
+        parts = self.burst_parts
+        num_seqs = attn_metadata.num_seqs
+        return (parts is not None and kv_caches is self.kv_caches and not attn_metadata.batch_invariant
+                and num_seqs <= self.max_rows and parts.head.argmax_in_one_call(num_seqs, parts.dtype)
+                and (parts.rotary.length_limit is None
+                     or attn_metadata.max_seq_len <= parts.rotary.length_limit)
+                and model.lora_embedding is None and model.lora_head is None)
+
+    def burst(self, first_ids: torch.Tensor, counts: list[int], context: list[int],
+              attn_metadata: AttentionMetadata) -> list[list[int]]:
+        """A burst in one call (where `bursts` says so): each sequence's counts[i] greedy tokens,
+        made one decode step at a time from its first_ids[i] at position context[i], into the
+        slots of attn_metadata's rows."""
+        parts = self.burst_parts
+        head = parts.head
+        codes, scales, mins, codebook, bits, group_size = head.parts[0].kernel_args
+        bias = head._float_bias()
+        tokens = tiers.current().ops.decode_burst.default(
+            first_ids, counts, context, attn_metadata.slot_mapping, attn_metadata.block_tables,
+            parts.rotary.inv_freq, float(parts.rotary.attention_factor), self.tensors, self.meta, self.eps,
+            self.scale, self.softcap, self.use_amx, parts.embedding, parts.embedding_bits,
+            parts.embedding_group_size, [codes, scales, _or_none(mins), _or_none(codebook), _or_none(bias)],
+            bits, group_size, parts.dtype)
+        return [row[:count] for row, count in zip(tokens.tolist(), counts, strict=True)]
+
     def _lora_slots(self, tokens: int) -> torch.Tensor:
         """Each token's adapter slot (-1: none) for the wrapped projections (none: empty)."""
         if self.lora_state is None:
@@ -133,6 +190,29 @@ class DecodeLayers:
         if slots is None or slots.shape[0] != tokens:  # no batch set: the base alone
             return torch.full((tokens,), -1, dtype=torch.int64)
         return slots
+
+
+def _or_none(tensor: torch.Tensor | None) -> torch.Tensor:
+    return _NONE if tensor is None else tensor
+
+
+def _burst_parts(model, dtype: torch.dtype) -> BurstParts | None:
+    """A burst's parts where each of its steps, as run_burst's loop runs it, makes only the calls
+    the burst call makes: the embeddings one lookup, unscaled (LlamaForCausalLM.embed), one rotary
+    embedding, and the greedy tokens one quantized head's argmax, uncapped (greedy_tokens)."""
+    head = getattr(model, "_packed_lm_head", None)
+    table = model.embed_tokens
+    if (model.embed_scale is not None or model.local_rotary is not None or not isinstance(head, QuantLinear)
+            or model.config.final_logit_softcapping is not None):
+        return None
+    if type(table) is QuantEmbedding and table.in_one_call and table.dtype == dtype:
+        codes, scales, mins, codebook, bits, group_size = table.weight_q.kernel_args
+        embedding = [codes, scales, _or_none(mins), _or_none(codebook)]
+    elif type(table) is torch.nn.Embedding and table.weight.dtype == dtype:
+        embedding, bits, group_size = [table.weight], 0, 0
+    else:
+        return None
+    return BurstParts(embedding, bits, group_size, head, model.rotary, dtype)
 
 
 def _qk_norms(attn, model, dtype: torch.dtype) -> list[torch.Tensor]:

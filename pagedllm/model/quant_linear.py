@@ -92,11 +92,15 @@ class QuantLinear(nn.Module):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x [M, in_features]).max(-1).indices: in one compiled call where forward would run
         the few-rows kernel over one part (a greedy decode step's LM head), else forward's own."""
-        if (len(self.parts) == 1 and x.dim() == 2 and not on_gpu(x) and self.cpu_kernel
-                and x.dtype in compiled.KERNEL_DTYPES and x.stride(-1) == 1
-                and (x.shape[0] <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant)):
+        if (x.dim() == 2 and not on_gpu(x) and x.stride(-1) == 1
+                and self.argmax_in_one_call(x.shape[0], x.dtype)):
             return matmul.quant_linear_argmax(x, self.parts[0], self._float_bias())
         return self(x).max(dim=-1).indices
+
+    def argmax_in_one_call(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether argmax over `rows` contiguous CPU rows of dtype is one compiled call."""
+        return (len(self.parts) == 1 and self.cpu_kernel and dtype in compiled.KERNEL_DTYPES
+                and (rows <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant))
 
     def _gpu_forward(self, rows: torch.Tensor) -> torch.Tensor:
         from pagedllm.kernels import triton_quant_matmul  # Triton only where a GPU runs
@@ -180,12 +184,17 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        if (self.cpu_kernel and self.weight_q.codes.device.type == "cpu"
-                and self.dtype in compiled.KERNEL_DTYPES):  # gathered and dequantized in one call
+        if self.in_one_call:  # gathered and dequantized in one call
             rows = matmul.quant_embedding(self.weight_q, ids.to(torch.int64).contiguous(), self.dtype)
         else:
             rows = self.weight_q.select_rows(ids).dequantize(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def in_one_call(self) -> bool:
+        """Whether a lookup is one compiled call (quant_embedding)."""
+        return (self.cpu_kernel and self.weight_q.codes.device.type == "cpu"
+                and self.dtype in compiled.KERNEL_DTYPES)
 
 
 def interleave_for_int8(model: nn.Module) -> int:

@@ -188,13 +188,18 @@ class ModelRunner:
     def run_burst(self, step: StepInputs) -> list[list[int]]:
         """A decode burst (pagedllm.engine.decode_burst): a prepared step of decodes whose
         proposals are placeholders run as that many decode steps one after another, each step's
-        argmax tokens the next one's inputs, written into the slots the placeholders took. Each
+        argmax tokens the next one's inputs, written into the slots the placeholders took (in one
+        compiled call where the model's decode steps qualify: DecodeLayers.bursts). Each
         sequence's tokens, in row order (sample_indices')."""
         meta = step.attn_metadata
         starts = meta.query_start_loc_cpu
         n = len(starts) - 1
         counts = [starts[i + 1] - starts[i] for i in range(n)]
         context = [meta.seq_lens_cpu[i] - counts[i] for i in range(n)]  # tokens before the burst
+        fused = getattr(self.model, "decode_layers", None)
+        if fused is not None and fused.bursts(self.model, self.kv_caches, meta):  # the loop below in C++
+            first_ids = step.input_ids.index_select(0, torch.tensor(starts[:-1]))
+            return fused.burst(first_ids, counts, context, meta)
         tokens: list[list[int]] = [[] for _ in range(n)]
         known = step.input_ids.tolist()
         current = [known[s] for s in starts[:-1]]  # each sequence's known next token

@@ -197,6 +197,8 @@ at::Tensor mixture(const at::Tensor& x, Reader& r, int64_t num_experts, int64_t 
   return out + at::sigmoid(gate).to(x.scalar_type()) * (*shared)(x, lora_slots);
 }
 
+}  // namespace
+
 at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
                                       const std::vector<int64_t>& meta, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -253,7 +255,6 @@ at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& 
   return x;
 }
 
-}  // namespace
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_NS, m) {

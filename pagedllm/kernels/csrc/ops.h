@@ -1,7 +1,8 @@
 // The entry points of every compiled tier's kernels that other kernels call directly
-// (decode_layers.cpp runs a whole decode step's layers through them), declared once. Each is also a
-// torch op of the tier (registered beside its definition) with the same arguments. Where a tier
-// defines them is named per group (AVX-512 source; AVX2 source).
+// (decode_layers.cpp runs a whole decode step's layers through them, decode_burst.cpp several
+// steps), declared once. Each is also a torch op of the tier (registered beside its definition)
+// with the same arguments. Where a tier defines them is named per group (AVX-512 source; AVX2
+// source).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,6 +29,23 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
                             at::ScalarType dtype);
+
+// quant_embedding.cpp (both)
+at::Tensor quant_embedding(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                           const std::optional<at::Tensor>& codebook, int64_t bits, int64_t group_size,
+                           const at::Tensor& ids, at::ScalarType dtype);
+
+// quant_argmax.cpp (both)
+at::Tensor quant_linear_argmax(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& codebook,
+                               int64_t bits, int64_t group_size, const std::optional<at::Tensor>& bias);
+
+// decode_layers.cpp (both)
+at::Tensor decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& tensors,
+                         const std::vector<int64_t>& meta, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double eps, double scale, double softcap, bool use_amx,
+                         const at::Tensor& lora_slots);
 
 // moe_route.cpp (both)
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
