@@ -1,7 +1,7 @@
 """Mixture-of-experts models served: `pagedllm serve` on tiny random Qwen3-MoE, Qwen2-MoE (with its
 gated shared expert), Mixtral, gpt-oss and DeepSeek-V2/V3 folders answers the official openai
 client, streamed and not, with the tokens the offline engine gives (which tests/model/test_moe.py
-checks against transformers); and served from llama.cpp's GGUF files (and gpt-oss from its folder),
+checks against transformers); and served from llama.cpp's GGUF files and from the HF folders,
 transformers' own greedy tokens through prefix-cache hits, preemption and n > 1."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def test_served_moe_text_equals_the_offline_engine(moe_dir, one_torch_thread):
 
 
 @pytest.mark.parametrize("shape, source", [
-    ("qwen3_moe", "gguf"), ("qwen2_moe", "gguf"), ("mixtral_moe", "gguf"),
-    ("gpt_oss", "gguf"), ("gpt_oss", "folder")])
+    ("qwen3_moe", "gguf"), ("qwen2_moe", "gguf"), ("mixtral_moe", "gguf"), ("gpt_oss", "gguf"),
+    ("qwen3_moe", "folder"), ("qwen2_moe", "folder"), ("mixtral_moe", "folder"), ("gpt_oss", "folder")])
 def test_served_moe_gives_transformers_tokens_through_cache_hits_preemption_and_n(shape, source, tmp_path,
                                                                                   one_torch_thread):
     if source == "gguf":
