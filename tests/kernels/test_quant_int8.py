@@ -147,7 +147,7 @@ def test_interleaved_group_sizes(tier, bits, group_size, cols, rows):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
 def test_interleaved_groups_alone_or_in_pairs_agree(tier, bits, rows):
     """Groups of 16 weight rows taken two at a time (AVX-512: each broadcast of x feeds both) give
     bit for bit what each group gives alone: 48 rows (a pair, then one) against 16 at a time."""
@@ -157,6 +157,19 @@ def test_interleaved_groups_alone_or_in_pairs_agree(tier, bits, rows):
     bias = torch.randn(48)
     alone = [kernel(x, plain.rows(lo, lo + 16).interleave(), bias[lo:lo + 16]) for lo in (0, 16, 32)]
     assert torch.equal(kernel(x, plain.interleave(), bias), torch.cat(alone, dim=1))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interleaved_rows_do_not_depend_on_the_others(tier, bits):
+    """Each row of x gives bit for bit the same output alone as in a pass of 4, 5 or 6 rows (what
+    batch-invariant mode and speculation's verification rows rely on)."""
+    plain = quantize(torch.randn(32, COLS) * 0.1, bits, 32)
+    interleaved(tier, plain)
+    weight, bias = plain.interleave(), torch.randn(32)
+    x = activations(11, COLS, 3)
+    alone = torch.cat([kernel(x[i:i + 1], weight, bias) for i in range(11)])
+    for rows in (4, 5, 6, 11):
+        assert torch.equal(kernel(x[:rows], weight, bias), alone[:rows])
 
 
 def test_float32_activations_stay_exact(tier, gguf_weights):

@@ -273,17 +273,17 @@ void interleaved_rows_pair(const uint8_t* codes, int64_t codes_stride, const S* 
   __m512 acc[2][R];
 #pragma GCC unroll 2
   for (int g = 0; g < 2; ++g)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[g][r] = bias ? _mm512_loadu_ps(bias + n0 + g * kInterleavedRows) : _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* at[2] = {codes + b * kBlockBytes, codes + codes_stride + b * kBlockBytes};
     __m512i dot[2][R];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = _mm512_set1_epi32(c * x.code_sums_of(m0 + r)[b]);
     // The codes of chunk i pair with x's codes 4i..4i+3 (u4: the low nibbles; the high ones with
     // 16+4i..16+4i+3).
     auto multiply = [&](const __m512i (&w)[2], int64_t first_code) {
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         int32_t q;
         std::memcpy(&q, x.codes_of(m0 + r) + b * kBlock + first_code, 4);
@@ -310,14 +310,14 @@ void interleaved_rows_pair(const uint8_t* codes, int64_t codes_stride, const S* 
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m512 s = load_rows16(scales + h * group_stride + g * kInterleavedRows);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r)
         acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][r]),
                                     _mm512_mul_ps(s, _mm512_set1_ps(x.block_scales_of(m0 + r)[b])), acc[h][r]);
       if constexpr (kMin) {
         if ((b + 1) % per_group == 0) {
           const __m512 mn = load_rows16(mins + h * group_stride + g * kInterleavedRows);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
           for (int r = 0; r < R; ++r) acc[h][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums_of(m0 + r)[g]), acc[h][r]);
         }
       }
@@ -325,7 +325,7 @@ void interleaved_rows_pair(const uint8_t* codes, int64_t codes_stride, const S* 
   }
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) store_rows16(out + (m0 + r) * ldo + n0 + h * kInterleavedRows, acc[h][r]);
 }
 #endif  // __AVX512VNNI__
@@ -378,7 +378,11 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     if (count == 2) {
       for (int64_t m = 0; m < M;) {
-        if (M - m >= 4) interleaved_rows_pair<4, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 4;
+        // 5 or 6 rows in one pass (a speculative step verifying 4 or 5 proposals): fewer unpacked
+        // codes and loads than 4 + 1 or 4 + 2; more would spill the accumulators.
+        if (M - m == 5) interleaved_rows_pair<5, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 5;
+        else if (M - m == 6) interleaved_rows_pair<6, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 6;
+        else if (M - m >= 4) interleaved_rows_pair<4, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 4;
         else if (M - m == 3) interleaved_rows_pair<3, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 3;
         else if (M - m == 2) interleaved_rows_pair<2, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 2;
         else interleaved_rows_pair<1, kU4, kMin>(codes, codes_stride, s, mn, group_stride, K, group_size, c, rows, m, bp, op, ldo, n0), m += 1;
