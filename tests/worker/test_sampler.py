@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import Request
@@ -245,16 +245,18 @@ def test_min_tokens_above_max_tokens_is_refused():
 
 # -- the sampling method: candidates and an inverse CDF, against a full sort ------------------------
 
-def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def reference_probs(logits: torch.Tensor, params: SamplingParams, top_p_margin: float = 0.0) -> torch.Tensor:
     """What a row samples from, by the definition: temperature, top-k and top-p over the whole
-    vocabulary sorted, softmax over what is kept, then min_p."""
+    vocabulary sorted, softmax over what is kept, then min_p. top_p_margin moves the nucleus's
+    edge: a token whose mass before it is within float32 rounding of top_p is in or out of the
+    nucleus depending on the order the sums ran in."""
     scaled = logits / params.temperature
     vocab = scaled.shape[0]
     sorted_logits, order = scaled.sort(descending=True)
     k = vocab if params.top_k == -1 else min(params.top_k, vocab)
     drop = torch.arange(vocab) >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    drop |= probs.cumsum(-1) - probs >= params.top_p
+    drop |= probs.cumsum(-1) - probs >= params.top_p + top_p_margin
     kept = torch.empty_like(scaled).scatter_(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(kept, dim=-1)
     probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
@@ -269,14 +271,21 @@ params_strategy = st.builds(
 @settings(max_examples=60, deadline=None)
 @given(params=st.lists(params_strategy, min_size=1, max_size=6), vocab=st.sampled_from([7, 300, 5000]),
        spread=st.sampled_from([0.01, 1.0, 8.0]), seed=st.integers(0, 2**16))
+# Found by a clean-clone run: row 5's edge token has 0.9000003 of the mass before it in a float32
+# sort, so the definition drops it, and the sampler, summing in another order, keeps it.
+@example(params=[SamplingParams(temperature=1.0)] * 5 + [
+    SamplingParams(temperature=1.908728431494526, top_p=0.9, top_k=5000)], vocab=5000, spread=1.0, seed=2043)
 def test_candidates_keep_what_a_full_sort_keeps(params, vocab, spread, seed):
     """Whatever the batch, each row's tokens and probabilities (sampling_probs: the sampler's
     candidates and weights over the vocabulary) are those of the definition, including flat rows
     whose nucleus is larger than the first candidate sets (spread 0.01)."""
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * spread
     for j, (got, p) in enumerate(zip(sampling_probs(logits, params), params)):
-        expected = reference_probs(logits[j], p)
-        assert torch.allclose(got, expected, atol=1e-5), (p, (got - expected).abs().max())
+        # The nucleus's edge token (mass before it within 1e-5 of top_p) may go either way.
+        candidates = [reference_probs(logits[j], p, margin) for margin in (0.0, -1e-5, 1e-5)]
+        errors = [(got - expected).abs().max() for expected in candidates]
+        assert any(torch.allclose(got, expected, atol=1e-5) for expected in candidates), (p, errors)
+
 
 
 def test_inverse_cdf_picks_each_bin_at_its_edges_and_never_a_zero_weight():
