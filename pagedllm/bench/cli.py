@@ -35,6 +35,9 @@ BENCHES = {
     "proposers": ("pagedllm.bench.proposers",
                   "speculative decoding's proposers alone: cost per call at 64 x 4k tokens, tokens "
                   "per step on the copy workload's reference answers"),
+    "repeated": ("pagedllm.bench.repeated",
+                 "speculative decoding on repeated work: each copy request sent twice, the repeat's "
+                 "tok/s with n-gram and suffix proposals against plain decoding"),
     "isolation": ("pagedllm.bench.isolation",
                   "one hostile client against another: a stream's token gaps and a tiny request's "
                   "answer under each of issue 32's attacks (a running server)"),

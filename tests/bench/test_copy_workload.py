@@ -1,5 +1,6 @@
 """The copy-heavy workload: prompts whose answers echo them, from the shipped corpus; its flag on
-bench throughput; and bench proposers, which measures the proposers against its answers."""
+bench throughput; bench proposers, which measures the proposers against its answers; and bench
+repeated, which sends each of its requests twice."""
 
 from __future__ import annotations
 
@@ -82,3 +83,27 @@ def test_bench_proposers_measures_cost_and_tokens_per_step(tokenizer):
     corpus_ids = list(range(1, 50)) * 40
     timing = proposers.time_calls(NgramProposer(2, 5), corpus_ids, num_seqs=4, context_len=100, k=3, calls=3)
     assert timing["ms_per_call_median"] >= 0 and timing["first_call_ms"] >= 0
+
+
+def test_bench_repeated_times_each_engine_on_each_repeat(tmp_path, monkeypatch):
+    """bench repeated: every engine answers every request twice (counted), and the JSON holds a
+    speed per repeat and engine."""
+    from pagedllm.bench import repeated
+
+    model = write_gguf(make_hf_model("llama_gqa_untied", max_position_embeddings=2048),
+                       tmp_path / "tiny.gguf")
+    calls: dict[int, int] = {}
+    answer = repeated.answer
+
+    def counted(engine, prompt_token_ids, max_tokens):
+        calls[id(engine)] = calls.get(id(engine), 0) + 1
+        return answer(engine, prompt_token_ids, max_tokens)
+
+    monkeypatch.setattr(repeated, "answer", counted)
+    out = tmp_path / "repeated.json"
+    assert main(["bench", "repeated", "--model", str(model), "--num-prompts", "2", "--dtype", "float32",
+                 "--kv-cache-memory", "8MiB", "--threads", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(calls.values()) == [4, 4, 4]  # 2 requests x (first, repeat) for each of 3 engines
+    assert set(result["tokens_per_s"]) == {"plain", "ngram", "suffix"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["tokens_per_s"].values())
