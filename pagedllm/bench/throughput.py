@@ -337,6 +337,14 @@ def _report(payload: dict, rival: str | None) -> None:
                       s["single_stream"].get("decode_cpu_ms_per_token_median", "-"),
                       s["single_stream"]["ttft_ms_best"], s["single_stream"]["ttft_ms_median"],
                       s.get("rss_after_startup_mib", s.get("rss_mib", "-"))] for s in (ours, theirs)])
+        mine, rivals = ours["single_stream"], theirs["single_stream"]
+        payload["ratio_single_stream_decode_median"] = round(
+            mine["decode_tokens_per_s_median"] / rivals["decode_tokens_per_s_median"], 3)
+        pairs = [round(a / b, 2) for a, b in zip(mine["decode_tokens_per_s_each"],
+                                                  rivals["decode_tokens_per_s_each"])]
+        payload["ratio_single_stream_each_run"] = pairs
+        print(f"\npagedllm / {rival} single-stream decode tok/s (medians): "
+              f"{payload['ratio_single_stream_decode_median']}x; each pair of runs: {pairs}")
     if "sequential" in theirs:
         print_table("The workload one request at a time (in turn with the baseline)",
                     ["system", "out tok/s", "total tok/s", "time s"],

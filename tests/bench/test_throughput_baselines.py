@@ -131,8 +131,13 @@ def test_llama_cpp_baseline_runs_the_same_requests(tmp_path, tiny_gguf, fake_lla
     assert ours["output_tokens_per_s"] > 0 and ours["quantization"] == "auto"
     assert theirs["output_tokens_per_s"] > 0 and theirs["output_tokens_per_cpu_s"] > 0  # batched
     assert result["same_output"]["requests_identical"] == 0  # the stand-in's tokens are its own
+    mine, rivals = (s["single_stream"]["decode_tokens_per_s_each"] for s in (ours, theirs))
+    assert result["ratio_single_stream_each_run"] == [round(a / b, 2) for a, b in zip(mine, rivals)]
+    medians = [s["single_stream"]["decode_tokens_per_s_median"] for s in (ours, theirs)]
+    assert result["ratio_single_stream_decode_median"] == round(medians[0] / medians[1], 3)
     printed = capsys.readouterr().out
     assert "Single stream" in printed and "one request at a time" in printed
+    assert "single-stream decode tok/s (medians)" in printed
 
 
 def test_llama_cpp_batched_serves_every_request_at_once_in_continuous_batches(tmp_path, tiny_gguf,
