@@ -286,5 +286,4 @@ def _pack_projection(projection, tensors: list[torch.Tensor], meta: list[int]) -
     for part in linear.parts:
         codes, scales, mins, codebook, bits, group_size = part.kernel_args
         meta += [bits, group_size, part.shape[0]]
-        tensors += [codes, scales, _NONE if mins is None else mins,
-                    _NONE if codebook is None else codebook]
+        tensors += [codes, scales, _or_none(mins), _or_none(codebook)]

@@ -26,10 +26,6 @@
 
 namespace {
 
-std::optional<at::Tensor> present(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 at::Tensor longs(const std::vector<int64_t>& values) {
   return at::tensor(values, at::TensorOptions().dtype(at::kLong));
 }

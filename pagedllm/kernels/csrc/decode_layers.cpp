@@ -46,10 +46,6 @@
 namespace pagedllm_ops {
 namespace {
 
-std::optional<at::Tensor> present(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // Reads the two flat lists in order.
 struct Reader {
   const std::vector<at::Tensor>& tensors;

@@ -14,6 +14,12 @@
 
 namespace pagedllm_ops {
 
+// A tensor of the flat lists Python packs (decode_layers.cpp, decode_burst.cpp): an empty one
+// marks an absent optional tensor.
+inline std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 // fused_ops.cpp; generic_fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
