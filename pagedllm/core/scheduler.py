@@ -108,6 +108,11 @@ class SchedulerOutput:
     preempted: list[Request]
     finished: list[Request]  # finished or aborted since the previous schedule()
     num_batched_tokens: int
+    # Block lists cut since the previous schedule() (a speculative step's rejected slots given
+    # back), by request id: the blocks each kept. A copy of a block list that only appends what is
+    # new (worker/block_table.py) rewrites from there: the list may have grown again since, with
+    # other blocks where the cut ones were (another request may have taken them).
+    trimmed: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -118,6 +123,7 @@ class Scheduler:
         self.running: list[Request] = []  # (priority, admission) order; the newest last in its priority
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._finished_since_schedule: list[Request] = []
+        self._trimmed_since_schedule: dict[str, int] = {}
         self._num_preemptions = 0
         self._step = 0  # schedule() calls so far: when each request last ran (shares.resting)
         # A group left waiting with none running last step for want of blocks or a seat
@@ -199,10 +205,11 @@ class Scheduler:
         budget = self._schedule_waiting(budget, scheduled, preempted, row_share,
                                         outranking_only=len(preempted) > num_share_preempted)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
+        trimmed, self._trimmed_since_schedule = self._trimmed_since_schedule, {}
         return SchedulerOutput(
             scheduled=scheduled, block_copies=self.kv_manager.take_block_copies(),
             preempted=preempted, finished=finished,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget)
+            num_batched_tokens=self.config.max_num_batched_tokens - budget, trimmed=trimmed)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
                           preempted: list[Request], row_share: int | None) -> int:
@@ -437,6 +444,9 @@ class Scheduler:
                 finished.append(request)
             elif item.num_spec_tokens:
                 self.kv_manager.trim(request, request.num_computed_tokens)
+                kept = -(-request.num_computed_tokens // self.kv_manager.block_size)
+                self._trimmed_since_schedule[request.request_id] = min(
+                    kept, self._trimmed_since_schedule.get(request.request_id, kept))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished

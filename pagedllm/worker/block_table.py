@@ -8,7 +8,9 @@ host memory (numpy, int32), laid out so that a step's table costs the same at 1k
   one, once), so that the step's requests sit in rows [0, n).
 - Only what changed is written: a row is filled once, then each step rewrites from its last
   synced entry (copy-on-write may have replaced the block being filled) and marks the entries the
-  KV manager gave back (sliding window holes, always at the front) as NULL_BLOCK.
+  KV manager gave back (sliding window holes, always at the front) as NULL_BLOCK. A list cut at
+  its end (a speculative step's rejected slots, `cut`) is rewritten from the cut on its next
+  sync: by then it may have grown again with other blocks.
 - With track_changes, every write is recorded as (row, first column, end column), so a copy of the
   table on a device follows with only the changed entries (ModelRunner scatters them).
 - The table grows by doubling, in rows with the live requests and in width with the longest one,
@@ -60,6 +62,13 @@ class BlockTable:
         self._request_at.pop()
         self._num_synced.pop()
         self._num_holes.pop()
+
+    def cut(self, request_id: str, num_blocks: int) -> None:
+        """The request's block list was cut to its first num_blocks (pagedllm.core.scheduler's
+        `trimmed`): the next sync rewrites the row from there, whatever the list's length then."""
+        row = self._row_of.get(request_id)
+        if row is not None:
+            self._num_synced[row] = min(self._num_synced[row], num_blocks)
 
     def sync(self, request_id: str, block_ids: list[int]) -> int:
         """Bring the request's row up to date with its block list (the KV manager's live list)

@@ -68,7 +68,7 @@ class LocalExecutor:
         (scheduler's id) that wants its prompt's logprobs asks for. pooling: the scheduled
         pooling requests' params (a pooling engine's)."""
         dropped = out.finished + out.preempted
-        self.runner.drop_requests(dropped)
+        self.runner.drop_requests(dropped, out.trimmed)
         if self.pooler is not None:
             self.pooler.forget(r.request_id for r in dropped)
         if not out.scheduled:
@@ -88,7 +88,7 @@ class LocalExecutor:
     def execute_burst(self, out: SchedulerOutput) -> tuple[list[list[int]], list[int]]:
         """Run a scheduled decode burst (pagedllm.engine.decode_burst): each sampling sequence's
         tokens, and the sequences' indices in the scheduled list."""
-        self.runner.drop_requests(out.finished + out.preempted)
+        self.runner.drop_requests(out.finished + out.preempted, out.trimmed)
         if not out.scheduled:
             return [], []
         self.runner.copy_blocks(out.block_copies)

@@ -19,6 +19,7 @@ KV cache then has one block more than the KV manager hands out, the graphs' scra
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -145,9 +146,13 @@ class ModelRunner:
                 device=self.device, capture=graph_capture or cuda_graphs.CudaGraphCapture(self.device))
             self.decode_graphs.capture_all()
 
-    def drop_requests(self, requests: list[Request]) -> None:
+    def drop_requests(self, requests: list[Request], trimmed: Mapping[str, int] | None = None) -> None:
+        """Forget the rows of requests that finished or were preempted; note the block lists cut
+        since the last step (SchedulerOutput.trimmed), so their rows are rewritten from the cut."""
         for request in requests:
             self.block_table.drop(request.request_id)
+        for request_id, num_blocks in (trimmed or {}).items():
+            self.block_table.cut(request_id, num_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a request its own copy of a block it shared before writing into it

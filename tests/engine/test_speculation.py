@@ -64,6 +64,17 @@ def test_greedy_tokens_equal_the_plain_runs(plain, speculating):
     assert_all_blocks_free(speculating)
 
 
+def test_streams_that_take_each_others_given_back_blocks_keep_their_tokens(plain, tiny_model_dir):
+    """Proposals of 6 tokens over blocks of 4: a rejected run gives back a block, which the next
+    step's first stream to grow may take before the one that gave it back grows again into
+    others. Each runner row must follow its own list (SchedulerOutput.trimmed)."""
+    spec = {**METHODS["ngram"], "num_speculative_tokens": 6}
+    speculating = make_llm(tiny_model_dir, spec, decode_burst=1)
+    assert generate(speculating) == generate(plain)
+    assert_both_paths_ran(speculating)
+    assert_all_blocks_free(speculating)
+
+
 def test_greedy_tokens_survive_preemption_under_a_tight_budget(plain, tiny_model_dir):
     tight = make_llm(tiny_model_dir, METHODS["ngram"], num_kv_blocks=24, max_model_len=64)
     prompts = PROMPTS[:2] + PROMPTS[3:] + [p[:6] for p in PROMPTS]

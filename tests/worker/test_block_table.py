@@ -28,6 +28,18 @@ def test_a_row_is_rewritten_from_its_last_synced_block_after_copy_on_write():
     assert table.table[row, :3].tolist() == [3, 9, 7]
 
 
+def test_a_cut_row_is_rewritten_from_the_cut_when_its_list_grows_again():
+    """A speculative step's rejected blocks went back (SchedulerOutput.trimmed), and before the
+    next step another request took one of them and this one took others: the row must not keep
+    the blocks it gave back."""
+    table = BlockTable(max_blocks_per_seq=16)
+    row = table.sync("a", [3, 5, 8, 9])
+    table.cut("a", 2)
+    assert table.sync("a", [3, 5, 12, 13, 14]) == row
+    assert table.table[row, :5].tolist() == [3, 5, 12, 13, 14]
+    table.cut("gone", 1)  # a request without a row (dropped since): nothing to do
+
+
 def test_live_requests_keep_the_first_rows_and_the_table_grows_by_doubling():
     table = BlockTable(max_blocks_per_seq=200)
     assert table.table.shape == (8, 64)
@@ -77,7 +89,7 @@ def test_the_table_and_a_copy_fed_only_its_changes_agree_with_every_block_list(d
     mirror = np.zeros_like(table.table)
     names = iter(range(10**6))
     for _ in range(data.draw(st.integers(1, 60))):
-        op = data.draw(st.sampled_from(["add", "grow", "grow", "cow", "free_front", "drop", "step"]))
+        op = data.draw(st.sampled_from(["add", "grow", "grow", "cow", "free_front", "trim", "drop", "step"]))
         live = sorted(lists)
         if op == "add" or not live:
             lists[f"r{next(names)}"] = data.draw(st.lists(st.integers(0, 999), min_size=1, max_size=70))
@@ -93,6 +105,12 @@ def test_the_table_and_a_copy_fed_only_its_changes_agree_with_every_block_list(d
                 holes = ids.count(NULL_BLOCK)
                 for i in range(holes, min(len(ids) - 1, holes + data.draw(st.integers(0, 5)))):
                     ids[i] = NULL_BLOCK
+            elif op == "trim":  # rejected blocks given back (told), then the list grows again
+                # (behind the computed tokens, which no window has left yet)
+                keep = data.draw(st.integers(min(ids.count(NULL_BLOCK) + 1, len(ids)), len(ids)))
+                table.cut(rid, keep)
+                ids[keep:] = data.draw(st.lists(st.integers(0, 999), max_size=20))
+                del ids[150:]
             elif op == "drop":
                 table.drop(rid)
                 del lists[rid]
