@@ -46,6 +46,7 @@ from pagedllm.engine.token_choice import Chooser, choose_tokens
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.loader import LoadedModel
 from pagedllm.sampling_bounds import check_runnable
+from pagedllm.spec_decode.ngram import NgramBurst
 
 __all__ = ["EngineCore", "StepError"]
 logger = logging.getLogger(__name__)
@@ -136,10 +137,14 @@ class EngineCore(StepIsolation):
         refused = self.requests.admit_compiled_grammars(self.structured, self.scheduler)
         if self.lora.waiting:
             refused += self._admit_lora_waiting()
-        if self.speculator is not None and choose is None:
+        ngram = None  # a burst's n-gram speculation, where it has one
+        burst = choose is None and self._bursts_now()
+        if burst and self.speculator is not None:
+            ngram = self.speculator.burst(self.scheduler.running)
+        burst = burst and plan_burst(self.decode_burst, self.scheduler.running, self.requests.seqs,
+                                     self.kv_plan.max_model_len, ngram.ks if ngram else None)
+        if self.speculator is not None and choose is None and not burst:
             self.speculator.propose(self.scheduler.running, self.requests.seqs)
-        burst = choose is None and self._bursts_now() and plan_burst(
-            self.decode_burst, self.scheduler.running, self.requests.seqs, self.kv_plan.max_model_len)
         out = self.scheduler.schedule()
         if self.speculator is not None:  # a draft model proposes into the slots just given
             self.speculator.fill(out, self.requests.seqs)
@@ -148,12 +153,13 @@ class EngineCore(StepIsolation):
                       computed=counts["computed"] + out.num_batched_tokens)
         started = time.perf_counter()
         try:
-            outputs, failed, failure = (self._run_burst(out) if burst else self._run(out, choose)), [], ""
+            outputs = self._run_burst(out, ngram) if burst else self._run(out, choose)
+            failed, failure = [], ""
             if not burst:  # a burst's tokens ran as several steps: not one step's cost
                 # What the step cost sizes the next steps' token share (pagedllm.core.step_cost).
                 self.scheduler.step_cost.observe(out.num_batched_tokens, time.perf_counter() - started)
         except Exception as exc:
-            run = self._run_burst if burst else partial(self._run, choose=choose)
+            run = partial(self._run_burst, ngram=ngram) if burst else partial(self._run, choose=choose)
             outputs, failed, failure = self._run_without_culprits(out, run, exc)
         if not out.scheduled:
             self.structured.wait(_GRAMMAR_WAIT_S)  # at once unless grammars compile
@@ -191,23 +197,29 @@ class EngineCore(StepIsolation):
     def _bursts_now(self) -> bool:
         """Whether this core may run a decode burst now (pagedllm.engine.decode_burst): on, and
         nothing waits to be scheduled or read."""
-        return (self.decode_burst > 1 and self.speculator is None and self.facts.pooling is None
-                and self.executor.runs_bursts and not self.scheduler.num_waiting
+        return (self.decode_burst > 1 and self.facts.pooling is None and self.executor.runs_bursts
+                and (self.speculator is None
+                     or (self.speculator.proposes_in_bursts and self.executor.speculates_in_bursts))
+                and not self.scheduler.num_waiting
                 and not self.structured.num_compiling and not self.lora.waiting
                 and not self.requests.num_collecting)
 
-    def _run_burst(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
-        """A decode burst's step: each sequence's tokens taken as an accepted speculative run."""
+    def _run_burst(self, out: SchedulerOutput, ngram: NgramBurst | None) -> list[EngineCoreOutput]:
+        """A decode burst's step: each sequence's tokens taken as an accepted speculative run;
+        with n-gram speculation in its steps (ngram), their proposals counted as a speculative
+        step's are."""
         for s in out.scheduled:  # plan_burst's: decodes only, with their placeholders
             if s.num_new_tokens != 1 + s.num_spec_tokens or s.num_computed_tokens != s.request.num_tokens - 1:
                 raise RuntimeError(f"decode burst: {s.request.request_id} is not a decode")
-        tokens, indices = self.executor.execute_burst(out)
+        made, indices = self.executor.execute_burst(out, ngram, self.decode_burst if ngram else 0)
         seqs_by_id = self.requests.seqs
+        for row, proposed, kept in made.steps:
+            self.speculator.observe_step(out.scheduled[indices[row]].request.request_id, proposed, kept)
         runs = []
-        for i, run in zip(indices, tokens, strict=True):
+        for i, run in zip(indices, made.tokens, strict=True):
             s = out.scheduled[i]
             runs.append((seqs_by_id[s.request.request_id], 1 + s.num_spec_tokens, (run, [None] * len(run))))
-        outputs = self._update(out, [], [], runs)
+        outputs = self._update(out, [], [], runs, observed=True)
         for request in self.scheduler.running:  # one the schedule left out keeps no placeholders
             request.spec_token_ids.clear()
         return outputs
@@ -234,8 +246,10 @@ class EngineCore(StepIsolation):
         return (plain, rows(plain_rows)), (spec, spec_counts, rows(spec_rows))
 
     def _update(self, out: SchedulerOutput, seqs: list[CoreSequence], choices: list[Choice],
-                runs: list[tuple[CoreSequence, int, Run]] = ()) -> list[EngineCoreOutput]:
-        """runs: each speculating sequence, the rows it verified (k + 1), and its run."""
+                runs: list[tuple[CoreSequence, int, Run]] = (),
+                observed: bool = False) -> list[EngineCoreOutput]:
+        """runs: each speculating sequence, the rows it verified (k + 1), and its run (observed:
+        the speculator has counted the runs' proposals already, a burst's)."""
         dropped = [s.request.request_id for s, (tokens, _) in zip(seqs, choices) if not tokens]
         finished = self.scheduler.finish_requests(dropped, ABORTED) if dropped else []
         sampled: dict[str, int | list[int]] = {
@@ -245,7 +259,9 @@ class EngineCore(StepIsolation):
         finished += self.scheduler.update_from_output(out, sampled)
         outputs: dict[str, EngineCoreOutput] = {}
         for (seq, num_rows, run), num_tokens in zip(runs, before):
-            finished += self._take_run(seq, num_rows - 1, run, num_tokens, outputs)
+            if self.speculator is not None and not observed:
+                self.speculator.observe(seq.request.request_id, num_rows - 1, len(run[0]) - 1)
+            finished += self._take_run(seq, run, num_tokens, outputs)
         for seq, (tokens, logprobs) in zip(seqs, choices):
             if not tokens:
                 continue
@@ -268,14 +284,12 @@ class EngineCore(StepIsolation):
             self._forget_speculation(request.request_id)
         return list(outputs.values())
 
-    def _take_run(self, seq: CoreSequence, num_proposed: int, run: Run, num_tokens: int,
+    def _take_run(self, seq: CoreSequence, run: Run, num_tokens: int,
                   outputs: dict[str, EngineCoreOutput]) -> list[Request]:
         """A speculating sequence's output: the tokens of its run the scheduler kept (up to a
         stop; it appended them after num_tokens), its grammar advanced by each (a completed
         grammar ends it there)."""
-        tokens, logprobs = run
-        if self.speculator is not None:  # else a decode burst's (pagedllm.engine.decode_burst)
-            self.speculator.observe(seq.request.request_id, num_proposed, len(tokens) - 1)
+        _, logprobs = run
         kept = seq.request.token_ids[num_tokens:]
         finished: list[Request] = []
         for i, token in enumerate(kept):

@@ -15,11 +15,18 @@ steps: the same kernels over the same rows. Where the model's steps run in one c
 (model/decode_layers.py), the whole burst is one call too (DecodeLayers.burst), so not even the
 model's Python runs between its steps.
 
-When (all of it, else a plain step): --decode-burst above 1; no speculative decoding; at most
-BURST_MAX_SEQS sequences running, nothing waiting (a newcomer waits at most one burst); each
-running sequence decoding next, its token the argmax alone (greedy, no logprobs, penalties or
-grammar: CoreSequence.takes_argmax); the runner one CPU process (ModelRunner.runs_bursts). A
-burst never runs a sequence past max_tokens or max_model_len.
+With n-gram speculation on, a burst's steps speculate: the compiled call proposes by the n-gram
+rule before each of its B steps and verifies the proposal in the step (csrc/decode_burst.cpp), so
+a step makes up to 1 + k tokens; each sequence gets B * (1 + k) - 1 placeholders, k as a plain
+speculative step would choose it (Speculator.burst), and gives back the slots its steps did not
+fill, as a rejected proposal does. The proposals are counted as speculative steps' are. Where the
+call cannot run (the loop in Python), the burst makes its B tokens without proposals.
+
+When (all of it, else a plain step): --decode-burst above 1; no speculative decoding, or the
+n-gram rule; at most BURST_MAX_SEQS sequences running, nothing waiting (a newcomer waits at most
+one burst); each running sequence decoding next, its token the argmax alone (greedy, no logprobs,
+penalties or grammar: CoreSequence.takes_argmax); the runner one CPU process
+(ModelRunner.runs_bursts). A burst never runs a sequence past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ BURST_MAX_SEQS = 4
 
 
 def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreSequence],
-               max_model_len: int) -> bool:
+               max_model_len: int, ks: Mapping[str, int] | None = None) -> bool:
     """Whether this step is a burst of `length` decode steps: if so, each running sequence has
-    its placeholder proposals (fewer near its max_tokens or max_model_len)."""
+    its placeholder proposals (fewer near its max_tokens or max_model_len), as many as its steps
+    may make tokens: one each, or 1 + ks[request id] with n-gram speculation in them."""
     if length < 2 or not 1 <= len(running) <= BURST_MAX_SEQS:
         return False
     for request in running:
@@ -47,7 +55,8 @@ def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreS
             return False
     for request in running:
         params = request.sampling_params
-        k = min(length - 1, max_model_len - request.num_tokens)
+        per_step = 1 + (ks[request.request_id] if ks is not None else 0)
+        k = min(length * per_step - 1, max_model_len - request.num_tokens)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - request.num_output_tokens - 1)
         request.spec_token_ids = [PLACEHOLDER_TOKEN] * max(k, 0)

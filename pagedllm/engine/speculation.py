@@ -36,6 +36,7 @@ from pagedllm.outputs import TokenLogprobs
 from pagedllm.spec_decode import AcceptanceRate, SpecDecodeStats, SpeculativeConfig, choose_k, make_proposer
 from pagedllm.spec_decode.draft import PLACEHOLDER_TOKEN, DraftModelProposer, DraftSequence
 from pagedllm.spec_decode.grammar import constrain_proposal
+from pagedllm.spec_decode.ngram import NgramBurst, NgramProposer
 from pagedllm.spec_decode.rejection import Draft, RejectionSampler, accept_greedy
 from pagedllm.structured.bitmask import apply_token_bitmask_
 from pagedllm.worker.sampler import Sampler
@@ -84,6 +85,19 @@ class Speculator:
             seq.request.spec_token_ids = list(proposal)
             if not proposal:
                 self._rate(seq.request.request_id).idle()
+
+    @property
+    def proposes_in_bursts(self) -> bool:
+        """Whether decode bursts may run with this speculation in their steps: the n-gram rule,
+        which the burst's compiled call applies itself (pagedllm.engine.decode_burst)."""
+        return isinstance(self.proposer, NgramProposer)
+
+    def burst(self, running: Sequence[Request]) -> NgramBurst:
+        """The n-gram settings of a decode burst over the running sequences: each one's k as a
+        step of them all would choose it (the burst caps it by the tokens left)."""
+        k_max = self.config.num_speculative_tokens
+        ks = {r.request_id: choose_k(self._rate(r.request_id).value, len(running), k_max) for r in running}
+        return NgramBurst(ks, self.proposer.min_n, self.proposer.max_n)
 
     @staticmethod
     def _decodes_next(request: Request, seqs: dict[str, CoreSequence]) -> bool:
@@ -189,6 +203,14 @@ class Speculator:
         num_proposed = min(num_proposed, self._kept.get(request_id, num_proposed))
         self.stats.observe(num_proposed, num_accepted)
         self._rate(request_id).observe(num_proposed, num_accepted)
+
+    def observe_step(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """One step of a decode burst's (pagedllm.engine.decode_burst): counted as a step of its
+        own, a step without a proposal as propose() counts one."""
+        if num_proposed:
+            self.observe(request_id, num_proposed, num_accepted)
+        else:
+            self._rate(request_id).idle()
 
     def forget(self, request_id: str) -> None:
         """The sequence ended: drop what was kept for it."""

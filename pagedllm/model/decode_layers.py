@@ -33,7 +33,7 @@ past which its rope type changes them), and the greedy head one QuantLinear argm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,25 @@ from pagedllm.model.rope import RotaryEmbedding
 
 _NONE = torch.empty(0)  # an absent tensor in the flat list
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # no projection wrapped for LoRA
+
+
+@dataclass(frozen=True)
+class BurstSpeculation:
+    """n-gram speculation inside a burst in one call (spec_decode/ngram.py's rule, compiled): each
+    sequence's tokens so far (prompt and output, ending with its first id) as int64, and how many
+    tokens each of its steps may propose."""
+    histories: list[torch.Tensor]
+    ks: list[int]
+    lookup_min: int
+    lookup_max: int
+
+    def within(self, max_rows: int) -> BurstSpeculation:
+        """The same with the largest ks cut until a step's rows (each sequence's token and its
+        proposal) fit in max_rows."""
+        ks = list(self.ks)
+        while sum(ks) + len(ks) > max_rows and max(ks) > 0:
+            ks[ks.index(max(ks))] -= 1
+        return replace(self, ks=ks)
 
 
 @dataclass(frozen=True)
@@ -166,21 +185,37 @@ class DecodeLayers:
                 and model.lora_embedding is None and model.lora_head is None)
 
     def burst(self, first_ids: torch.Tensor, counts: list[int], context: list[int],
-              attn_metadata: AttentionMetadata) -> list[list[int]]:
-        """A burst in one call (where `bursts` says so): each sequence's counts[i] greedy tokens,
-        made one decode step at a time from its first_ids[i] at position context[i], into the
-        slots of attn_metadata's rows."""
+              attn_metadata: AttentionMetadata, speculation: BurstSpeculation | None = None,
+              max_steps: int = 0) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+        """A burst in one call (where `bursts` says so): each sequence's greedy tokens, made by
+        decode steps from its first_ids[i] at position context[i] into the slots of attn_metadata's
+        rows, up to counts[i] of them or max_steps steps (0: no limit); with speculation, each
+        step verifies the n-gram rule's proposal (its ks within max_burst_rows). Also, with
+        speculation, each step of each sequence as (sequence, tokens proposed, proposed kept)."""
         parts = self.burst_parts
         head = parts.head
         codes, scales, mins, codebook, bits, group_size = head.parts[0].kernel_args
         bias = head._float_bias()
-        tokens = tiers.current().ops.decode_burst.default(
+        spec = speculation or BurstSpeculation([], [], 1, 1)
+        tokens, steps = tiers.current().ops.decode_burst.default(
             first_ids, counts, context, attn_metadata.slot_mapping, attn_metadata.block_tables,
             parts.rotary.inv_freq, float(parts.rotary.attention_factor), self.tensors, self.meta, self.eps,
             self.scale, self.softcap, self.use_amx, parts.embedding, parts.embedding_bits,
             parts.embedding_group_size, [codes, scales, _or_none(mins), _or_none(codebook), _or_none(bias)],
-            bits, group_size, parts.dtype)
-        return [row[:count] for row, count in zip(tokens.tolist(), counts, strict=True)]
+            bits, group_size, parts.dtype, spec.histories, spec.ks, spec.lookup_min, spec.lookup_max,
+            max_steps)
+        made = [[t for t in row if t >= 0] for row in tokens.tolist()]
+        return made, [tuple(step) for step in steps.tolist()]
+
+    @property
+    def max_burst_rows(self) -> int:
+        """The most rows one step of a burst in one call may run (its sequences' and their
+        proposals'): those of the layers' few-rows kernels and of the head's argmax in one call."""
+        parts = self.burst_parts
+        rows = self.max_rows
+        while rows > 1 and not parts.head.argmax_in_one_call(rows, parts.dtype):
+            rows -= 1
+        return rows
 
     def _lora_slots(self, tokens: int) -> torch.Tensor:
         """Each token's adapter slot (-1: none) for the wrapped projections (none: empty)."""

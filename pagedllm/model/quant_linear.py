@@ -98,9 +98,11 @@ class QuantLinear(nn.Module):
         return self(x).max(dim=-1).indices
 
     def argmax_in_one_call(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether argmax over `rows` contiguous CPU rows of dtype is one compiled call."""
-        return (len(self.parts) == 1 and self.cpu_kernel and dtype in compiled.KERNEL_DTYPES
-                and (rows <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant))
+        """Whether argmax over `rows` contiguous CPU rows of dtype is one compiled call: where
+        forward would run the few-rows kernel over one part (not AMX's, nor dequantized tiles)."""
+        few_rows = (rows <= MAX_KERNEL_ROWS_BEFORE_AMX or self.row_invariant
+                    or (not (dtype == torch.bfloat16 and self.amx_kernel) and rows <= self.max_kernel_rows))
+        return len(self.parts) == 1 and self.cpu_kernel and dtype in compiled.KERNEL_DTYPES and few_rows
 
     def _gpu_forward(self, rows: torch.Tensor) -> torch.Tensor:
         from pagedllm.kernels import triton_quant_matmul  # Triton only where a GPU runs

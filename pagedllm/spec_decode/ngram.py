@@ -15,11 +15,22 @@ TokenIndex that only appends what is new. `pagedllm bench proposers` measures a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from pagedllm.spec_decode.proposer import SequenceTokens, TokenIndex, check_max_tokens
+
+
+@dataclass(frozen=True)
+class NgramBurst:
+    """The rule inside a decode burst (pagedllm.engine.decode_burst), where the compiled call
+    (csrc/decode_burst.cpp, the same rule) proposes before each of its steps: the most tokens each
+    sequence may propose a step, by request id, and the match lengths."""
+    ks: Mapping[str, int]
+    lookup_min: int
+    lookup_max: int
 
 
 class NgramProposer:

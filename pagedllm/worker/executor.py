@@ -23,10 +23,12 @@ from typing import NamedTuple
 import torch
 
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.model.decode_layers import BurstSpeculation
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.spec_decode.ngram import NgramBurst
 from pagedllm.worker.pooler import Pooler
-from pagedllm.worker.runner import ModelRunner, StepInputs, StepOutput
+from pagedllm.worker.runner import BurstOutput, ModelRunner, StepInputs, StepOutput
 from pagedllm.worker.sampler import Sampler
 
 # Prompt positions turned into logits at once for prompt logprobs: bounds the [rows, vocab] tensor.
@@ -85,15 +87,28 @@ class LocalExecutor:
         """Whether execute_burst may run (a generating engine's runner that runs bursts)."""
         return self.pooler is None and self.runner.runs_bursts
 
-    def execute_burst(self, out: SchedulerOutput) -> tuple[list[list[int]], list[int]]:
-        """Run a scheduled decode burst (pagedllm.engine.decode_burst): each sampling sequence's
-        tokens, and the sequences' indices in the scheduled list."""
+    @property
+    def speculates_in_bursts(self) -> bool:
+        """Whether execute_burst may take n-gram speculation (ModelRunner.speculates_in_bursts)."""
+        return self.runs_bursts and self.runner.speculates_in_bursts
+
+    def execute_burst(self, out: SchedulerOutput, ngram: NgramBurst | None = None,
+                      max_steps: int = 0) -> tuple[BurstOutput, list[int]]:
+        """Run a scheduled decode burst (pagedllm.engine.decode_burst), with n-gram speculation in
+        its steps where `ngram` is given: each sampling sequence's tokens and steps (ModelRunner.
+        run_burst), and the sequences' indices in the scheduled list, by row."""
         self.runner.drop_requests(out.finished + out.preempted, out.trimmed)
         if not out.scheduled:
-            return [], []
+            return BurstOutput([], []), []
         self.runner.copy_blocks(out.block_copies)
         step = self.runner.prepare_inputs(out.scheduled, out.block_copies)
-        return self.runner.run_burst(step), step.sample_indices
+        speculation = None
+        if ngram is not None:
+            requests = [out.scheduled[i].request for i in step.sample_indices]
+            speculation = BurstSpeculation([torch.tensor(r.token_ids) for r in requests],
+                                           [ngram.ks[r.request_id] for r in requests],
+                                           ngram.lookup_min, ngram.lookup_max)
+        return self.runner.run_burst(step, speculation, max_steps), step.sample_indices
 
     def close(self) -> None:
         """Nothing to stop in this process (the tensor-parallel executor stops its workers)."""

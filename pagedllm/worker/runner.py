@@ -31,7 +31,7 @@ from pagedllm.kernels import tiers
 from pagedllm.kernels.attention import allocate_kv_cache, copy_blocks, cpu_attention
 from pagedllm.kernels.attention.metadata import AttentionMetadata
 from pagedllm.model.batch_invariant import make_batch_invariant
-from pagedllm.model.decode_layers import DecodeLayers
+from pagedllm.model.decode_layers import BurstSpeculation, DecodeLayers
 from pagedllm.model.huge_pages import move_weights_to_huge_pages
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.utils import cdiv
@@ -41,6 +41,14 @@ from pagedllm.worker.packet import PacketLayout, pack_changes, pack_copies
 from pagedllm.worker.upload import StepUpload
 
 logger = logging.getLogger(__name__)
+
+
+class BurstOutput(NamedTuple):
+    """A decode burst's tokens, a list per sequence in row order, and with speculation each step
+    of each sequence as (row, tokens proposed, proposed tokens kept)."""
+
+    tokens: list[list[int]]
+    steps: list[tuple[int, int, int]]
 
 
 class StepInputs(NamedTuple):
@@ -189,13 +197,24 @@ class ModelRunner:
         return (self.device.type == "cpu" and not self.mirrored and self.lora_manager is None
                 and not self.recurrent and self.decode_graphs is None)
 
+    @property
+    def speculates_in_bursts(self) -> bool:
+        """Whether run_burst may take speculation: its bursts run in one compiled call (where a
+        step's metadata lets them: DecodeLayers.bursts)."""
+        fused = getattr(self.model, "decode_layers", None)
+        return self.runs_bursts and fused is not None and fused.burst_parts is not None
+
     @torch.inference_mode()
-    def run_burst(self, step: StepInputs) -> list[list[int]]:
+    def run_burst(self, step: StepInputs, speculation: BurstSpeculation | None = None,
+                  max_steps: int = 0) -> BurstOutput:
         """A decode burst (pagedllm.engine.decode_burst): a prepared step of decodes whose
-        proposals are placeholders run as that many decode steps one after another, each step's
-        argmax tokens the next one's inputs, written into the slots the placeholders took (in one
-        compiled call where the model's decode steps qualify: DecodeLayers.bursts). Each
-        sequence's tokens, in row order (sample_indices')."""
+        proposals are placeholders run as decode steps one after another, each step's argmax
+        tokens the next one's inputs, written into the slots the placeholders took, until each
+        sequence filled its slots or max_steps steps ran (0: no limit). In one compiled call
+        where the model's decode steps qualify (DecodeLayers.bursts), which also takes
+        `speculation` (its ks cut to fit max_burst_rows); the loop below makes the same tokens
+        one per step without it. Each sequence's tokens, in row order (sample_indices'), and the
+        speculation's steps (BurstOutput)."""
         meta = step.attn_metadata
         starts = meta.query_start_loc_cpu
         n = len(starts) - 1
@@ -204,11 +223,13 @@ class ModelRunner:
         fused = getattr(self.model, "decode_layers", None)
         if fused is not None and fused.bursts(self.model, self.kv_caches, meta):  # the loop below in C++
             first_ids = step.input_ids.index_select(0, torch.tensor(starts[:-1]))
-            return fused.burst(first_ids, counts, context, meta)
+            if speculation is not None:
+                speculation = speculation.within(fused.max_burst_rows)
+            return BurstOutput(*fused.burst(first_ids, counts, context, meta, speculation, max_steps))
         tokens: list[list[int]] = [[] for _ in range(n)]
         known = step.input_ids.tolist()
         current = [known[s] for s in starts[:-1]]  # each sequence's known next token
-        for j in range(max(counts)):
+        for j in range(min(max(counts), max_steps or max(counts))):
             active = [i for i in range(n) if counts[i] > j]
             rows = torch.tensor([starts[i] + j for i in active])
             lens = [context[i] + j + 1 for i in active]
@@ -224,7 +245,7 @@ class ModelRunner:
             for i, token in zip(active, self.model.greedy_tokens(hidden).tolist(), strict=True):
                 tokens[i].append(token)
                 current[i] = token
-        return tokens
+        return BurstOutput(tokens, [])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -80,11 +80,11 @@ def _wrap(core, before) -> None:
             before(out.scheduled)
         return real_execute(out, argmax_only, prompt_logprobs)
 
-    def execute_burst(out):  # a decode burst's step (pagedllm.engine.decode_burst)
+    def execute_burst(out, *args):  # a decode burst's step (pagedllm.engine.decode_burst)
         if out.scheduled:
             _state["steps"] += 1
             before(out.scheduled)
-        return real_burst(out)
+        return real_burst(out, *args)
 
     core.executor.execute, core.executor.execute_burst = execute, execute_burst
 
