@@ -50,12 +50,19 @@ How they fit the step (pagedllm.engine.speculation runs this in the engine core)
    one by one with the ordinary stop checks after each (EOS, stop ids, min_tokens' bans already in
    p, max_tokens, max_model_len), the tokens after a stop dropped; then
    KVCacheManager.trim(request, num_computed_tokens) gives back the rejected slots (a finished
-   request frees everything anyway). spec_token_ids is emptied; the stats and the sequence's
-   AcceptanceRate observe (proposed, accepted).
+   request frees everything anyway), and the runner's block table rewrites the row from the cut
+   (SchedulerOutput.trimmed: another request may take a given-back block before this one grows
+   again). spec_token_ids is emptied; the stats and the sequence's AcceptanceRate observe
+   (proposed, accepted).
 6. Outputs: an EngineCoreOutput already carries a list of new token ids; a speculating sequence's
    carries up to k + 1, with their logprobs. The output processor detokenizes them in order and
    checks stop strings after each (text past a stop string is cut, as now), so a stream gets
    several tokens in one delta.
+
+Inside decode bursts (pagedllm.engine.decode_burst: up to 4 greedy streams of a model whose
+decode steps run in one compiled call), steps 1-5 of the n-gram rule run in C++ for each of the
+burst's steps (csrc/decode_burst.cpp, the same lookup and greedy acceptance), the engine seeing
+one step whose tokens are the burst's and whose steps the stats observe one by one.
 
 What composes: preemption drops spec_token_ids with the blocks (recompute needs none); prefix
 caching sees only accepted tokens (above); n > 1 and beam search fork between steps, when no
