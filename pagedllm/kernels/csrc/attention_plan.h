@@ -100,6 +100,28 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split
     }
     items.swap(split);
   }
+  // Still fewer items than twice the threads where one is several tokens long (one stream
+  // verifying a proposal: an item per kv head, 3 of them on 2 threads taking as long as 4):
+  // halve the longest until there are enough, so the threads finish together.
+  if (split_below > 0) {
+    auto cost_of = [&](const WorkItem& item) {
+      const int64_t q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
+      return (p.seq_lens[item.seq] - q_len + item.token_begin + item.num_tokens) * item.num_tokens * item.num_heads;
+    };
+    while (static_cast<int64_t>(items.size()) < 2 * split_below) {
+      const auto longest = std::max_element(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+        return a.num_tokens < b.num_tokens;
+      });
+      if (longest == items.end() || longest->num_tokens < 2) break;
+      WorkItem rest = *longest;
+      longest->num_tokens = (longest->num_tokens + 1) / 2;
+      rest.token_begin += longest->num_tokens;
+      rest.num_tokens -= longest->num_tokens;
+      longest->cost = cost_of(*longest);
+      rest.cost = cost_of(rest);
+      items.push_back(rest);
+    }
+  }
   // Longest first, so the last items to start are short ones and threads finish together.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return items;
