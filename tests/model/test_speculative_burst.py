@@ -3,7 +3,8 @@ csrc/decode_burst.cpp): the greedy tokens, texts and finish reasons of plain dec
 speculative steps without bursts, for 1, 2 and 4 streams ending at different steps (4 streams'
 proposals cut to fit the call's rows), stops inside a burst, every block free after; the proposals
 counted in the speculation's metrics, each burst step's count of kept tokens agreeing with the
-tokens it made; and a burst the call cannot take (its loop) still giving the tokens."""
+tokens it made; through prefix-cache hits, preemption and n = 3; and a burst the call cannot take
+(its loop) still giving the tokens."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ WRITERS = {
 }
 
 
-def _llm(path: str, burst: int, speculative_config=SPEC) -> LLM:
-    return LLM(path, dtype="float32", block_size=4, num_kv_blocks=256, max_model_len=128,
-               enable_prefix_caching=False, decode_burst=burst, speculative_config=speculative_config)
+def _llm(path: str, burst: int, speculative_config=SPEC, **overrides) -> LLM:
+    settings = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_model_len=128,
+                    enable_prefix_caching=False, decode_burst=burst, speculative_config=speculative_config)
+    return LLM(path, **{**settings, **overrides})
 
 
 def _outputs(llm: LLM, **params) -> list:
@@ -109,6 +111,29 @@ def test_stops_inside_a_speculative_burst(tier, model_path):
     llm = _llm(model_path, 5)
     assert _outputs(llm, stop_token_ids=[stop]) == _outputs(plain, stop_token_ids=[stop])
     assert_all_blocks_free(llm)
+
+
+def test_prefix_hits_preemption_and_n_3(tier, model_path):
+    if not tier_runs_it():
+        return
+    plain = _outputs(_llm(model_path, 1, None))
+    cached = _llm(model_path, 5, enable_prefix_caching=True)
+    assert _outputs(cached) == _outputs(cached) == plain
+    assert cached.memory_stats()["prefix_cache_hits"] > 0
+    tight = _llm(model_path, 5, num_kv_blocks=26, max_model_len=64)  # the 4 streams need 39 blocks at their ends
+    assert _outputs(tight) == plain
+    assert tight.memory_stats()["num_preemptions"] > 0
+    n_3 = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
+    outputs = {}
+    for burst, spec in ((5, SPEC), (1, None)):
+        llm = _llm(model_path, burst, spec)
+        result = llm.generate([{"prompt_token_ids": PROMPTS[0]}], n_3, use_tqdm=False)[0]
+        outputs[burst] = [o.token_ids for o in result.outputs]
+        assert_all_blocks_free(llm)
+    assert outputs[5] == outputs[1] and len(outputs[5]) == 3
+    for llm in (cached, tight):
+        assert llm.engine.engine_core.speculator.stats.num_drafts > 0
+        assert_all_blocks_free(llm)
 
 
 def test_a_burst_the_call_cannot_take_makes_its_tokens_without_proposals(tier, model_path):
