@@ -120,7 +120,7 @@ def test_prefix_hits_preemption_and_n_3(tier, model_path):
     cached = _llm(model_path, 5, enable_prefix_caching=True)
     assert _outputs(cached) == _outputs(cached) == plain
     assert cached.memory_stats()["prefix_cache_hits"] > 0
-    tight = _llm(model_path, 5, num_kv_blocks=26, max_model_len=64)  # the 4 streams need 39 blocks at their ends
+    tight = _llm(model_path, 5, num_kv_blocks=26, max_model_len=64)  # 39 blocks at the streams' ends
     assert _outputs(tight) == plain
     assert tight.memory_stats()["num_preemptions"] > 0
     n_3 = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
