@@ -70,7 +70,20 @@ def test_streams_that_take_each_others_given_back_blocks_keep_their_tokens(plain
     others. Each runner row must follow its own list (SchedulerOutput.trimmed)."""
     spec = {**METHODS["ngram"], "num_speculative_tokens": 6}
     speculating = make_llm(tiny_model_dir, spec, decode_burst=1)
+    runner = speculating.engine.engine_core.executor.runner
+    prepare, checked = runner.prepare_inputs, []
+
+    def prepare_and_check(scheduled, copies=()):  # each row is its request's whole block list
+        step = prepare(scheduled, copies)
+        for s in scheduled:
+            row = runner.block_table.row_of(s.request.request_id)
+            assert runner.block_table.table[row, :len(s.block_ids)].tolist() == s.block_ids
+            checked.append(len(s.block_ids))
+        return step
+
+    runner.prepare_inputs = prepare_and_check
     assert generate(speculating) == generate(plain)
+    assert checked
     assert_both_paths_ran(speculating)
     assert_all_blocks_free(speculating)
 
