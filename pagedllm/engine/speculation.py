@@ -97,7 +97,8 @@ class Speculator:
         step of them all would choose it (the burst caps it by the tokens left)."""
         k_max = self.config.num_speculative_tokens
         ks = {r.request_id: choose_k(self._rate(r.request_id).value, len(running), k_max) for r in running}
-        return NgramBurst(ks, self.proposer.min_n, self.proposer.max_n)
+        histories = {r.request_id: self.proposer.tokens_of(r) for r in running}
+        return NgramBurst(ks, self.proposer.min_n, self.proposer.max_n, histories)
 
     @staticmethod
     def _decodes_next(request: Request, seqs: dict[str, CoreSequence]) -> bool:

@@ -31,6 +31,9 @@ class NgramBurst:
     ks: Mapping[str, int]
     lookup_min: int
     lookup_max: int
+    # Each sequence's tokens (prompt and output) as int64, by request id: NgramProposer.tokens_of's
+    # arrays, which only append what is new (a copy of a long context's list each burst would not).
+    histories: Mapping[str, np.ndarray]
 
 
 class NgramProposer:
@@ -49,11 +52,15 @@ class NgramProposer:
             if k <= 0:
                 proposals.append([])
                 continue
-            index = self._indexes.get(seq.request_id)
-            if index is None:
-                index = self._indexes[seq.request_id] = TokenIndex()
-            proposals.append(lookup(index.sync(seq.token_ids), self.min_n, self.max_n, k))
+            proposals.append(lookup(self.tokens_of(seq), self.min_n, self.max_n, k))
         return proposals
+
+    def tokens_of(self, seq: SequenceTokens) -> np.ndarray:
+        """seq's tokens as an int64 array, kept from call to call (only what is new is added)."""
+        index = self._indexes.get(seq.request_id)
+        if index is None:
+            index = self._indexes[seq.request_id] = TokenIndex()
+        return index.sync(seq.token_ids)
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

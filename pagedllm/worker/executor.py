@@ -104,10 +104,9 @@ class LocalExecutor:
         step = self.runner.prepare_inputs(out.scheduled, out.block_copies)
         speculation = None
         if ngram is not None:
-            requests = [out.scheduled[i].request for i in step.sample_indices]
-            speculation = BurstSpeculation([torch.tensor(r.token_ids) for r in requests],
-                                           [ngram.ks[r.request_id] for r in requests],
-                                           ngram.lookup_min, ngram.lookup_max)
+            ids = [out.scheduled[i].request.request_id for i in step.sample_indices]
+            speculation = BurstSpeculation([torch.from_numpy(ngram.histories[i]) for i in ids],
+                                           [ngram.ks[i] for i in ids], ngram.lookup_min, ngram.lookup_max)
         return self.runner.run_burst(step, speculation, max_steps), step.sample_indices
 
     def close(self) -> None:
