@@ -35,7 +35,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.core_loader import CoreParts, load_core_parts
 from pagedllm.engine.core_requests import CoreRequests
-from pagedllm.engine.decode_burst import plan_burst
+from pagedllm.engine.decode_burst import burst_fits, plan_burst
 from pagedllm.engine.lora_admission import LoRAAdmission
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreStats
 from pagedllm.engine.pooling_step import check_pooling_request, run_pooling_step
@@ -137,14 +137,15 @@ class EngineCore(StepIsolation):
         refused = self.requests.admit_compiled_grammars(self.structured, self.scheduler)
         if self.lora.waiting:
             refused += self._admit_lora_waiting()
+        running = self.scheduler.running
         ngram = None  # a burst's n-gram speculation, where it has one
-        burst = choose is None and self._bursts_now()
-        if burst and self.speculator is not None:
-            ngram = self.speculator.burst(self.scheduler.running)
-        burst = burst and plan_burst(self.decode_burst, self.scheduler.running, self.requests.seqs,
-                                     self.kv_plan.max_model_len, ngram.ks if ngram else None)
-        if self.speculator is not None and choose is None and not burst:
-            self.speculator.propose(self.scheduler.running, self.requests.seqs)
+        burst = (choose is None and self._bursts_now()
+                 and burst_fits(self.decode_burst, running, self.requests.seqs))
+        if burst:
+            ngram = self.speculator.burst(running) if self.speculator is not None else None
+            plan_burst(self.decode_burst, running, self.kv_plan.max_model_len, ngram.ks if ngram else None)
+        elif self.speculator is not None and choose is None:
+            self.speculator.propose(running, self.requests.seqs)
         out = self.scheduler.schedule()
         if self.speculator is not None:  # a draft model proposes into the slots just given
             self.speculator.fill(out, self.requests.seqs)

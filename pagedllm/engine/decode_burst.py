@@ -41,11 +41,8 @@ from pagedllm.spec_decode.draft import PLACEHOLDER_TOKEN
 BURST_MAX_SEQS = 4
 
 
-def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreSequence],
-               max_model_len: int, ks: Mapping[str, int] | None = None) -> bool:
-    """Whether this step is a burst of `length` decode steps: if so, each running sequence has
-    its placeholder proposals (fewer near its max_tokens or max_model_len), as many as its steps
-    may make tokens: one each, or 1 + ks[request id] with n-gram speculation in them."""
+def burst_fits(length: int, running: Sequence[Request], seqs: Mapping[str, CoreSequence]) -> bool:
+    """Whether this step may be a burst of `length` decode steps over the running sequences."""
     if length < 2 or not 1 <= len(running) <= BURST_MAX_SEQS:
         return False
     for request in running:
@@ -53,6 +50,14 @@ def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreS
         if (seq is None or request.status is not RequestStatus.RUNNING
                 or request.num_computed_tokens != request.num_tokens - 1 or not seq.takes_argmax):
             return False
+    return True
+
+
+def plan_burst(length: int, running: Sequence[Request], max_model_len: int,
+               ks: Mapping[str, int] | None = None) -> None:
+    """Give each running sequence of a burst (burst_fits) its placeholder proposals: as many as
+    its steps may make tokens (one each, or 1 + ks[request id] with n-gram speculation in them),
+    fewer near its max_tokens or max_model_len."""
     for request in running:
         params = request.sampling_params
         per_step = 1 + (ks[request.request_id] if ks is not None else 0)
@@ -60,4 +65,3 @@ def plan_burst(length: int, running: Sequence[Request], seqs: Mapping[str, CoreS
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - request.num_output_tokens - 1)
         request.spec_token_ids = [PLACEHOLDER_TOKEN] * max(k, 0)
-    return True
