@@ -60,6 +60,8 @@ class KVManager(Protocol):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool: ...  # sets no request state
     def free(self, request: Request) -> None: ...
+    # Rejected proposal slots given back; the blocks the list keeps where it was cut, else None.
+    def trim(self, request: Request, num_kept_tokens: int) -> int | None: ...
     def fork(self, parent: Request, child: Request) -> bool: ...  # False: no room to copy into
     def block_ids(self, request: Request) -> list[int]: ...
     def state_pages(self, request: Request) -> list[int]: ...
@@ -443,10 +445,10 @@ class Scheduler:
                 self._finish(request, status)
                 finished.append(request)
             elif item.num_spec_tokens:
-                self.kv_manager.trim(request, request.num_computed_tokens)
-                kept = -(-request.num_computed_tokens // self.kv_manager.block_size)
-                self._trimmed_since_schedule[request.request_id] = min(
-                    kept, self._trimmed_since_schedule.get(request.request_id, kept))
+                kept = self.kv_manager.trim(request, request.num_computed_tokens)
+                if kept is not None:
+                    self._trimmed_since_schedule[request.request_id] = min(
+                        kept, self._trimmed_since_schedule.get(request.request_id, kept))
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished

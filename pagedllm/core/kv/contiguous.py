@@ -89,7 +89,8 @@ class ContiguousKVManager:
 
     def trim(self, request: Request, num_kept_tokens: int) -> None:
         """Count only the first num_kept_tokens slots as used (speculative decoding's rejected
-        tokens leave); the reservation itself stays whole, as it always does."""
+        tokens leave); the reservation itself stays whole, as it always does, so its block list
+        is not cut (None, as KVCacheManager.trim returns where nothing went back)."""
         reservation = self._reservations.get(request.request_id)
         if reservation is None:
             raise ValueError(f"cannot trim {request.request_id}: it holds no blocks")

@@ -355,13 +355,15 @@ class KVCacheManager:
                 self.pool.cache(block, hashes[i], tokens, parent, request.prefix_salt)
             table.num_cached = i + 1
 
-    def trim(self, request: Request, num_kept_tokens: int) -> None:
+    def trim(self, request: Request, num_kept_tokens: int) -> int | None:
         """Keep the slots of the request's first num_kept_tokens positions, give back the rest:
         after a speculative step, the slots of rejected tokens. A block holding only rejected
         tokens goes back to the pool (at its head: nothing in it is worth caching, and the next
         step takes the same block again); the block of the last kept token stays, its fill cut to
         what is kept. Call after the step ran (its block copies done), with at least the tokens
-        the request counts as computed: computed K/V, cached blocks among it, is never cut."""
+        the request counts as computed: computed K/V, cached blocks among it, is never cut.
+        Returns the blocks the request's list keeps where blocks went back (a copy of the list
+        must rewrite it from there: another request may take them first), else None."""
         table = self._tables.get(request.request_id)
         if table is None:
             raise ValueError(f"cannot trim {request.request_id}: it holds no blocks")
@@ -387,6 +389,7 @@ class KVCacheManager:
                 raise ValueError(f"cannot trim {request.request_id}: its block {tail.block_id} is "
                                  f"shared and filled past {num_kept_tokens} tokens")
             self.pool.fill(tail, kept_in_tail)
+        return num_kept_blocks if dropped else None
 
     # -- release and sharing ------------------------------------------------------------------
 

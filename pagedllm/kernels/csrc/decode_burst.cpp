@@ -49,7 +49,7 @@ at::Tensor ints(const std::vector<int64_t>& values) {
 
 // spec_decode/ngram.py's lookup: at most k tokens that followed the latest occurrence of the
 // longest suffix of t (min_n to max_n tokens) found earlier in t, read periodically past t's end;
-// none without such a match. The same rule, step for step (tests/spec_decode/test_ngram_burst.py).
+// none without such a match. The same rule, step for step (tests/kernels/test_ngram_lookup.py).
 std::vector<int64_t> ngram_proposal(const std::vector<int64_t>& t, int64_t min_n, int64_t max_n, int64_t k) {
   const int64_t length = static_cast<int64_t>(t.size());
   if (length < min_n + 1 || k <= 0) return {};
@@ -88,7 +88,6 @@ std::vector<int64_t> ngram_lookup(const at::Tensor& tokens, int64_t min_n, int64
   return ngram_proposal(std::vector<int64_t>(t.const_data_ptr<int64_t>(), t.const_data_ptr<int64_t>() + t.numel()),
                         min_n, max_n, k);
 }
-
 
 std::tuple<at::Tensor, at::Tensor> decode_burst(
     const at::Tensor& first_ids, const std::vector<int64_t>& counts, const std::vector<int64_t>& context,
@@ -138,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> decode_burst(
       if (made[i] >= counts[i]) continue;
       active.push_back(i);
       const int64_t k = speculates ? std::min(ks[i], counts[i] - made[i] - 1) : 0;
-      proposals.push_back(ngram_proposal(speculates ? history[i] : std::vector<int64_t>{}, lookup_min, lookup_max, k));
+      proposals.push_back(k > 0 ? ngram_proposal(history[i], lookup_min, lookup_max, k) : std::vector<int64_t>{});
       const std::vector<int64_t>& proposal = proposals.back();
       const int64_t num_rows = 1 + static_cast<int64_t>(proposal.size());
       for (int64_t r = 0; r < num_rows; ++r) {

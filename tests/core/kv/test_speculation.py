@@ -41,12 +41,13 @@ def _prefilled(manager: KVCacheManager, request_id: str, prompt: list[int], samp
 
 
 def _verify(manager: KVCacheManager, request: Request, proposal: list[int], accepted: int,
-            next_token: int) -> None:
-    """After a step that ran the request's last token and `proposal`: keep `accepted` of them."""
+            next_token: int) -> int | None:
+    """After a step that ran the request's last token and `proposal`: keep `accepted` of them
+    (trim's answer: the blocks kept where some went back)."""
     request.num_computed_tokens += 1 + accepted
     for token in [*proposal[:accepted], next_token]:
         request.append_token(token)
-    manager.trim(request, request.num_computed_tokens)
+    return manager.trim(request, request.num_computed_tokens)
 
 
 def test_rejected_tokens_give_back_their_blocks_and_the_next_step_takes_them_again():
@@ -57,13 +58,13 @@ def test_rejected_tokens_give_back_their_blocks_and_the_next_step_takes_them_aga
     assert manager.allocate_slots(request, 1 + 4)
     assert manager.block_ids(request) == [0, 1, 2]
     assert manager.stats().used_slots == 11
-    _verify(manager, request, [8, 9, 10, 11], accepted=1, next_token=20)  # positions 0 .. 7 kept
+    assert _verify(manager, request, [8, 9, 10, 11], accepted=1, next_token=20) == 2  # positions 0 .. 7 kept
     assert manager.block_ids(request) == [0, 1]
     assert manager.pool.blocks[1].num_filled == 4 and manager.stats().used_slots == 8
     assert [b.block_id for b in manager.pool.free_queue][:1] == [2]  # first in line again
     assert manager.allocate_slots(request, 1 + 2)
     assert manager.block_ids(request) == [0, 1, 2]
-    _verify(manager, request, [21, 22], accepted=0, next_token=30)  # positions 0 .. 8 kept
+    assert _verify(manager, request, [21, 22], accepted=0, next_token=30) is None  # positions 0 .. 8 kept
     assert manager.block_ids(request) == [0, 1, 2]  # the tail keeps its one kept token
     assert manager.pool.blocks[2].num_filled == 1 and manager.stats().used_slots == 9
     assert request.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 20, 30]
@@ -119,7 +120,7 @@ def test_trim_refuses_what_would_lose_computed_or_shared_tokens():
         manager.trim(request, 5)
     with pytest.raises(ValueError, match="slots for 8"):
         manager.trim(request, 9)
-    manager.trim(request, 6)  # nothing to give back: a no-op
+    assert manager.trim(request, 6) is None  # nothing to give back: a no-op
     assert manager.block_ids(request) == [0, 1]
     # A shared block filled past the cut (only a step that skipped copy-on-write could do that).
     child = Request("c", [1, 2, 3, 4, 5, 6])
