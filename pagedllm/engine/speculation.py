@@ -94,9 +94,8 @@ class Speculator:
 
     def burst(self, running: Sequence[Request]) -> NgramBurst:
         """The n-gram settings of a decode burst over the running sequences: each one's k as a
-        step of them all would choose it (the burst caps it by the tokens left)."""
-        k_max = self.config.num_speculative_tokens
-        ks = {r.request_id: choose_k(self._rate(r.request_id).value, len(running), k_max) for r in running}
+        step of them all would choose it (the burst caps it further by its slots left)."""
+        ks = {r.request_id: self._k(r, len(running)) for r in running}
         histories = {r.request_id: self.proposer.tokens_of(r) for r in running}
         return NgramBurst(ks, self.proposer.min_n, self.proposer.max_n, histories)
 

@@ -34,6 +34,7 @@ past which its rope type changes them), and the greedy head one QuantLinear argm
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -179,7 +180,7 @@ class DecodeLayers:
         parts = self.burst_parts
         num_seqs = attn_metadata.num_seqs
         return (parts is not None and kv_caches is self.kv_caches and not attn_metadata.batch_invariant
-                and num_seqs <= self.max_rows and parts.head.argmax_in_one_call(num_seqs, parts.dtype)
+                and num_seqs <= self.max_burst_rows
                 and (parts.rotary.length_limit is None
                      or attn_metadata.max_seq_len <= parts.rotary.length_limit)
                 and model.lora_embedding is None and model.lora_head is None)
@@ -207,10 +208,11 @@ class DecodeLayers:
         made = [[t for t in row if t >= 0] for row in tokens.tolist()]
         return made, [tuple(step) for step in steps.tolist()]
 
-    @property
+    @cached_property
     def max_burst_rows(self) -> int:
         """The most rows one step of a burst in one call may run (its sequences' and their
-        proposals'): those of the layers' few-rows kernels and of the head's argmax in one call."""
+        proposals'): those of the layers' few-rows kernels and of the head's argmax in one call
+        (which takes any number up to a bound). Fixed once the burst qualifies."""
         parts = self.burst_parts
         rows = self.max_rows
         while rows > 1 and not parts.head.argmax_in_one_call(rows, parts.dtype):
