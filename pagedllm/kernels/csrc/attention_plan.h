@@ -73,6 +73,15 @@ constexpr int64_t kDotRows = 8;
 // decode runs on every thread. Prefill chunks are cut into tiles of kQueryTile tokens (on the tile
 // unit, enough tokens for about kAmxRows rows), one item per kv head.
 template <typename P>
+int64_t tokens_cost(const P& p, int64_t seq, int64_t token_begin, int64_t num_tokens) {
+  // The keys the item's last token sees (within the window), times its tokens: per kv head.
+  const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  int64_t keys = p.seq_lens[seq] - q_len + token_begin + num_tokens;
+  if (p.sliding_window > 0) keys = std::min(keys, p.sliding_window + num_tokens);
+  return keys * num_tokens;
+}
+
+template <typename P>
 std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split_below = 0) {
   std::vector<WorkItem> items;
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -87,9 +96,8 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split
     }
     for (int64_t t = 0; t < q_len; t += query_tile) {
       const int64_t n = std::min<int64_t>(query_tile, q_len - t);
-      int64_t keys = ctx_len - q_len + t + n;
-      if (p.sliding_window > 0) keys = std::min(keys, p.sliding_window + n);
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, 1, keys * n});
+      const int64_t cost = tokens_cost(p, b, t, n);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({b, t, n, h, 1, cost});
     }
   }
   if (static_cast<int64_t>(items.size()) < split_below) {
@@ -105,8 +113,7 @@ std::vector<WorkItem> plan(const P& p, int64_t num_seqs, bool amx, int64_t split
   // halve the longest until there are enough, so the threads finish together.
   if (split_below > 0) {
     auto cost_of = [&](const WorkItem& item) {
-      const int64_t q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
-      return (p.seq_lens[item.seq] - q_len + item.token_begin + item.num_tokens) * item.num_tokens * item.num_heads;
+      return tokens_cost(p, item.seq, item.token_begin, item.num_tokens) * item.num_heads;
     };
     while (static_cast<int64_t>(items.size()) < 2 * split_below) {
       const auto longest = std::max_element(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
