@@ -27,7 +27,11 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+
 #include "vec_avx2.h"
+#endif
 
 namespace pagedllm_int8 {
 
@@ -74,11 +78,13 @@ struct Int8Rows {
   const int32_t* code_sums_of(int64_t m) const { return block_code_sums.data() + m * blocks_pad(); }
 };
 
-// One block of 32 inputs at a time, 8 lanes at a time (AVX2, which both tiers' flags include):
-// scalar code here cost 1.6-2 ns an input, serially before every int8 matmul: a tenth of a
-// 16-row decode step (ep-2c, 2 threads). The codes and scales are the scalar formulas' (fp32 max,
-// divisions and product, round half to even); a group's sum of x adds 8 lanes per block, then the
-// lanes (an order of its own, the same for every row and batch).
+// One block of 32 inputs at a time, 8 lanes at a time where there is AVX2 (both x86 tiers' flags
+// include it; the scalar loop after it is the same rule elsewhere). Scalar code cost 1.6-2 ns an
+// input here, serially before every int8 matmul: a tenth of a 16-row decode step (ep-2c, 2
+// threads). The codes and scales are the scalar formulas' (fp32 max, divisions and product, round
+// half to even); a group's sum of x adds 8 lanes per block, then the lanes (an order of its own,
+// the same for every row and batch).
+#ifdef __AVX2__
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool sums, int8_t* codes, float* scales,
                   float* block_scales, int32_t* offsets, float* group_sums, int32_t* code_sums) {
@@ -125,6 +131,40 @@ void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool su
     }
   }
 }
+#else
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool sums, int8_t* codes, float* scales,
+                  float* block_scales, int32_t* offsets, float* group_sums, int32_t* code_sums) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float v[kBlock];
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) {
+      v[j] = static_cast<float>(x[b * kBlock + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    block_scales[b] = d;
+    int8_t* q = codes + b * kBlock;
+    int32_t block_sum = 0;
+    for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+    for (int l = 0; l < kBlock / kLane; ++l) {
+      scales[b * kBlock / kLane + l] = d;
+      int32_t lane_sum = 0;
+      for (int j = 0; j < kLane; ++j) lane_sum += q[l * kLane + j];
+      if (offsets) offsets[b * kBlock / kLane + l] = offset * lane_sum;
+      block_sum += lane_sum;
+    }
+    if (code_sums) code_sums[b] = block_sum;
+  }
+  if (sums) {
+    for (int64_t g = 0; g < K / group_size; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += static_cast<float>(x[k]);
+      group_sums[g] = s;
+    }
+  }
+}
+#endif
 
 // The 4-bit codes' order (nibble_order): per 64 inputs, the second and third runs of 16 swapped,
 // [0-15, 32-47, 16-31, 48-63], as the low nibbles of two runs of 32 and then their high ones lie in
