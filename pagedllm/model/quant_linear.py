@@ -43,9 +43,11 @@ from pagedllm.utils import cpu_has_native_bf16
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_BEFORE_AMX = 4
 # Row-interleaved weights (interleave_for_int8): the int8 kernel stays faster than dequantized
-# tiles and a GEMM up to far more rows (ep-2c, 2 threads, gate_up 3072 x 576 / down 576 x 1536:
-# avx512 0.55x / 0.88x the time at 128 rows, 1.01x for down at 256; avx2 0.72x / 1.00x at 64).
-INTERLEAVED_KERNEL_ROWS = {"avx512": 128, "avx2": 48}
+# tiles and a GEMM up to far more rows. AVX-512 VNNI: at every size a step batches (ep-2c, Zen 4,
+# 2 threads, the default model's four projections: 2.3-2.9x at 128 rows, 1.5-1.75x at 512,
+# 1.35-1.56x at 2048; the bound is only a number above any chunk). AVX2: up to 128 (1.13-1.24x
+# there, 0.85-0.96x at 256, on the same machine's bf16 GEMM).
+INTERLEAVED_KERNEL_ROWS = {"avx512": 1 << 16, "avx2": 128}
 # Output rows dequantized at once on the GEMM path: a tile of about 1 MiB of bf16 weights.
 TILE_ELEMENTS = 1 << 19
 # Weights the portable path dequantizes at once: a 4 MiB float32 tile (and the temporaries of
