@@ -43,11 +43,20 @@ from pagedllm.utils import cpu_has_native_bf16
 MAX_KERNEL_ROWS = 16
 MAX_KERNEL_ROWS_BEFORE_AMX = 4
 # Row-interleaved weights (interleave_for_int8): the int8 kernel stays faster than dequantized
-# tiles and a GEMM up to far more rows. AVX-512 VNNI: at every size a step batches (ep-2c, Zen 4,
-# 2 threads, the default model's four projections: 2.3-2.9x at 128 rows, 1.5-1.75x at 512,
-# 1.35-1.56x at 2048; the bound is only a number above any chunk). AVX2: up to 128 (1.13-1.24x
-# there, 0.85-0.96x at 256, on the same machine's bf16 GEMM).
-INTERLEAVED_KERNEL_ROWS = {"avx512": 1 << 16, "avx2": 128}
+# tiles and a GEMM up to far more rows (ep-2c, Zen 4, 2 threads, the default model's four
+# projections), at every size a step batches (the bound is only a number above any chunk) except at
+# the avx2 tier on a CPU with bf16 math, whose GEMM wins from about 200 rows:
+# - avx512 (VNNI) against the bf16 GEMM: 2.3-2.9x at 128 rows, 1.5-1.75x at 512, 1.35-1.56x at 2048;
+# - avx2 against the fp32 GEMM a CPU without bf16 math runs: 2.1x at 128, 1.3x at 512, 0.97-1.3x
+#   at 2048; against the bf16 one: 1.13-1.24x at 128, 0.85-0.96x at 256.
+ANY_CHUNK = 1 << 16
+
+
+def interleaved_kernel_rows(tier: str) -> int:
+    """Up to how many rows a QuantLinear with row-interleaved weights takes the int8 kernel."""
+    return 128 if tier == "avx2" and cpu_has_native_bf16() else ANY_CHUNK
+
+
 # Output rows dequantized at once on the GEMM path: a tile of about 1 MiB of bf16 weights.
 TILE_ELEMENTS = 1 << 19
 # Weights the portable path dequantizes at once: a 4 MiB float32 tile (and the temporaries of
@@ -222,7 +231,7 @@ def interleave_for_int8(model: nn.Module) -> int:
                     done[id(part)] = (part, part.interleave())
                 module.parts[i] = swapped(part)
             if all(part.interleaved for part in module.parts):
-                module.max_kernel_rows = INTERLEAVED_KERNEL_ROWS[choice.tier]
+                module.max_kernel_rows = interleaved_kernel_rows(choice.tier)
     for module in model.modules():
         if isinstance(module, QuantEmbedding):
             module.weight_q = swapped(module.weight_q)

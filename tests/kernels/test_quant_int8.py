@@ -172,6 +172,20 @@ def test_interleaved_rows_do_not_depend_on_the_others(tier, bits):
         assert torch.equal(kernel(x[:rows], weight, bias), alone[:rows])
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interleaved_prefill_rows_in_blocks(tier, bits):
+    """A prefill chunk's rows (700 of 512 inputs: three of rows_per_l2_block's blocks of 300, the
+    last one short) give bit for bit what each row gives alone, and the emulated int8 matmul."""
+    plain = quantize(torch.randn(32, COLS) * 0.1, bits, 32)
+    interleaved(tier, plain)
+    weight, bias = plain.interleave(), torch.randn(32)
+    x = activations(700, COLS, 11)
+    many = kernel(x, weight, bias)
+    rows = [0, 1, 298, 299, 300, 301, 597, 599, 600, 601, 695, 699]
+    assert torch.equal(many[rows], torch.cat([kernel(x[i:i + 1], weight, bias) for i in rows]))
+    check(tier, weight, x[::37].contiguous())
+
+
 def test_float32_activations_stay_exact(tier, gguf_weights):
     weight = gguf_weights["Q4_1"]
     x = activations(3, COLS, 0).float()

@@ -275,19 +275,23 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/bits == 4);
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
-  for_each_interleaved_group(w, bits, scales, mins, out, [&](auto is_u4, auto with_min, const uint8_t* codes,
-                                                             const auto* s, const auto* mn, auto* op, int64_t n0,
-                                                             int64_t /*count: 1, the default step*/) {
+  int64_t m_begin = 0, m_end = 0;  // the block of x's rows (rows_per_l2_block) the groups take now
+  auto group = [&](auto is_u4, auto with_min, const uint8_t* codes, const auto* s, const auto* mn, auto* op,
+                   int64_t n0, int64_t /*count: 1, the default step*/) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     for (int half = 0; half < 2; ++half) {
       const int64_t n = n0 + 8 * half;  // the half's first output column
-      for (int64_t m = 0; m < M;) {
-        if (M - m >= 4) interleaved_half<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 4;
-        else if (M - m >= 2) interleaved_half<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 2;
+      for (int64_t m = m_begin; m < m_end;) {
+        if (m_end - m >= 4) interleaved_half<4, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 4;
+        else if (m_end - m >= 2) interleaved_half<2, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 2;
         else interleaved_half<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, half, bp, op, ldo, n), m += 1;
       }
     }
-  });
+  };
+  for (m_begin = 0; m_begin < M; m_begin = m_end) {
+    m_end = std::min(M, m_begin + rows_per_l2_block(rows));
+    for_each_interleaved_group(w, bits, scales, mins, out, group);
+  }
   return true;
 #else
   return false;

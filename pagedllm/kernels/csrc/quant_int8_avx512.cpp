@@ -373,11 +373,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
   const int64_t group_stride = w.groups * kInterleavedRows, codes_stride = w.blocks * w.block_bytes;
-  // Rows of x in blocks whose codes stay in L2 while every weight row passes them (a prefill chunk's
-  // thousands would otherwise stream from L3 past each pair of weight groups): about 150 KB of
-  // codes, 256 rows of 576 inputs (1.10x at 2888 rows, ep-2c).
-  const int64_t rows_per_block = std::max<int64_t>(16, (int64_t{150} << 10) / rows.K_pad);
-  int64_t m_begin = 0, m_end = 0;
+  int64_t m_begin = 0, m_end = 0;  // the block of x's rows (rows_per_l2_block) the groups take now
   auto group = [&](auto is_u4, auto with_min, const uint8_t* codes, const auto* s, const auto* mn, auto* op,
                    int64_t n0, int64_t count) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
@@ -402,7 +398,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
     }
   };
   for (m_begin = 0; m_begin < M; m_begin = m_end) {
-    m_end = std::min(M, m_begin + rows_per_block);
+    m_end = std::min(M, m_begin + rows_per_l2_block(rows));
     for_each_interleaved_group(w, bits, scales, mins, out, group, /*step=*/2);
   }
   return true;
