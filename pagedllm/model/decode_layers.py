@@ -21,7 +21,9 @@ the layers' path anyway); every projection QuantLinear as loaded (or wrapped for
 whose updates csrc/lora.cpp adds in the same call; not wrapped for tensor parallelism, not
 batch-invariant); the KV caches of the model's dtype or compressed.
 Which steps: up to as many rows as QuantLinear gives its few-rows kernel (max_kernel_rows: so each
-matmul is the one the layers would run), and not batch-invariant ones.
+matmul is the one the layers would run), and not batch-invariant ones. Where the weights are
+row-interleaved for the int8 kernel, which takes any chunk (quant_linear.interleaved_kernel_rows),
+that is prefill chunks too.
 
 A decode burst (engine/decode_burst.py) runs in one call too (`DecodeLayers.burst`,
 csrc/decode_burst.cpp) where its Python loop (worker/runner.py's run_burst) would make only calls
@@ -158,7 +160,8 @@ class DecodeLayers:
         return packed
 
     def takes(self, x: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> bool:
-        """Whether this step runs here: a few rows, over the caches packed in, not batch-invariant."""
+        """Whether this step runs here: up to max_rows rows, over the caches packed in, not
+        batch-invariant."""
         return (x.shape[0] <= self.max_rows and kv_caches is self.kv_caches
                 and not attn_metadata.batch_invariant)
 
@@ -214,7 +217,7 @@ class DecodeLayers:
         proposals'): those of the layers' few-rows kernels and of the head's argmax in one call
         (which takes any number up to a bound). Fixed once the burst qualifies."""
         parts = self.burst_parts
-        rows = self.max_rows
+        rows = min(self.max_rows, parts.head.max_kernel_rows)  # above it never one call
         while rows > 1 and not parts.head.argmax_in_one_call(rows, parts.dtype):
             rows -= 1
         return rows

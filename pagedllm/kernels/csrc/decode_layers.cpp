@@ -1,4 +1,5 @@
-// Every decoder layer of a Llama-shaped model over a few rows (a decode step) in one call, running
+// Every decoder layer of a Llama-shaped model over a step's rows (a decode step; where the int8
+// kernel takes any number of rows, a prefill chunk too: model/decode_layers.py) in one call, running
 // the same kernels in the same order as the Python layers do (so the result is bit for bit theirs)
 // without going back to Python between them: in a one-stream decode of a small model, the ~10
 // Python calls per layer (modules, checks, views, dispatch) cost about as much as the matmuls.

@@ -11,7 +11,6 @@
 // The integer sums are exact (int32), started at c times the codes' sums, so only the rounding of x
 // to d * q (and fp32 sums) separates the result from the dequantized matmul. The min term takes the
 // float sums of x, not of d * q (x's own sums: no rounding of x there).
-//
 #pragma once
 
 #include <ATen/Parallel.h>
