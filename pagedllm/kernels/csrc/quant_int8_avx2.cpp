@@ -239,7 +239,7 @@ bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (!int8_layout(bits, group_size, codebook)) return false;
   const Layout l = pagedllm_generic::make_layout(qweight, scales, mins, codebook, bits, group_size);
   const int offset = bits == 8 ? 0 : *affine_codebook_offset(l.book);
-  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value());
+  const Int8Rows rows = quantize_rows(x, group_size, offset, {.sums = mins.has_value()});
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t ldo = out.stride(0);
   const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(l.K, 1));
@@ -272,7 +272,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const InterleavedWeights w = check_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out);
   // c: the codebook's offset for 4-bit codes; int8 codes move their sign onto x instead (c = 0).
   const int c = bits == 8 ? 0 : *affine_codebook_offset(codebook->const_data_ptr<float>());
-  const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/bits == 4);
+  const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, {.sums = mins.has_value(), .code_sums = bits == 4});
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
   int64_t m_begin = 0, m_end = 0;  // the block of x's rows (rows_per_l2_block) the groups take now

@@ -339,7 +339,8 @@ bool quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (!int8_layout(bits, group_size, codebook)) return false;
   const Weights t{qweight, scales, mins, codebook, bits, group_size};
   const int offset = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
-  const Int8Rows rows = quantize_rows(x, group_size, offset, mins.has_value(), /*nibble_order=*/bits == 4);
+  const Int8Rows rows = quantize_rows(x, group_size, offset,
+                                     {.sums = mins.has_value(), .nibble_order = bits == 4, .lane_scales = true});
   const RowsView view{rows.codes.data(), rows.lane_scales.data(), rows.offsets_of(0), rows.sums_of(0), rows.K_pad,
                       rows.groups};
   const int64_t N = qweight.size(0), M = x.size(0), ldo = out.stride(0);
@@ -369,7 +370,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
 #ifdef __AVX512VNNI__
   const InterleavedWeights w = check_interleaved(x, qweight, scales, mins, codebook, bits, group_size, bias, out);
   const int c = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
-  const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, mins.has_value(), false, /*code_sums=*/true);
+  const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, {.sums = mins.has_value(), .code_sums = true});
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
   const int64_t group_stride = w.groups * kInterleavedRows, codes_stride = w.blocks * w.block_bytes;

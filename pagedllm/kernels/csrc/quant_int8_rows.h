@@ -60,14 +60,13 @@ inline bool int8_layout(int64_t bits, int64_t group_size, const std::optional<at
 struct Int8Rows {
   int64_t M = 0, K = 0, K_pad = 0, groups = 0;
   std::vector<int8_t> codes;           // [M, K_pad]
-  std::vector<float> lane_scales;      // [M, K_pad / 4]: each lane's block scale d (one vector load)
+  std::vector<float> lane_scales;      // [M, K_pad / 4]: each lane's block scale d (one vector load); empty unless asked
   std::vector<float> block_scales;     // [M, blocks_pad()]: each block's d in x's order (not nibble_order's), 0 past K
   std::vector<int32_t> lane_offsets;   // [M, K_pad / 4]: c * (the lane's 4 codes' sum); empty for c = 0
   std::vector<float> group_sums;       // [M, groups]: sum of x over each weight group; empty without mins
   std::vector<int32_t> block_code_sums;  // [M, blocks_pad()]: each block's sum of codes; empty unless asked
 
   const int8_t* codes_of(int64_t m) const { return codes.data() + m * K_pad; }
-  const float* scales_of(int64_t m) const { return lane_scales.data() + m * (K_pad / kLane); }
   int64_t blocks_pad() const { return (K_pad / kBlock + 7) / 8 * 8; }  // whole vectors of 8 scales
   const float* block_scales_of(int64_t m) const { return block_scales.data() + m * blocks_pad(); }
   const int32_t* offsets_of(int64_t m) const {
@@ -108,7 +107,7 @@ void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool su
     const __m256i packed = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kBlock), packed);
-    _mm256_storeu_ps(scales + b * (kBlock / kLane), _mm256_set1_ps(d));
+    if (scales != nullptr) _mm256_storeu_ps(scales + b * (kBlock / kLane), _mm256_set1_ps(d));
     if (offsets != nullptr || code_sums != nullptr) {
       // Each lane's 4 codes summed: bytes times 1 in pairs, then the pairs.
       const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, packed), ones16);
@@ -147,7 +146,7 @@ void quantize_row(const T* x, int64_t K, int64_t group_size, int offset, bool su
     int32_t block_sum = 0;
     for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
     for (int l = 0; l < kBlock / kLane; ++l) {
-      scales[b * kBlock / kLane + l] = d;
+      if (scales) scales[b * kBlock / kLane + l] = d;
       int32_t lane_sum = 0;
       for (int j = 0; j < kLane; ++j) lane_sum += q[l * kLane + j];
       if (offsets) offsets[b * kBlock / kLane + l] = offset * lane_sum;
@@ -176,38 +175,46 @@ void swap_middle_runs(T* per_64, int64_t count_per_run, int64_t runs_of_64) {
                      per_64 + (4 * p + 2) * count_per_run);
 }
 
+// What a kernel reads of x's rows besides the codes and block scales (each array costs its memory
+// and its stores: a prefill chunk's lane scales would be as large as its codes).
+struct Int8RowsParts {
+  bool sums = false;          // group_sums (the weights have mins)
+  bool nibble_order = false;  // the codes, lane scales and offsets in the 4-bit codes' order
+  bool code_sums = false;     // block_code_sums
+  bool lane_scales = false;   // lane_scales
+};
+
 // x: float32 or bfloat16 [M, K] with contiguous rows, K a multiple of 32. offset: the weights' c
-// (0: no lane offsets). code_sums: fill block_code_sums too.
-inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, bool sums,
-                              bool nibble_order = false, bool code_sums = false) {
+// (0: no lane offsets).
+inline Int8Rows quantize_rows(const at::Tensor& x, int64_t group_size, int offset, Int8RowsParts parts) {
   Int8Rows rows;
   rows.M = x.size(0), rows.K = x.size(1), rows.K_pad = (rows.K + kPad - 1) / kPad * kPad;
   rows.groups = rows.K / group_size;
   const int64_t lanes = rows.K_pad / kLane;
   rows.codes.assign(rows.M * rows.K_pad, 0);
-  rows.lane_scales.assign(rows.M * lanes, 0.0f);
+  if (parts.lane_scales) rows.lane_scales.assign(rows.M * lanes, 0.0f);
   rows.block_scales.assign(rows.M * rows.blocks_pad(), 0.0f);
   if (offset != 0) rows.lane_offsets.assign(rows.M * lanes, 0);
-  if (sums) rows.group_sums.assign(rows.M * rows.groups, 0.0f);
-  if (code_sums) rows.block_code_sums.assign(rows.M * rows.blocks_pad(), 0);
+  if (parts.sums) rows.group_sums.assign(rows.M * rows.groups, 0.0f);
+  if (parts.code_sums) rows.block_code_sums.assign(rows.M * rows.blocks_pad(), 0);
   // Rows in parallel where there are many (a prefill chunk's); a decode step's few take microseconds.
   at::parallel_for(0, rows.M, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(rows.K, 1)),
                    [&](int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; ++m) {
       int32_t* offsets = offset != 0 ? rows.lane_offsets.data() + m * lanes : nullptr;
-      float* group_sums = sums ? rows.group_sums.data() + m * rows.groups : nullptr;
-      int32_t* block_sums = code_sums ? rows.block_code_sums.data() + m * rows.blocks_pad() : nullptr;
+      float* group_sums = parts.sums ? rows.group_sums.data() + m * rows.groups : nullptr;
+      int32_t* block_sums = parts.code_sums ? rows.block_code_sums.data() + m * rows.blocks_pad() : nullptr;
+      float* lane_scales = parts.lane_scales ? rows.lane_scales.data() + m * lanes : nullptr;
       auto run = [&](const auto* xr) {
-        quantize_row(xr, rows.K, group_size, offset, sums, rows.codes.data() + m * rows.K_pad,
-                     rows.lane_scales.data() + m * lanes, rows.block_scales.data() + m * rows.blocks_pad(),
-                     offsets, group_sums, block_sums);
+        quantize_row(xr, rows.K, group_size, offset, parts.sums, rows.codes.data() + m * rows.K_pad, lane_scales,
+                     rows.block_scales.data() + m * rows.blocks_pad(), offsets, group_sums, block_sums);
       };
       if (x.scalar_type() == at::kBFloat16) run(x.const_data_ptr<c10::BFloat16>() + m * x.stride(0));
       else run(x.const_data_ptr<float>() + m * x.stride(0));
-      if (nibble_order) {
+      if (parts.nibble_order) {
         const int64_t runs_of_64 = rows.K_pad / 64;
         swap_middle_runs(rows.codes.data() + m * rows.K_pad, 16, runs_of_64);
-        swap_middle_runs(rows.lane_scales.data() + m * lanes, 16 / kLane, runs_of_64);
+        if (lane_scales) swap_middle_runs(lane_scales, 16 / kLane, runs_of_64);
         if (offsets) swap_middle_runs(offsets, 16 / kLane, runs_of_64);
       }
     }
