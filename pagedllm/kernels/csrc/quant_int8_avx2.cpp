@@ -274,10 +274,9 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const int c = bits == 8 ? 0 : *affine_codebook_offset(codebook->const_data_ptr<float>());
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, {.sums = mins.has_value(), .code_sums = bits == 4});
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
-  int64_t m_begin = 0, m_end = 0;  // the block of x's rows (rows_per_l2_block) the groups take now
+  const int64_t K = x.size(1), ldo = out.stride(0);
   auto group = [&](auto is_u4, auto with_min, const uint8_t* codes, const auto* s, const auto* mn, auto* op,
-                   int64_t n0, int64_t /*count: 1, the default step*/) {
+                   int64_t n0, int64_t /*count: 1, the default step*/, int64_t m_begin, int64_t m_end) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     for (int half = 0; half < 2; ++half) {
       const int64_t n = n0 + 8 * half;  // the half's first output column
@@ -288,10 +287,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
       }
     }
   };
-  for (m_begin = 0; m_begin < M; m_begin = m_end) {
-    m_end = std::min(M, m_begin + rows_per_l2_block(rows));
-    for_each_interleaved_group(w, bits, scales, mins, out, group);
-  }
+  for_each_interleaved_group(w, bits, scales, mins, rows, out, group);
   return true;
 #else
   return false;

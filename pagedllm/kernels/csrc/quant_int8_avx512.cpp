@@ -372,11 +372,10 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   const int c = bits == 8 ? -128 : *affine_codebook_offset(codebook->const_data_ptr<float>());
   const Int8Rows rows = quantize_rows(x, group_size, /*offset=*/0, {.sums = mins.has_value(), .code_sums = true});
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const int64_t M = x.size(0), K = x.size(1), ldo = out.stride(0);
+  const int64_t K = x.size(1), ldo = out.stride(0);
   const int64_t group_stride = w.groups * kInterleavedRows, codes_stride = w.blocks * w.block_bytes;
-  int64_t m_begin = 0, m_end = 0;  // the block of x's rows (rows_per_l2_block) the groups take now
   auto group = [&](auto is_u4, auto with_min, const uint8_t* codes, const auto* s, const auto* mn, auto* op,
-                   int64_t n0, int64_t count) {
+                   int64_t n0, int64_t count, int64_t m_begin, int64_t m_end) {
     constexpr bool kU4 = decltype(is_u4)::value, kMin = decltype(with_min)::value;
     if (count == 2) {
       for (int64_t m = m_begin; m < m_end;) {
@@ -398,10 +397,7 @@ bool quant_linear_int8_interleaved(const at::Tensor& x, const at::Tensor& qweigh
       else interleaved_rows<1, kU4, kMin>(codes, s, mn, K, group_size, c, rows, m, bp, op, ldo, n0), m += 1;
     }
   };
-  for (m_begin = 0; m_begin < M; m_begin = m_end) {
-    m_end = std::min(M, m_begin + rows_per_l2_block(rows));
-    for_each_interleaved_group(w, bits, scales, mins, out, group, /*step=*/2);
-  }
+  for_each_interleaved_group(w, bits, scales, mins, rows, out, group, /*step=*/2);
   return true;
 #else
   return false;

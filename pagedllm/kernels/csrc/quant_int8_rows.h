@@ -273,27 +273,34 @@ inline InterleavedWeights check_interleaved(const at::Tensor& x, const at::Tenso
   return {static_cast<const uint8_t*>(qweight.const_data_ptr()), groups16, block_bytes, K / kBlock, K / group_size};
 }
 
-// f(is_u4, with_min, codes, scales, mins, out, n0, count) for every run of `step` groups of 16 weight
-// rows (count of them: step, or fewer at the end; n0 the first output column; scales, mins, out:
-// typed pointers of the first group's variant, the next groups' codes, scales and mins one group's
-// stride on), on every thread: chunks of groups taken in turn, not a fixed share per thread (a
-// VM's cores run at different speeds from one call to the next; a static split waits on the slower).
+// f(is_u4, with_min, codes, scales, mins, out, n0, count, m_begin, m_end) for every run of `step`
+// groups of 16 weight rows (count of them: step, or fewer at the end; n0 the first output column;
+// scales, mins, out: typed pointers of the first group's variant, the next groups' codes, scales
+// and mins one group's stride on) and every block of x's rows [m_begin, m_end) (rows_per_l2_block:
+// all groups pass one block before the next), on every thread: chunks of groups taken in turn, not
+// a fixed share per thread (a VM's cores run at different speeds from one call to the next; a
+// static split waits on the slower).
 template <typename F>
 void for_each_interleaved_group(const InterleavedWeights& w, int64_t bits, const at::Tensor& scales,
-                                const std::optional<at::Tensor>& mins, at::Tensor& out, F&& f, int64_t step = 1) {
+                                const std::optional<at::Tensor>& mins, const Int8Rows& x, at::Tensor& out, F&& f,
+                                int64_t step = 1) {
   auto run = [&](auto is_u4, auto with_min, const auto* sp, auto* op) {
     const auto* mp = mins ? static_cast<decltype(sp)>(mins->const_data_ptr()) : nullptr;
     const int64_t group_stride = w.groups * kInterleavedRows, codes_stride = w.blocks * w.block_bytes;
     const int64_t runs = (w.groups16 + step - 1) / step;
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), runs);
     const int64_t chunk = step * std::max<int64_t>(1, runs / (8 * std::max<int64_t>(threads, 1)));
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t g0 = next.fetch_add(chunk); g0 < w.groups16; g0 = next.fetch_add(chunk))
-        for (int64_t g = g0; g < std::min(w.groups16, g0 + chunk); g += step)
-          f(is_u4, with_min, w.codes + g * codes_stride, sp + g * group_stride, mp ? mp + g * group_stride : nullptr,
-            op, g * kInterleavedRows, std::min(step, w.groups16 - g));
-    });
+    for (int64_t m_begin = 0, m_end = 0; m_begin < x.M; m_begin = m_end) {
+      m_end = std::min(x.M, m_begin + rows_per_l2_block(x));
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (int64_t g0 = next.fetch_add(chunk); g0 < w.groups16; g0 = next.fetch_add(chunk))
+          for (int64_t g = g0; g < std::min(w.groups16, g0 + chunk); g += step)
+            f(is_u4, with_min, w.codes + g * codes_stride, sp + g * group_stride,
+              mp ? mp + g * group_stride : nullptr, op, g * kInterleavedRows, std::min(step, w.groups16 - g), m_begin,
+              m_end);
+      });
+    }
   };
   auto by_output = [&](auto is_u4, auto with_min, const auto* sp) {
     if (out.scalar_type() == at::kFloat) run(is_u4, with_min, sp, out.mutable_data_ptr<float>());
