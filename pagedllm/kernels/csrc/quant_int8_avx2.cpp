@@ -186,7 +186,7 @@ void interleaved_half(const uint8_t* codes, const S* scales, const S* mins, int6
                       const Int8Rows& x, int64_t m0, int half, const float* bias, T* out, int64_t ldo, int64_t n0) {
   constexpr int kChunks = kU4 ? 4 : 8;
   constexpr int64_t kBlockBytes = kChunks * 64;
-  const int64_t blocks = K / kBlock, per_group = group_size / kBlock, stride = x.blocks_pad();
+  const int64_t blocks = K / kBlock, per_group = group_size / kBlock;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
